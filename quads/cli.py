@@ -1,0 +1,60 @@
+"""The ``quads`` command line: ``quads train | compare | diagnose | eval | pretrain | bench | export``.
+
+Each subcommand lives in the module named in ``COMMANDS`` and exposes ``register(parser)`` (add its
+flags to an ``argparse`` sub-parser) and ``run(args) -> int``. Modules are imported lazily so that
+``quads --help`` stays fast and one broken optional dependency does not take down every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("quads.rl.cli", "GRPO training with a quantized rollout engine (the main job)"),
+    "compare": ("quads.experiments.compare", "run several recipes with the same seeds and data; one report"),
+    "diagnose": ("quads.experiments.diagnose", "decompose the rollout/trainer log-prob gap by error source"),
+    "eval": ("quads.evaluate", "pass@k of a checkpoint on a task's held-out split or a dataset file"),
+    "pretrain": ("quads.pretrain", "supervised warm start of the built-in model on a task"),
+    "bench": ("quads.bench", "GPU kernel and engine benchmarks against cuBLAS BF16 / FP8"),
+    "export": ("quads.export", "export a trained policy as an NVFP4 checkpoint serving engines load"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from quads import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="quads",
+        description="NVFP4 rollouts that are safe for GRPO of Mixture-of-Experts models.",
+    )
+    parser.add_argument("--version", action="version", version=f"quads {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(_module=module)
+        try:
+            importlib.import_module(module).register(p)
+        except ModuleNotFoundError as e:
+            if not e.name or not e.name.startswith(module.rsplit(".", 1)[0]):
+                raise
+            p.set_defaults(_missing=f"`quads {name}` is not available in this build ({e.name} missing)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    if getattr(args, "_missing", None):
+        print(args._missing, file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
