@@ -1,0 +1,126 @@
+"""Rollout/trainer mismatch metrics of one RL step (DESIGN.md section 5).
+
+Over the response tokens of a batch (``mask`` [B, L] = 1), with the log-probability of each sampled
+token on both sides and ``rho = exp(logp_train - logp_rollout)``:
+
+| key                                   | definition                                                   |
+|---------------------------------------|--------------------------------------------------------------|
+| ``mismatch/logp_gap_max``             | max |logp_rollout - logp_train|                              |
+| ``mismatch/logp_gap_mean``            | mean |logp_rollout - logp_train|                             |
+| ``mismatch/k1``                       | mean(logp_rollout - logp_train)  (KL(mu || pi) estimator)    |
+| ``mismatch/k3``                       | mean(rho - log rho - 1)          (KL(mu || pi), >= 0)        |
+| ``mismatch/chi2``                     | mean(rho^2) - 1                  (chi^2 divergence, as IS    |
+|                                       |                                   variance proxy)            |
+| ``mismatch/ppl_ratio``                | mean over sequences of ppl_rollout / ppl_train, where        |
+|                                       | ppl = exp(-mean_t logp) of that sequence; > 1 when the       |
+|                                       | rollout side is less sure of its own samples                 |
+| ``mismatch/ppl_train``, ``..._rollout``| the two per-sequence perplexities averaged over sequences   |
+| ``mismatch/frac_rho_outside_0.5_2``   | fraction of tokens with rho < 0.5 or rho > 2                 |
+| ``mismatch/frac_rho_outside_0.2_5``   | fraction of tokens with rho < 0.2 or rho > 5                 |
+| ``mismatch/routing_diff``             | fraction of (response token, layer) pairs whose top-k expert |
+|                                       | *sets* differ between the two sides (order-insensitive)      |
+| ``mismatch/logp_gap_max_probe``       | the max over the first ``probe_tokens`` response tokens      |
+|                                       | (row-major), NaN when the batch has fewer; a max grows with  |
+|                                       | the number of tokens it covers, so only this one is          |
+|                                       | comparable across runs and batch sizes                       |
+| ``mismatch/layer_err/<name>``         | per-layer relative output error, passed through when given   |
+
+Samples come from the rollout policy ``mu``, so the k1/k3 means estimate KL(mu || pi_train).
+All arithmetic in fp32 (the inputs may be BF16 log-probs upcast by the caller or here).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BANDS = ((0.5, 2.0), (0.2, 5.0))
+
+
+def _band_key(lo: float, hi: float) -> str:
+    return f"mismatch/frac_rho_outside_{lo:g}_{hi:g}"
+
+
+@torch.no_grad()
+def routing_diff(routing_train: torch.Tensor, routing_rollout: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> float:
+    """Fraction of (token, layer) expert sets that differ; routing [n_layers, B, L, k] int, mask [B, L].
+
+    The k selected experts are compared as sets (sorted), so a swap in rank order is not a difference.
+    """
+    if routing_train.shape != routing_rollout.shape:
+        raise ValueError(
+            f"routing tensors must have the same [n_layers, B, L, k] shape; got "
+            f"{tuple(routing_train.shape)} and {tuple(routing_rollout.shape)}"
+        )
+    a = routing_train.sort(dim=-1).values
+    b = routing_rollout.sort(dim=-1).values
+    differ = (a != b).any(dim=-1).float()  # [n_layers, B, L]
+    if mask is None:
+        return differ.mean().item()
+    m = mask.float()[None].expand_as(differ)
+    return ((differ * m).sum() / m.sum().clamp(min=1.0)).item()
+
+
+@torch.no_grad()
+def mismatch_metrics(
+    logp_train: torch.Tensor,
+    logp_rollout: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    routing_train: torch.Tensor | None = None,
+    routing_rollout: torch.Tensor | None = None,
+    probe_tokens: int = 4096,
+    layer_errors: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """All mismatch metrics of one batch; ``logp_*`` [B, L], ``mask`` [B, L] 0/1 on response tokens.
+
+    ``routing_*``: [n_layers, B, L, k] expert ids of the same positions (``routing_diff`` is omitted
+    when either is None). ``layer_errors``: name -> relative output error, logged as
+    ``mismatch/layer_err/<name>``.
+    """
+    if logp_train.shape != logp_rollout.shape or logp_train.shape != mask.shape:
+        raise ValueError(
+            f"logp_train, logp_rollout and mask must have the same [B, L] shape; got "
+            f"{tuple(logp_train.shape)}, {tuple(logp_rollout.shape)}, {tuple(mask.shape)}"
+        )
+    if probe_tokens < 1:
+        raise ValueError(f"probe_tokens must be >= 1; got {probe_tokens}")
+    m = mask.bool()
+    lt = logp_train.float()[m]  # [N] response tokens, row-major
+    lr = logp_rollout.float()[m]
+    n = lt.numel()
+    out: dict[str, float] = {"mismatch/tokens": float(n)}
+    if n == 0:
+        nan = math.nan
+        for k in ("logp_gap_max", "logp_gap_mean", "k1", "k3", "chi2", "ppl_ratio", "ppl_train",
+                  "ppl_rollout", "logp_gap_max_probe"):
+            out[f"mismatch/{k}"] = nan
+        for lo, hi in BANDS:
+            out[_band_key(lo, hi)] = nan
+    else:
+        d = lt - lr  # log rho
+        rho = torch.exp(d)
+        gap = d.abs()
+        out["mismatch/logp_gap_max"] = gap.max().item()
+        out["mismatch/logp_gap_mean"] = gap.mean().item()
+        out["mismatch/k1"] = (-d).mean().item()
+        out["mismatch/k3"] = (rho - d - 1.0).mean().item()
+        out["mismatch/chi2"] = (rho.pow(2).mean() - 1.0).item()
+        mf = mask.float()
+        seq_n = mf.sum(dim=1)
+        has = seq_n > 0
+        ppl_t = torch.exp(-(logp_train.float() * mf).sum(1)[has] / seq_n[has])
+        ppl_r = torch.exp(-(logp_rollout.float() * mf).sum(1)[has] / seq_n[has])
+        out["mismatch/ppl_train"] = ppl_t.mean().item()
+        out["mismatch/ppl_rollout"] = ppl_r.mean().item()
+        out["mismatch/ppl_ratio"] = (ppl_r / ppl_t).mean().item()
+        for lo, hi in BANDS:
+            out[_band_key(lo, hi)] = ((rho < lo) | (rho > hi)).float().mean().item()
+        out["mismatch/logp_gap_max_probe"] = gap[:probe_tokens].max().item() if n >= probe_tokens else math.nan
+    if routing_train is not None and routing_rollout is not None:
+        out["mismatch/routing_diff"] = routing_diff(routing_train, routing_rollout, mask)
+    for name, err in (layer_errors or {}).items():
+        out[f"mismatch/layer_err/{name}"] = float(err)
+    return out
