@@ -1,25 +1,42 @@
 """NVFP4: E2M1 values, one E4M3 scale per 16 elements, one FP32 scale per tensor (or per token).
 
-Pure-PyTorch reference. Canonical mode (``mode="te"``) follows TransformerEngine's kernel arithmetic
-exactly, all in IEEE fp32 with round-to-nearest-even, in this order (see DESIGN.md section 3):
+Pure-PyTorch reference. Canonical mode (``mode="te"``) follows TransformerEngine's NVFP4 cast
+kernels (``quantize_transpose_nvfp4``: ``compute_global_encode_scaling_factor_FP4``,
+``compute_decoding_scaling_factor``, ``compute_scaling_coefficient<float>``, then
+``cvt.rn.satfinite.e2m1x2.f32``) exactly, all in IEEE fp32 with round-to-nearest-even, in this
+order (DESIGN.md section 3). The input is first cast to fp32 (exact for bf16/fp16):
 
 1. ``amax = max|x|`` over the tensor (``per_token=True``: over the last dim, one per row);
-   NaN is ignored by the max (CUDA ``fmaxf`` semantics).
-2. ``S_enc = 2688 / amax`` (2688 = 448 * 6), ``fminf(S_enc, FLT_MAX)``; 1.0 when amax == 0 or S_enc == 0.
-   ``S_dec = 1 / S_enc`` is what ``NVFP4Tensor.global_scale`` stores.
+   NaN is ignored by the max (CUDA ``fmaxf`` semantics), +-Inf counts.
+2. ``S_enc = 2688 / amax`` (2688 = 448 * 6), ``fminf(S_enc, FLT_MAX)``; 1.0 when amax == 0 or S_enc == 0
+   (so also when amax is Inf). ``S_dec = 1 / S_enc`` is what ``NVFP4Tensor.global_scale`` stores.
 3. per 16-element block along K: ``s = e4m3(clamp(bamax * (S_enc * fp32(1/6)), -448, 448))``,
-   RNE, E4M3 subnormals kept.
+   RNE, E4M3 subnormals kept (a block whose scale underflows gets s = 0).
 4. ``enc = fminf(1 / (float(s) * S_dec), FLT_MAX)``; ``y = clamp(x * enc, -6, 6)``; E2M1 RNE
    (ties: .25->0, .75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4). The sign bit is kept, so a
-   negative value that rounds to zero (and -0.0) encodes as -0 (code 0x8).
+   negative value that rounds to zero (and -0.0) encodes as -0 (code 0x8). In a block with s = 0,
+   enc = FLT_MAX, so nonzero elements get codes +-6 (as the kernel does); they dequantize to 0.
 5. dequantize: ``(e2m1 * float(s)) * S_dec`` in fp32; ``e2m1 * s`` is exact.
+
+Non-finite policy (deliberate, tested):
+
+- **NaN is loud and local.** It does not enter any amax (as in the kernels), the codes of the other
+  elements of its block are what the kernel computes, the NaN element itself gets code 0x0, and
+  the block scale is stored as E4M3 NaN (0x7F), so the *whole block* dequantizes to NaN (with 16x16
+  tiles, the whole tile). Other blocks are unaffected. E2M1 has no NaN code and what the hardware
+  cvt makes of a NaN cannot be reproduced on a CPU, so we choose the behaviour that cannot hide a
+  NaN from training (a NaN weight or activation shows up as NaN in the GEMM output).
+- **+-Inf follows the kernel arithmetic.** An Inf makes the amax Inf, so S_enc falls back to 1.0
+  (step 2); its block gets s = 448 and the Inf itself code +-6: it dequantizes to +-2688
+  (saturation). Small blocks of the same tensor may then underflow, as they would in TE.
+- A caller-supplied ``amax`` must be >= 0 and not NaN (``ValueError`` otherwise).
 
 Layouts: ``codes`` uint8 ``[..., K/2]``, element 2i in the low nibble, 2i+1 in the high nibble
 (``torch.float4_e2m1fn_x2`` order). ``scales`` float8_e4m3fn ``[..., K/16]``; with 16x16 tiles
 (``tile=(16, 16)``, weights ``[..., N, K]``) one scale per tile, stored expanded per row
 (``[..., N, K/16]``, rows of a tile repeat it) so every consumer reads scales the same way.
+``swizzle_scales`` gives the Blackwell (tcgen05 / cuBLASLt) 128x4-tile layout of a scale matrix.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,6 +51,8 @@ from quads.formats.constants import (
     FLT_MAX,
     NVFP4_BLOCK,
     NVFP4_GLOBAL_ENCODE_NUMERATOR,
+    SWIZZLE_COLS,
+    SWIZZLE_ROWS,
 )
 
 MODES = ("te", "torchao", "vllm", "modelopt", "compressed_tensors")
@@ -60,7 +79,8 @@ class NVFP4Tensor:
         return dequantize(self, dtype)
 
 
-def _check_input(x: torch.Tensor, tile: tuple[int, int], mode: str) -> None:
+def check_input(x: torch.Tensor, tile: tuple[int, int], mode: str) -> None:
+    """Validate a quantizer input; ``ValueError`` naming what came and what to do."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"nvfp4.quantize expects a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point() or x.is_complex():
@@ -84,20 +104,37 @@ def _check_input(x: torch.Tensor, tile: tuple[int, int], mode: str) -> None:
         )
 
 
-def _nan_ignoring_amax(a: torch.Tensor, dim: int | None) -> torch.Tensor:
+_check_input = check_input  # old private name, kept for callers
+
+
+def check_amax(amax: torch.Tensor | float, x: torch.Tensor, per_token: bool) -> torch.Tensor:
+    """A caller-supplied amax as fp32 on x's device, ``[..., 1]`` when per token; rejects NaN / negative."""
+    a = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
+    if bool(torch.isnan(a).any()) or bool((a < 0).any()):
+        raise ValueError(f"amax must be >= 0 and not NaN, got {amax!r}; pass max|x| (Inf is allowed)")
+    if per_token and a.dim() == x.dim() - 1:
+        a = a.unsqueeze(-1)
+    return a
+
+
+def nan_ignoring_amax(a: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """max|a| with NaN treated as 0 (CUDA ``fmaxf``); ``dim`` keeps its size-1 dim."""
     a = torch.where(torch.isnan(a), torch.zeros_like(a), a.abs())
     return a.amax() if dim is None else a.amax(dim=dim, keepdim=True)
+
+
+_nan_ignoring_amax = nan_ignoring_amax
 
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """S_enc = fminf(2688 / amax, FLT_MAX), 1.0 where amax == 0 or S_enc == 0 (fp32)."""
     amax = amax.float()
-    s_enc = torch.fmin(NVFP4_GLOBAL_ENCODE_NUMERATOR / amax, torch.tensor(FLT_MAX))
+    s_enc = torch.fmin(NVFP4_GLOBAL_ENCODE_NUMERATOR / amax, torch.tensor(FLT_MAX, device=amax.device))
     return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
 
 
 def e2m1_round(y: torch.Tensor) -> torch.Tensor:
-    """fp32 values already clamped to [-6, 6] -> 4-bit codes (uint8, sign in bit 3), RNE."""
+    """fp32 values already clamped to [-6, 6] -> 4-bit codes (uint8, sign in bit 3), RNE. NaN -> 0 | sign."""
     mag = y.abs()
     code = torch.zeros_like(y, dtype=torch.uint8)
     for t, inclusive in _E2M1_THRESHOLDS:
@@ -107,7 +144,7 @@ def e2m1_round(y: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (uint8, one per element) -> fp32 values."""
+    """4-bit codes (uint8, one per element) -> fp32 values (code 0x8 -> -0.0)."""
     grid = torch.tensor(F4_E2M1_GRID, dtype=torch.float32, device=codes.device)
     mag = grid[(codes & 0x7).long()]
     return torch.where((codes & 0x8) != 0, -mag, mag)
@@ -132,14 +169,23 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
 
 
+def _tile_reduce(bam: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """[..., N, K/16] per-1x16-block values -> max over each 16x16 tile, repeated over its 16 rows."""
+    if tuple(tile) != (16, 16):
+        return bam
+    n = bam.shape[-2]
+    t = bam.reshape(*bam.shape[:-2], n // NVFP4_BLOCK, NVFP4_BLOCK, bam.shape[-1]).amax(dim=-2, keepdim=True)
+    return t.expand(*t.shape[:-3], n // NVFP4_BLOCK, NVFP4_BLOCK, bam.shape[-1]).reshape(bam.shape)
+
+
 def _block_amax(xf: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
-    """Per-block amax, [..., K/16] (16x16 tiles: the tile amax repeated over its 16 rows)."""
-    bam = _nan_ignoring_amax(_blocks(xf), dim=-1).squeeze(-1)  # [..., N, K/16]
-    if tuple(tile) == (16, 16):
-        n = bam.shape[-2]
-        t = bam.reshape(*bam.shape[:-2], n // NVFP4_BLOCK, NVFP4_BLOCK, bam.shape[-1]).amax(dim=-2, keepdim=True)
-        bam = t.expand(*t.shape[:-3], n // NVFP4_BLOCK, NVFP4_BLOCK, bam.shape[-1]).reshape(bam.shape)
-    return bam
+    """Per-block NaN-ignoring amax, [..., K/16] (16x16 tiles: the tile amax repeated over its 16 rows)."""
+    return _tile_reduce(nan_ignoring_amax(_blocks(xf), dim=-1).squeeze(-1), tile)
+
+
+def _block_has_nan(xf: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """[..., K/16] bool: the block (or its 16x16 tile) holds a NaN."""
+    return _tile_reduce(torch.isnan(_blocks(xf)).any(dim=-1).to(torch.uint8), tile).bool()
 
 
 def quantize(
@@ -157,32 +203,33 @@ def quantize(
     calibrated static scale); must broadcast against the measured one.
     Compatibility modes other than ``te`` live in ``quads.formats.nvfp4_compat``.
     """
-    _check_input(x, tile, mode)
+    check_input(x, tile, mode)
     if mode != "te":
         from quads.formats import nvfp4_compat
 
         return nvfp4_compat.quantize(x, mode=mode, tile=tuple(tile), per_token=per_token, amax=amax)
     xf = x.float()
     if amax is None:
-        amax_t = _nan_ignoring_amax(xf, dim=-1 if per_token else None)
+        amax_t = nan_ignoring_amax(xf, dim=-1 if per_token else None)
     else:
-        amax_t = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
-        if per_token and amax_t.dim() == xf.dim() - 1:
-            amax_t = amax_t.unsqueeze(-1)
-    s_enc = global_encode_scale(amax_t)
+        amax_t = check_amax(amax, x, per_token)
+    s_enc = global_encode_scale(amax_t)  # [] or [..., 1]
     s_dec = 1.0 / s_enc
     if per_token and s_dec.dim() == 0:
         s_dec = s_dec.expand(*xf.shape[:-1], 1).clone()
         s_enc = s_enc.expand(*xf.shape[:-1], 1)
     bamax = _block_amax(xf, tile)  # [..., K/16]
-    s_enc_b = s_enc if s_enc.dim() == 0 else s_enc  # [..., 1] broadcasts over blocks
-    inv6 = torch.tensor(1.0 / F4_E2M1_MAX, dtype=torch.float32)
-    s_fp32 = torch.clamp(bamax * (s_enc_b * inv6), -F8E4M3_MAX, F8E4M3_MAX)
+    inv6 = torch.tensor(1.0 / F4_E2M1_MAX, dtype=torch.float32, device=x.device)
+    s_fp32 = torch.clamp(bamax * (s_enc * inv6), -F8E4M3_MAX, F8E4M3_MAX)
     scales = s_fp32.to(F8E4M3_DTYPE)
-    enc = torch.fmin(1.0 / (scales.float() * s_dec), torch.tensor(FLT_MAX))  # [..., K/16]
-    y = _blocks(xf) * enc.unsqueeze(-1)
-    y = torch.clamp(y, -F4_E2M1_MAX, F4_E2M1_MAX)
+    enc = torch.fmin(1.0 / (scales.float() * s_dec), torch.tensor(FLT_MAX, device=x.device))  # [..., K/16]
+    y = torch.clamp(_blocks(xf) * enc.unsqueeze(-1), -F4_E2M1_MAX, F4_E2M1_MAX)
     codes = e2m1_round(y).reshape(xf.shape)
+    nan = torch.isnan(xf)
+    if bool(nan.any()):  # NaN policy: code 0x0 for the NaN element, E4M3 NaN scale for its block/tile
+        codes = torch.where(nan, torch.zeros_like(codes), codes)
+        scales = torch.where(_block_has_nan(xf, tile), torch.tensor(float("nan"), device=x.device), scales.float())
+        scales = scales.to(F8E4M3_DTYPE)
     return NVFP4Tensor(
         codes=pack(codes),
         scales=scales,
@@ -195,7 +242,8 @@ def quantize(
 
 
 def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``(e2m1 * float(s)) * S_dec`` in fp32, then cast to ``dtype``."""
+    """``(e2m1 * float(s)) * S_dec`` in fp32, then cast to ``dtype`` (the canonical order, for every mode;
+    ``nvfp4_compat.dequantize`` reproduces each library's own order)."""
     vals = e2m1_values(unpack(q.codes))  # [..., K]
     blk = _blocks(vals) * q.scales.float().unsqueeze(-1)
     out = blk.reshape(vals.shape) * q.global_scale.float()
@@ -212,3 +260,56 @@ def qdq(
 ) -> torch.Tensor:
     """Quantize then dequantize, returned in ``x``'s dtype."""
     return dequantize(quantize(x, mode=mode, tile=tile, per_token=per_token, amax=amax), x.dtype)
+
+
+# ---------------------------------------------------------------- swizzled scale layout
+
+
+def _padded(rows: int, cols: int) -> tuple[int, int]:
+    return -(-rows // SWIZZLE_ROWS) * SWIZZLE_ROWS, -(-cols // SWIZZLE_COLS) * SWIZZLE_COLS
+
+
+def swizzle_offset(r: int, c: int, cols: int) -> int:
+    """Byte offset of scale (r, c) of an [R, cols] scale matrix in the swizzled buffer."""
+    cp = _padded(1, cols)[1]
+    return ((r // 128) * (cp // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
+    """[..., R, C] block scales -> [..., Rp * Cp] in the 128x4-tile layout of Blackwell block-scaled GEMMs.
+
+    R is padded to a multiple of 128 and C to a multiple of 4 with zeros; scale (r, c) lands at
+    ``((r//128)*(Cp//4) + c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4`` (cuBLAS "1D block scaling
+    factors layout", torchao ``to_blocked``, TE ``with_gemm_swizzled_scales``). Works on any dtype
+    (float8 scales are moved as bytes).
+    """
+    if scales.dim() < 2:
+        raise ValueError(f"swizzle_scales needs [..., R, C] scales, got shape {tuple(scales.shape)}")
+    raw = scales.view(torch.uint8) if scales.element_size() == 1 and scales.is_floating_point() else scales
+    *lead, r, c = raw.shape
+    rp, cp = _padded(r, c)
+    padded = raw.new_zeros(*lead, rp, cp)
+    padded[..., :r, :c] = raw
+    # row = rb*128 + r4*32 + r32, col = cb*4 + c4  ->  order (rb, cb, r32, r4, c4)
+    t = padded.reshape(*lead, rp // 128, 4, 32, cp // 4, 4)
+    nl = len(lead)
+    t = t.permute(*range(nl), nl, nl + 3, nl + 2, nl + 1, nl + 4)
+    out = t.reshape(*lead, rp * cp)
+    return out.view(scales.dtype) if raw is not scales else out
+
+
+def unswizzle_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of ``swizzle_scales``: [..., Rp * Cp] -> [..., rows, cols] (padding dropped)."""
+    rp, cp = _padded(rows, cols)
+    if swizzled.shape[-1] != rp * cp:
+        raise ValueError(
+            f"a swizzled buffer for {rows}x{cols} scales has {rp * cp} entries (padded to {rp}x{cp}), "
+            f"got last dim {swizzled.shape[-1]}"
+        )
+    raw = swizzled.view(torch.uint8) if swizzled.element_size() == 1 and swizzled.is_floating_point() else swizzled
+    lead = raw.shape[:-1]
+    nl = len(lead)
+    t = raw.reshape(*lead, rp // 128, cp // 4, 32, 4, 4)  # (rb, cb, r32, r4, c4)
+    t = t.permute(*range(nl), nl, nl + 3, nl + 2, nl + 1, nl + 4)  # (rb, r4, r32, cb, c4)
+    out = t.reshape(*lead, rp, cp)[..., :rows, :cols].contiguous()
+    return out.view(swizzled.dtype) if raw is not swizzled else out
