@@ -1,0 +1,139 @@
+"""Integer arithmetic with a step-by-step scratchpad, sized for a tiny character-level model.
+
+Prompt ``"Q: 3+4*5-2=\\n"``; target response ``"4*5=20 3+20=23 23-2=21 #21"``: one operation per step,
+in the usual order (innermost parentheses first, then ``*`` left to right, then ``+``/``-`` left to
+right), each step ``a<op>b=c`` on the values computed so far, then ``#`` and the final answer.
+Responses are tens of characters long, so a per-token error rate compounds over the sequence.
+
+The verifier reads the integer right after the first ``#``; no marker or no integer after it is
+reward 0 with the reason. Only the final answer is checked, not the scratchpad.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from quads.tasks.base import Example, GeneratedTask, Score
+
+ANSWER_MARKER = "#"
+_ANSWER_RE = re.compile(r"\s*(-?\d+)")
+
+
+@dataclass(frozen=True)
+class Level:
+    """One difficulty level of the generator."""
+
+    operands: tuple[int, int]  # min and max number of operands
+    digits: int  # operands are drawn from [0, 10**digits - 1]
+    ops: str  # operator alphabet
+    parens: bool  # wrap one random run of operands in parentheses (half of the examples)
+    negative: bool  # allow negative intermediate values (otherwise such expressions are redrawn)
+
+
+LEVELS: dict[int, Level] = {
+    1: Level((2, 2), 1, "+-", False, False),
+    2: Level((3, 3), 1, "+-", False, False),
+    3: Level((3, 3), 1, "+-*", False, False),
+    4: Level((3, 4), 1, "+-*", True, False),
+    5: Level((4, 4), 1, "+-*", True, False),
+    6: Level((4, 5), 2, "+-*", True, True),
+}
+DEFAULT_DIFFICULTY = 4
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def _reduce_once(tokens: list) -> tuple[list, str | None]:
+    """Do the next operation of ``tokens`` (ints, operator and parenthesis strings).
+
+    Returns the new token list and the step text ``"a<op>b=c"`` (None when only parentheses were
+    dropped). Order: the innermost parenthesized group, inside it ``*`` first, then ``+``/``-``.
+    """
+    close = tokens.index(")") if ")" in tokens else len(tokens)
+    open_ = max((i for i in range(close) if tokens[i] == "("), default=-1)
+    lo, hi = open_ + 1, close  # the group is tokens[lo:hi]
+    group = tokens[lo:hi]
+    if len(group) == 1:  # "(7)" -> "7"
+        return tokens[:open_] + group + tokens[close + 1:], None
+    idx = next((i for i in range(1, len(group), 2) if group[i] == "*"), 1)
+    a, op, b = group[idx - 1], group[idx], group[idx + 1]
+    c = _apply(a, op, b)
+    j = lo + idx - 1
+    return tokens[:j] + [c] + tokens[j + 3:], f"{a}{op}{b}={c}"
+
+
+def solve(tokens: list) -> tuple[int, list[str]]:
+    """The value of a token list and its scratchpad steps."""
+    steps: list[str] = []
+    while len(tokens) > 1:
+        tokens, step = _reduce_once(tokens)
+        if step is not None:
+            steps.append(step)
+    return tokens[0], steps
+
+
+def parse_answer(response: str) -> tuple[int | None, str]:
+    """The integer after the first ``#`` in ``response``, or None and why not."""
+    at = response.find(ANSWER_MARKER)
+    if at < 0:
+        return None, f"no final answer marker {ANSWER_MARKER!r}"
+    m = _ANSWER_RE.match(response, at + 1)
+    if m is None:
+        tail = response[at + 1:at + 11]
+        return None, f"malformed final answer: expected an integer after {ANSWER_MARKER!r}, got {tail!r}"
+    return int(m.group(1)), ""
+
+
+class ArithmeticTask(GeneratedTask):
+    """Integer expressions over ``+ - *`` with a scratchpad; difficulty levels in ``LEVELS``."""
+
+    name = "arithmetic"
+
+    def __init__(self, difficulty: int = DEFAULT_DIFFICULTY, seed: int = 0, test_fraction: float = 0.1):
+        if difficulty not in LEVELS:
+            raise ValueError(f"arithmetic difficulty must be one of {sorted(LEVELS)}, got {difficulty!r}")
+        super().__init__(seed=seed, test_fraction=test_fraction)
+        self.difficulty = difficulty
+        self.level = LEVELS[difficulty]
+
+    def _draw(self, rng: random.Random) -> list:
+        lv = self.level
+        n = rng.randint(*lv.operands)
+        nums = [rng.randint(0, 10**lv.digits - 1) for _ in range(n)]
+        ops = [rng.choice(lv.ops) for _ in range(n - 1)]
+        tokens: list = [nums[0]]
+        for op, x in zip(ops, nums[1:]):
+            tokens += [op, x]
+        if lv.parens and n >= 3 and rng.random() < 0.5:
+            length = rng.randint(2, n - 1)
+            start = rng.randint(0, n - length)
+            a, b = 2 * start, 2 * (start + length - 1) + 1
+            tokens = tokens[:a] + ["("] + tokens[a:b] + [")"] + tokens[b:]
+        return tokens
+
+    def _make(self, rng: random.Random) -> Example:
+        while True:
+            tokens = self._draw(rng)
+            value, steps = solve(list(tokens))
+            if self.level.negative or all(int(s.rsplit("=", 1)[1]) >= 0 for s in steps):
+                break
+        expr = "".join(str(t) for t in tokens)
+        demo = " ".join(steps + [f"{ANSWER_MARKER}{value}"])
+        return Example(
+            prompt=f"Q: {expr}=\n",
+            answer=str(value),
+            data_source=self.name,
+            meta={"demonstration": demo, "expression": expr, "difficulty": self.difficulty},
+        )
+
+    def _score(self, example: Example, response: str) -> Score:
+        got, why = parse_answer(response)
+        if got is None:
+            return Score(0.0, False, why)
+        if got != int(example.answer):
+            return Score(0.0, False, f"wrong answer: got {got}, expected {example.answer}")
+        return Score(1.0, True, "correct")

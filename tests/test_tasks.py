@@ -1,0 +1,121 @@
+"""Tasks: deterministic disjoint splits, demonstrations that score as correct, verifiers on wrong and
+malformed answers, and the registry."""
+
+import pytest
+
+from quads.tasks import TASKS, Example, Task, get_task
+from quads.tasks.arithmetic import LEVELS, ArithmeticTask, parse_answer, solve
+from quads.tasks.countdown import CountdownTask, evaluate
+
+
+@pytest.mark.parametrize("name,kwargs,n", [("arithmetic", {"difficulty": 4}, 200),
+                                           ("countdown", {"difficulty": 2}, 100), ("code", {}, 20)])
+def test_splits_deterministic_disjoint_and_demos_correct(name, kwargs, n):
+    task = get_task(name, **kwargs)
+    assert isinstance(task, Task)
+    train, test = task.examples("train", n), task.examples("test", n // 4)
+    assert len(train) == n and len(test) == n // 4
+    assert [e.prompt for e in train] == [e.prompt for e in get_task(name, **kwargs).examples("train", n)]
+    assert {e.prompt for e in train}.isdisjoint({e.prompt for e in test})
+    assert len({e.prompt for e in train}) == n  # distinct
+    other_seed = get_task(name, **kwargs, seed=1).examples("train", n)
+    assert [e.prompt for e in other_seed] != [e.prompt for e in train]
+    assert {e.prompt for e in other_seed}.isdisjoint({e.prompt for e in test})  # split is by hash, not seed
+    for e in (train[:50] if name != "code" else train[:5]) + test[:5]:
+        s = task.score(e, task.demonstration(e))
+        assert s.correct and s.reward == 1.0, (e, s)
+
+
+@pytest.mark.parametrize("difficulty", sorted(LEVELS))
+def test_arithmetic_answer_matches_python_eval(difficulty):
+    task = ArithmeticTask(difficulty)
+    for e in task.examples("train", 100):
+        assert int(e.answer) == eval(e.meta["expression"])  # the generator's own expression
+        assert e.prompt == f"Q: {e.meta['expression']}=\n"
+        steps = task.demonstration(e).split()
+        assert steps[-1] == f"#{e.answer}"
+        if not LEVELS[difficulty].negative:
+            assert all(int(s.rsplit("=", 1)[1]) >= 0 for s in steps[:-1])
+
+
+def test_arithmetic_order_of_operations():
+    value, steps = solve([3, "+", 4, "*", 5, "-", 2])
+    assert (value, steps) == (21, ["4*5=20", "3+20=23", "23-2=21"])
+    value, steps = solve([7, "*", "(", 8, "+", 6, ")", "-", 1])
+    assert (value, steps) == (97, ["8+6=14", "7*14=98", "98-1=97"])
+
+
+@pytest.mark.parametrize("response,correct,reason", [
+    ("4*5=20 3+20=23 #23", True, "correct"),
+    ("#23\nmore text", True, "correct"),
+    ("4*5=20 3+20=24 #24", False, "wrong answer: got 24, expected 23"),
+    ("4*5=20 3+20=23", False, "no final answer marker"),
+    ("4*5=20 #x23", False, "malformed final answer"),
+    ("#", False, "malformed final answer"),
+    ("", False, "no final answer marker"),
+])
+def test_arithmetic_verifier(response, correct, reason):
+    ex = Example("Q: 3+4*5=\n", "23", "arithmetic", {"demonstration": "4*5=20 3+20=23 #23"})
+    s = ArithmeticTask().score(ex, response)
+    assert s.correct is correct and s.reward == float(correct)
+    assert s.reason.startswith(reason), s.reason
+
+
+def test_parse_answer_negative():
+    assert parse_answer("1-5=-4 #-4") == (-4, "")
+
+
+def test_verifier_never_raises_on_broken_example():
+    bad = Example("Q: 1+1=\n", "not a number", "arithmetic", {})
+    s = ArithmeticTask().score(bad, "#2")
+    assert s.reward == 0.0 and not s.correct and s.reason.startswith("verifier error")
+
+
+@pytest.mark.parametrize("response,correct,reason", [
+    ("#3*5+7", True, "correct"),
+    ("#(7+5)*3-14", False, "numbers not given"),  # 14 not given
+    ("#7*3+5", False, "wrong value"),
+    ("#5*5+7", False, "numbers not given"),  # 5 used twice
+    ("#__import__('os').system('true')", False, "malformed answer"),
+    ("#3**5", False, "malformed answer"),
+    ("#3+", False, "malformed answer"),
+    ("3*5+7", False, "no final answer marker"),
+])
+def test_countdown_verifier(response, correct, reason):
+    ex = Example("Q: make 22 from 7 3 5\n", "22", "countdown", {"numbers": [7, 3, 5]})
+    s = CountdownTask().score(ex, response)
+    assert s.correct is correct, s
+    assert s.reason.startswith(reason), s.reason
+
+
+def test_countdown_evaluate_rejects_non_arithmetic():
+    assert evaluate("(1+2)*3") == (9, [1, 2, 3])
+    for expr in ["x+1", "1/2", "-1", "f(1)", "1 if 1 else 2", "1" * 300]:
+        with pytest.raises(ValueError):
+            evaluate(expr)
+
+
+def test_code_verifier_right_wrong_malformed():
+    task = get_task("code")
+    ex = next(e for e in task.examples("train", 200) if e.answer.startswith("x+"))
+    assert task.score(ex, task.demonstration(ex)).correct
+    wrong = task.score(ex, "def f(x): return x")
+    assert not wrong.correct and "tests passed" in wrong.reason
+    syntax = task.score(ex, "def f(x) return x+1")
+    assert not syntax.correct and "SyntaxError" in syntax.reason
+    exits = task.score(ex, "import sys\nsys.exit(0)\n" + task.demonstration(ex))
+    assert not exits.correct and "exited" in exits.reason
+    nofunc = task.score(ex, "g = 1")
+    assert not nofunc.correct and "no function named 'f'" in nofunc.reason
+
+
+def test_registry_errors_list_valid_names():
+    assert set(TASKS) >= {"arithmetic", "countdown", "code", "dataset"}
+    with pytest.raises(ValueError, match="valid tasks are"):
+        get_task("nope")
+    with pytest.raises(ValueError, match="difficulty must be one of"):
+        get_task("arithmetic", difficulty=99)
+    with pytest.raises(ValueError, match="split must be one of"):
+        get_task("arithmetic").examples("valid", 3)
+    with pytest.raises(ValueError, match="distinct"):
+        ArithmeticTask(1).examples("test", 500)  # level 1 has ~150 distinct prompts
