@@ -1,0 +1,146 @@
+"""RMSNorm, RoPE, the KV cache and GQA attention of the built-in MoE decoder.
+
+Legend: ``B`` sequences, ``L`` new tokens in this forward, ``S`` key length (past + L), ``H`` hidden,
+``D`` head dim, ``nh`` query heads, ``nkv`` key/value heads.
+
+Numerics mirror Hugging Face Qwen3-MoE: RMSNorm normalises in at least fp32 and casts back before the
+weight multiply; RoPE frequencies are computed in fp32 and cos/sin cast to the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quads.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 at least (bf16 inputs), fp64 stays fp64 so exactness tests are not limited by a cast
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, L, D] for integer positions [B, L] (HF "default" RoPE, halves concatenated)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                             device=position_ids.device) / head_dim))
+    freqs = position_ids[..., None].float() * inv_freq  # [B, L, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, L, D]; cos/sin [B, L, D]."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache:
+    """Preallocated keys/values per layer, [B, nkv, max_len, D], for incremental decode only.
+
+    All rows share one write offset ``length`` (prompts are left-padded to a common width), so a decode
+    step writes column ``length`` for every row. ``select(rows)`` keeps a subset of rows (finished
+    sequences dropped). The model advances ``length`` once per forward, after the last layer.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int | None = None, *,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        self.max_len = max_len or cfg.max_seq_len
+        shape = (batch, cfg.n_kv_heads, self.max_len, cfg.head_dim)
+        dtype = dtype or cfg.torch_dtype
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.length = 0
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v [B, nkv, L, D] at [length, length + L) and return the keys/values [:, :, :length+L]."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KVCache overflow: need {end} positions, cache holds {self.max_len}; "
+                             "raise ModelConfig.max_seq_len or lower max_new_tokens")
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (a long index tensor) of every layer's cache, in that order."""
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
+
+
+def build_attn_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, past: int,
+                    device: torch.device) -> torch.Tensor:
+    """Boolean SDPA mask [B, 1, L, S] (True = attend): causal, keys with ``attention_mask == 0`` hidden.
+
+    ``attention_mask`` is [B, S] over all keys (past + new). A query always sees itself, so rows of
+    padding tokens are never fully masked (their outputs are garbage but finite and unused).
+    """
+    s = past + q_len
+    q_pos = torch.arange(past, s, device=device)[:, None]
+    k_pos = torch.arange(s, device=device)[None, :]
+    allowed = (k_pos <= q_pos)[None]  # [1, L, S]
+    if attention_mask is not None:
+        allowed = allowed & attention_mask[:, None, :].bool()
+        allowed = allowed | (k_pos == q_pos)[None]
+    return allowed.expand(batch, q_len, s)[:, None]
+
+
+class Attention(nn.Module):
+    """GQA self-attention with optional q/k RMSNorm (per head: Qwen3; full width: OLMoE) and RoPE."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        H, q, kv = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(H, q, bias=False)
+        self.k_proj = nn.Linear(H, kv, bias=False)
+        self.v_proj = nn.Linear(H, kv, bias=False)
+        self.o_proj = nn.Linear(q, H, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(q, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(kv, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        B, L, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, L, nh*D], [B, L, nkv*D] x2
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, L, self.n_heads, self.head_dim)
+        k = k.view(B, L, self.n_kv, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, nh, L, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, nkv, L, D]
+        v = v.view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # [B, nkv, S, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))

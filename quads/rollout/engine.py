@@ -1,0 +1,278 @@
+"""The rollout engine: batched sampling with a KV cache, log-probs and routing of the sampled tokens.
+
+Recipe: every prompt is repeated ``n`` times (samples of one prompt are contiguous: one GRPO group),
+all samples are left-padded to a common prompt width ``P`` and prefilled in one forward, then decoded
+one token per step for all unfinished samples together (one forward per step, finished rows dropped
+from the cache). This path (prefill + incremental decode) is deliberately different from the trainer's
+one full-sequence forward (``quads.rl.logprobs``); their disagreement is the engine-drift floor.
+
+Log-probs are those of the distribution actually sampled from: ``log_softmax(logits / temperature)``
+after top-k/top-p truncation. At temperature 0 decoding is greedy and the reported log-prob is that of
+the argmax under the temperature-1 softmax (what an RL trainer at temperature 1 would compare against).
+RL should sample with ``top_p=1, top_k=0``: truncation makes the behaviour policy differ from the
+policy the trainer differentiates (tokens outside the nucleus get probability 0 on one side only),
+which biases importance ratios.
+
+Layout of a ``RolloutBatch`` (what the trainer consumes): ``input_ids`` [B, P + R] = left-padded
+prompt block of width P, then the response block of width R (right-padded); ``logprobs[:, j]`` is the
+log-prob of ``input_ids[:, P + j]``, predicted at column ``P + j - 1``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from quads.model.attention import KVCache
+from quads.model.tokenizer import Tokenizer
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1  # samples per prompt (a GRPO group), contiguous in the output
+    temperature: float = 1.0  # 0 = greedy (seed ignored)
+    top_p: float = 1.0  # nucleus truncation; keep 1.0 for RL (see module docstring)
+    top_k: int = 0  # keep the k most likely tokens; 0 = off; keep 0 for RL
+    max_new_tokens: int = 64  # response length cap (finish reason "length")
+    stop_token_ids: tuple[int, ...] = ()  # extra ids that end a sample (kept in the response); eos always does
+    stop: tuple[str, ...] = ()  # strings that end a sample once the decoded response contains one
+    ignore_eos: bool = False  # do not stop at the tokenizer's eos (benchmarks)
+    seed: int | None = 0  # torch.Generator seed; None draws one from the global RNG
+    record_routing: bool = True  # record expert ids per token and layer (routing replay, metrics)
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.stop = tuple(self.stop)
+
+
+@dataclass
+class RolloutStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    n_prompt_tokens: int = 0  # real (unpadded) prompt tokens over all samples
+    n_response_tokens: int = 0  # sampled tokens over all samples
+    decode_steps: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Sampled tokens per second of wall time (prefill included)."""
+        return self.n_response_tokens / max(self.total_s, 1e-9)
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor  # [B, P + R] long: left-padded prompts then right-padded responses (pad_id)
+    attention_mask: torch.Tensor  # [B, P + R] bool, True at real tokens
+    prompt_len: int  # P, width of the prompt block
+    response_mask: torch.Tensor  # [B, R] bool, True at sampled tokens
+    logprobs: torch.Tensor  # [B, R] float32 (float64 for a float64 model) log-probs of sampled tokens, 0 on padding
+    routing: torch.Tensor | None  # [n_layers, B, P + R, k] long expert ids used by the engine; -1 = none
+    finish_reasons: list[str]  # "stop" (eos, stop id or stop string) or "length"
+    group_index: torch.Tensor  # [B] long: index of the prompt each sample came from
+    prompt_ids: list[list[int]]  # per sample, unpadded
+    response_ids: list[list[int]]  # per sample, unpadded (stop token included)
+    texts: list[str]  # decoded responses
+    stats: RolloutStats = field(default_factory=RolloutStats)
+    recipe: str | None = None  # the rollout precision recipe, for reporting only
+
+    @property
+    def response_tokens(self) -> torch.Tensor:
+        """[B, R] long, the response block of ``input_ids``."""
+        return self.input_ids[:, self.prompt_len:]
+
+    @property
+    def num_samples(self) -> int:
+        return self.input_ids.shape[0]
+
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1)
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [b, V] -> (token ids [b], log-probs [b]) of the distribution sampled from (module doc)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if params.temperature == 0:
+        tok = logits.argmax(-1)
+        return tok, torch.log_softmax(logits, -1).gather(1, tok[:, None]).squeeze(1)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, -1)
+        drop = probs.cumsum(-1) - probs > params.top_p  # mass before this token already exceeds top_p
+        logits = logits.scatter(1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    logp = torch.log_softmax(logits, -1)
+    tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+    return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+
+class RolloutEngine:
+    """Generates from ``model`` (used as given: the quantization helper may have swapped its layers)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, *, device: torch.device | str | None = None,
+                 max_batch_tokens: int | None = None, recipe: str | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device(device) if device is not None else model.device
+        if self.device != model.device:
+            model.to(self.device)
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1 or None, got {max_batch_tokens}")
+        self.max_batch_tokens = max_batch_tokens
+        self.recipe = recipe
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            bos = self.tokenizer.bos_id
+            ids = ([bos] if bos is not None else []) + self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt: give at least one token (string prompts get <bos> when the "
+                             "tokenizer has one)")
+        return ids
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None
+                 ) -> RolloutBatch:
+        params = params or SamplingParams()
+        cfg = self.model.config
+        ids = [self._encode(p) for p in prompts]
+        samples = [p for p in ids for _ in range(params.n)]
+        group = torch.arange(len(ids)).repeat_interleave(params.n)
+        P = max(len(p) for p in samples)
+        if P + params.max_new_tokens > cfg.max_seq_len:
+            raise ValueError(f"longest prompt ({P}) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                             f"max_seq_len {cfg.max_seq_len}; shorten prompts or lower max_new_tokens")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        per_chunk = len(samples)
+        if self.max_batch_tokens is not None:
+            per_chunk = max(1, self.max_batch_tokens // (P + params.max_new_tokens))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            parts = [self._generate_chunk(samples[i:i + per_chunk], P, params, gen)
+                     for i in range(0, len(samples), per_chunk)]
+        finally:
+            self.model.train(was_training)
+        batch = _concat(parts, P, self.tokenizer.pad_id)
+        batch.group_index = group
+        batch.recipe = self.recipe
+        return batch
+
+    def _generate_chunk(self, samples: list[list[int]], P: int, params: SamplingParams,
+                        gen: torch.Generator) -> RolloutBatch:
+        model, tok, dev = self.model, self.tokenizer, self.device
+        cfg = model.config
+        B, R = len(samples), params.max_new_tokens
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        t0 = time.perf_counter()
+        input_ids = torch.full((B, P + R), tok.pad_id, dtype=torch.long, device=dev)
+        mask = torch.zeros((B, P + R), dtype=torch.bool, device=dev)
+        for i, p in enumerate(samples):
+            input_ids[i, P - len(p):P] = torch.tensor(p, device=dev)
+            mask[i, P - len(p):P] = True
+        lp_dtype = torch.promote_types(model.dtype, torch.float32)  # fp32, or fp64 for exactness tests
+        logprobs = torch.zeros((B, R), dtype=lp_dtype, device=dev)
+        routing = None
+        if params.record_routing:
+            routing = torch.full((cfg.n_layers, B, P + R, cfg.top_k), -1, dtype=torch.long, device=dev)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {tok.eos_id})
+        stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
+        cache = KVCache(cfg, B, P + R, dtype=model.dtype, device=dev)
+
+        out = model(input_ids[:, :P], attention_mask=mask[:, :P], cache=cache,
+                    return_routing=params.record_routing, logits_slice=slice(P - 1, P))
+        if routing is not None:
+            routing[:, :, :P] = out.routing.masked_fill(~mask[None, :, :P, None], -1)
+        logits = out.logits[:, -1]
+        sync()
+        t1 = time.perf_counter()
+        active = torch.arange(B, device=dev)  # cache row -> sample row
+        finish = ["length"] * B
+        steps = 0
+        for t in range(R):
+            nxt, lp = sample_tokens(logits, params, gen)
+            input_ids[active, P + t] = nxt
+            logprobs[active, t] = lp.to(lp_dtype)
+            mask[active, P + t] = True
+            done = torch.isin(nxt, stop_t)
+            if params.stop:
+                done = done | self._hit_stop_string(input_ids, active, P, t, params.stop)
+            for row in active[done].tolist():
+                finish[row] = "stop"
+            if t == R - 1 or bool(done.all()):
+                break
+            if bool(done.any()):
+                keep = (~done).nonzero().squeeze(1)
+                active, nxt = active[keep], nxt[keep]
+                cache.select(keep)
+            out = model(nxt[:, None], attention_mask=mask[active, :P + t + 1], cache=cache,
+                        return_routing=params.record_routing)
+            steps += 1
+            if routing is not None:
+                routing[:, active, P + t] = out.routing[:, :, 0]
+            logits = out.logits[:, -1]
+        sync()
+        t2 = time.perf_counter()
+        resp_mask = mask[:, P:]
+        prompt_ids = [list(p) for p in samples]
+        response_ids = [input_ids[i, P:][resp_mask[i]].tolist() for i in range(B)]
+        stats = RolloutStats(prefill_s=t1 - t0, decode_s=t2 - t1, n_prompt_tokens=sum(map(len, samples)),
+                             n_response_tokens=int(resp_mask.sum()), decode_steps=steps)
+        return RolloutBatch(input_ids=input_ids, attention_mask=mask, prompt_len=P, response_mask=resp_mask,
+                            logprobs=logprobs, routing=routing, finish_reasons=finish,
+                            group_index=torch.zeros(B, dtype=torch.long), prompt_ids=prompt_ids,
+                            response_ids=response_ids, texts=[tok.decode(r) for r in response_ids],
+                            stats=stats)
+
+    def _hit_stop_string(self, input_ids: torch.Tensor, active: torch.Tensor, P: int, t: int,
+                         stops: tuple[str, ...]) -> torch.Tensor:
+        """[b] bool: the decoded tail of each active response contains a stop string."""
+        width = max(len(s) for s in stops) + 4  # tokens: enough for any stop string of that many chars
+        tails = input_ids[active, P + max(0, t + 1 - width):P + t + 1].tolist()
+        hits = [any(s in self.tokenizer.decode(tail) for s in stops) for tail in tails]
+        return torch.tensor(hits, dtype=torch.bool, device=active.device)
+
+
+def _concat(parts: list[RolloutBatch], P: int, pad_id: int) -> RolloutBatch:
+    """Join chunks (same prompt width P) into one batch, trimming the response block to the longest."""
+    R = max(int(p.response_mask.sum(-1).max()) for p in parts)
+    first = parts[0]
+
+    def cat(name: str, dim: int = 0) -> torch.Tensor:
+        return torch.cat([getattr(p, name) for p in parts], dim=dim)
+
+    input_ids, mask = cat("input_ids")[:, :P + R], cat("attention_mask")[:, :P + R]
+    routing = cat("routing", dim=1)[:, :, :P + R] if first.routing is not None else None
+    stats = RolloutStats(
+        prefill_s=sum(p.stats.prefill_s for p in parts), decode_s=sum(p.stats.decode_s for p in parts),
+        n_prompt_tokens=sum(p.stats.n_prompt_tokens for p in parts),
+        n_response_tokens=sum(p.stats.n_response_tokens for p in parts),
+        decode_steps=sum(p.stats.decode_steps for p in parts))
+    return RolloutBatch(input_ids=input_ids, attention_mask=mask, prompt_len=P,
+                        response_mask=mask[:, P:], logprobs=cat("logprobs")[:, :R], routing=routing,
+                        finish_reasons=[r for p in parts for r in p.finish_reasons],
+                        group_index=cat("group_index"), prompt_ids=[x for p in parts for x in p.prompt_ids],
+                        response_ids=[x for p in parts for x in p.response_ids],
+                        texts=[x for p in parts for x in p.texts], stats=stats)
