@@ -1,0 +1,188 @@
+"""Quantized modules that replace a model's linear and expert layers in place (``quantize_model``).
+
+They hold the *same* ``nn.Parameter`` objects as the module they replace (no weight copy; state-dict
+names unchanged) and keep the original module to restore it (``dequantize_model``).
+
+Weight operands (``WeightStore``):
+- trainer side: ``QDQ(W)`` is cached and recomputed only when the parameter changes, detected by
+  its version counter (bumped by every in-place update: optimizer steps, ``load_state_dict``,
+  ``copy_``) plus its data pointer, device and dtype; so the forward and backward of one step
+  quantize each weight once. Writes through ``param.data`` bypass the counter: call ``refresh()``.
+- rollout side: the quantized weight (the ``NVFP4Tensor`` codes/scales and its dequantized copy in
+  the recipe's ``weight_dtype``) is produced at sync time (``refresh()``) and used as is by every
+  forward; it is only recomputed if the parameter moves to another device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from quads.quant import ops
+from quads.quant.linear import spec_linear
+from quads.quant.rac import StaticChannelSelector, rac_channels
+from quads.quant.recipe import LinearSpec
+
+SIDES = ("trainer", "rollout")
+
+
+class WeightStore:
+    """The weight operand of one parameter under one spec (see the module docstring)."""
+
+    def __init__(self, param: nn.Parameter, spec: LinearSpec, dtype: torch.dtype, side: str) -> None:
+        self.param, self.spec, self.dtype, self.side = param, spec, dtype, side
+        self.w_q: torch.Tensor | None = None  # dequantized operand, [N, K] or [E, N, K]
+        self.packed = None  # NVFP4Tensor for NVFP4 weights (codes, scales, global scales)
+        self.key: tuple | None = None
+        self.n_quantize = 0  # how many times this weight was quantized (tests, benchmarks)
+
+    def _key(self) -> tuple:
+        p = self.param
+        return (p._version, p.data_ptr(), p.device, p.dtype)
+
+    def refresh(self) -> torch.Tensor:
+        """Quantize the current parameter now."""
+        self.w_q, self.packed = ops.quantize_weight(self.param, self.spec, self.dtype)
+        self.key = self._key()
+        self.n_quantize += 1
+        return self.w_q
+
+    def get(self) -> torch.Tensor:
+        if self.spec.weight == "none":
+            return self.param.detach()
+        if self.w_q is None:
+            return self.refresh()
+        if self.side == "trainer":
+            if self._key() != self.key:
+                return self.refresh()
+        elif self.w_q.device != self.param.device:
+            return self.refresh()
+        return self.w_q
+
+
+class _QuantizedBase(nn.Module):
+    """Shared bookkeeping: spec, side, weight stores, static RAC selectors, the original module."""
+
+    def _setup(self, original: nn.Module, spec: LinearSpec, side: str, weight_dtype: torch.dtype, groups: int) -> None:
+        if side not in SIDES:
+            raise ValueError(f"unknown side {side!r}; valid: {', '.join(SIDES)}")
+        self.spec, self.side, self.weight_dtype = spec, side, weight_dtype
+        self._original = (original,)  # a tuple hides it from nn.Module registration
+        self.stores: dict[str, WeightStore] = {}
+        self.selectors = nn.ModuleDict()
+        static = spec.act == "nvfp4" and spec.rac_ratio > 0 and spec.rac_selection == "static"
+        for name in self.weight_names:
+            p = getattr(self, name)
+            if "nvfp4" in (spec.act, spec.weight):
+                ops.check_k(p.shape[-1], f"{type(original).__name__}.{name}")
+            self.stores[name] = WeightStore(p, spec, weight_dtype, side)
+            if static:
+                self.selectors[name] = StaticChannelSelector(groups, p.shape[-1])
+        if side == "rollout":
+            self.refresh()
+
+    @property
+    def original(self) -> nn.Module:
+        return self._original[0]
+
+    def refresh(self) -> None:
+        """Re-quantize every weight now and refresh the static RAC orders (weight sync calls this)."""
+        for name, store in self.stores.items():
+            w_q = store.refresh() if self.spec.weight != "none" else store.get()
+            if name in self.selectors:
+                self.selectors[name].refresh(prior=w_q.float().square().sum(dim=-2))  # weight column norms
+
+    def weight_operands(self) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
+        """``{param_name: (master parameter, weight operand)}`` (what weight sync fingerprints)."""
+        return {name: (getattr(self, name), store.get()) for name, store in self.stores.items()}
+
+    def _gemm(self, name: str, group: int | None, x: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+        p = getattr(self, name)
+        w = p if group is None else p[group]
+        wq = w_q if group is None else w_q[group]
+        static = observe = None
+        sel = self.selectors[name] if name in self.selectors else None
+        if sel is not None:
+            g = 0 if group is None else group
+            static = sel.channels(g, rac_channels(w.shape[-1], self.spec.rac_ratio))
+            observe = functools.partial(sel.observe, g)
+        bias = getattr(self, "bias", None) if group is None else None
+        return spec_linear(x, w, self.spec, w_q=wq, bias=bias, static_channels=static, observe=observe)
+
+    def extra_repr(self) -> str:
+        return f"side={self.side}, spec={self.spec.describe()}"
+
+
+class QuantizedLinear(_QuantizedBase):
+    """Drop-in for ``nn.Linear``: ``y = x @ W.T + b`` computed under a ``LinearSpec``."""
+
+    weight_names = ("weight",)
+
+    def __init__(self, linear: nn.Linear, spec: LinearSpec, *, side: str, weight_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same Parameter
+        self.bias = linear.bias
+        self._setup(linear, spec, side, weight_dtype, groups=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gemm("weight", None, x, self.stores["weight"].get())
+
+
+class QuantizedExperts(_QuantizedBase):
+    """Drop-in for 3-D expert stacks (transformers 5 ``Qwen3MoeExperts`` / ``OlmoeExperts`` /
+    ``MixtralExperts``, ``quads.model.MoEExperts``): ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I].
+
+    ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``: per expert e,
+    ``y_e = act(x @ Wg_e.T) * (x @ Wu_e.T) @ Wd_e.T`` with each GEMM under the side's spec (NVFP4
+    global scales per expert; activation scales over the expert's tokens), weighted by the routing
+    weights and summed per token in ascending expert order (as the transformers loop does).
+    Index ``E`` in ``top_k_index`` (a masked slot) contributes nothing.
+    """
+
+    weight_names = ("gate_up_proj", "down_proj")
+
+    def __init__(self, experts: nn.Module, spec: LinearSpec, *, side: str, weight_dtype: torch.dtype) -> None:
+        super().__init__()
+        own = dict(experts.named_parameters(recurse=False))
+        extra = set(own) - set(self.weight_names)
+        if extra or set(self.weight_names) - set(own):
+            raise ValueError(
+                f"{type(experts).__name__}: expected exactly the parameters gate_up_proj [E, 2I, H] and down_proj "
+                f"[E, H, I], got {sorted(own)}; biased or other expert layouts are not supported, drop the module "
+                "from the recipe's targets"
+            )
+        self.gate_up_proj, self.down_proj = own["gate_up_proj"], own["down_proj"]
+        if self.gate_up_proj.dim() != 3 or self.down_proj.dim() != 3:
+            raise ValueError(
+                f"expert weights must be 3-D, got gate_up_proj {tuple(self.gate_up_proj.shape)}, "
+                f"down_proj {tuple(self.down_proj.shape)}"
+            )
+        self.num_experts = self.gate_up_proj.shape[0]
+        self.hidden_dim = self.gate_up_proj.shape[2]
+        self.intermediate_dim = self.down_proj.shape[2]
+        self.act_fn = getattr(experts, "act_fn", None) or nn.SiLU()
+        self._setup(experts, spec, side, weight_dtype, groups=self.num_experts)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        e_total = self.num_experts
+        k = top_k_index.shape[-1]
+        out = torch.zeros_like(hidden_states)
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
+        counts = torch.bincount(flat, minlength=e_total + 1)[:e_total].tolist()
+        tok = order // k  # [T*k] token of each slot
+        wts = top_k_weights.reshape(-1)[order]
+        gu_q, dn_q = self.stores["gate_up_proj"].get(), self.stores["down_proj"].get()
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            idx, w_route = tok[start : start + c], wts[start : start + c]
+            start += c
+            gate, up = self._gemm("gate_up_proj", e, hidden_states[idx], gu_q).chunk(2, dim=-1)
+            y = self._gemm("down_proj", e, self.act_fn(gate) * up, dn_q)
+            out.index_add_(0, idx, (y * w_route[:, None]).to(out.dtype))
+        return out

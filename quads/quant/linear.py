@@ -1,0 +1,46 @@
+"""Apply a ``LinearSpec`` to one GEMM: route to the QAT, W4A4(+RAC) or FP8 functional form.
+
+| spec.act | computed as                                       | GEMM dtype |
+|----------|---------------------------------------------------|------------|
+| none     | ``x @ Wop.T`` (``qat_linear``; Wop = QDQ(W) or W)  | x.dtype    |
+| nvfp4    | ``w4a4_linear`` (RAC when ``rac_ratio > 0``)      | fp32       |
+| fp8      | ``fp8_linear``                                    | fp32       |
+
+The weight operand ``w_q`` comes from the caller (a per-step cache on the trainer side, the
+synced store on the rollout side, see ``quads.quant.layers``); all paths have STE gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from quads.quant.fp8_linear import fp8_linear
+from quads.quant.qat import qat_linear
+from quads.quant.recipe import LinearSpec
+from quads.quant.w4a4 import w4a4_linear
+
+
+def spec_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    spec: LinearSpec,
+    *,
+    w_q: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    static_channels: torch.Tensor | None = None,
+    observe: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """``x`` ``[..., K]`` times master weight ``w`` ``[N, K]`` (operand ``w_q``) under ``spec``."""
+    if spec.is_identity:
+        return F.linear(x, w, bias)
+    if spec.act == "none":
+        return qat_linear(x, w, w_q=w_q, bias=bias)
+    if spec.act == "nvfp4":
+        return w4a4_linear(
+            x, w, rac_ratio=spec.rac_ratio, selection=spec.rac_selection, act_scale=spec.act_scale,
+            static_channels=static_channels, mode=spec.nvfp4_mode, w_q=w_q, bias=bias, observe=observe,
+        )  # fmt: skip
+    return fp8_linear(x, w, scheme=spec.fp8_scheme, w_q=w_q, bias=bias)

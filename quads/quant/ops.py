@@ -1,0 +1,137 @@
+"""The one place where quantized layers call the number formats and the emulated low-precision GEMM.
+
+Every layer in ``quads.quant`` goes through these functions, so a kernel backend (Triton on CUDA)
+is inserted here and nowhere else; each function's pure-PyTorch body is the reference it must match.
+
+Shapes: weights ``[N, K]`` or expert stacks ``[E, N, K]``; activations ``[T, K]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quads.formats import fp8, nvfp4
+from quads.formats.constants import FP8_ACT_BLOCK, FP8_WEIGHT_BLOCK, NVFP4_BLOCK
+from quads.quant.recipe import LinearSpec
+
+
+def check_k(k: int, what: str) -> None:
+    """NVFP4 blocks need K % 16 == 0; say how to fix it otherwise."""
+    if k % NVFP4_BLOCK:
+        raise ValueError(
+            f"{what}: in_features (K) must be a multiple of {NVFP4_BLOCK} for NVFP4, got K={k}; "
+            "pad the layer or drop it from the recipe's targets"
+        )
+
+
+# ----------------------------------------------------------------------------------------------- NVFP4
+
+
+def nvfp4_quantize(x: torch.Tensor, **opts) -> nvfp4.NVFP4Tensor:
+    """``nvfp4.quantize`` (dispatch point)."""
+    return nvfp4.quantize(x, **opts)
+
+
+def nvfp4_dequantize(q: nvfp4.NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``nvfp4.dequantize`` (dispatch point)."""
+    return nvfp4.dequantize(q, dtype)
+
+
+def nvfp4_qdq(x: torch.Tensor, dtype: torch.dtype | None = None, **opts) -> torch.Tensor:
+    """Quantize-dequantize, result in ``dtype`` (default ``x.dtype``)."""
+    return nvfp4_dequantize(nvfp4_quantize(x, **opts), x.dtype if dtype is None else dtype)
+
+
+def nvfp4_quantize_weight(w: torch.Tensor, *, tile=(1, 16), mode: str = "te") -> nvfp4.NVFP4Tensor:
+    """Quantize a weight ``[N, K]`` or an expert stack ``[E, N, K]``: one global scale per expert.
+
+    Each expert is its own linear layer, so its FP32 global scale comes from its own amax (the
+    canonical mode does all experts in one vectorized call by passing ``amax`` of shape ``[E, 1, 1]``;
+    compatibility modes quantize expert by expert and stack).
+    """
+    if w.dim() == 2:
+        return nvfp4_quantize(w, tile=tile, mode=mode)
+    if w.dim() != 3:
+        raise ValueError(f"weights must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
+    if mode == "te":
+        a = w.float().abs()
+        amax = torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(dim=(-2, -1), keepdim=True)  # [E, 1, 1]
+        return nvfp4_quantize(w, tile=tile, mode=mode, amax=amax)
+    qs = [nvfp4_quantize(w[e], tile=tile, mode=mode) for e in range(w.shape[0])]
+    return nvfp4.NVFP4Tensor(
+        codes=torch.stack([q.codes for q in qs]),
+        scales=torch.stack([q.scales for q in qs]),
+        global_scale=torch.stack([q.global_scale.reshape(1, 1) for q in qs]),
+        shape=w.shape,
+        dtype=w.dtype,
+        tile=tuple(tile),
+        mode=mode,
+    )
+
+
+# ------------------------------------------------------------------------------------------------- FP8
+
+
+def fp8_weight_qdq(w: torch.Tensor, scheme: str) -> torch.Tensor:
+    """FP8 QDQ of a weight ``[N, K]`` / ``[E, N, K]`` (per expert), in ``w.dtype``.
+
+    tensor: one scale per (expert) weight; row: one per output channel; block: 128x128 tiles.
+    """
+    if scheme == "tensor" and w.dim() == 3:
+        return torch.stack([fp8.qdq(w[e], granularity="tensor") for e in range(w.shape[0])])
+    if scheme == "block":
+        return fp8.qdq(w, granularity="block", block=(FP8_WEIGHT_BLOCK, FP8_WEIGHT_BLOCK))
+    return fp8.qdq(w, granularity=scheme)
+
+
+def fp8_act_qdq(x: torch.Tensor, scheme: str) -> torch.Tensor:
+    """FP8 QDQ of activations ``[T, K]``: per tensor, per token (row), or 1x128 blocks."""
+    if scheme == "block":
+        return fp8.qdq(x, granularity="block", block=(1, FP8_ACT_BLOCK))
+    return fp8.qdq(x, granularity=scheme)
+
+
+# ----------------------------------------------------------------------------------- weights of a spec
+
+
+def quantize_weight(w: torch.Tensor, spec: LinearSpec, dtype: torch.dtype) -> tuple[torch.Tensor, object]:
+    """The weight operand of ``spec`` for a master weight ``w``: ``(QDQ(w), packed or None)``.
+
+    Dtype rule (bit-exact weight sync): the master weight is cast to ``dtype`` (the recipe's
+    ``weight_dtype``) *before* quantization and the dequantized weight is returned in ``dtype``; the
+    trainer and the rollout engine both call this function, so their weights agree bit for bit.
+    ``packed`` is the ``NVFP4Tensor`` (codes, scales) for NVFP4 weights, else None. An unquantized
+    spec returns ``w`` itself (no cast, no copy).
+    """
+    w = w.detach()
+    if spec.weight == "none":
+        return w, None
+    wc = w.to(dtype)
+    if spec.weight == "nvfp4":
+        check_k(w.shape[-1], "NVFP4 weight")
+        q = nvfp4_quantize_weight(wc, tile=spec.weight_tile, mode=spec.nvfp4_mode)
+        return nvfp4_dequantize(q, dtype), q
+    return fp8_weight_qdq(wc, spec.fp8_scheme), None
+
+
+def act_qdq(x: torch.Tensor, spec: LinearSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The activation operand of ``spec`` (no RAC): ``QDQ(x)`` in ``dtype`` (default ``x.dtype``)."""
+    if spec.act == "none":
+        return x if dtype is None else x.to(dtype)
+    if spec.act == "nvfp4":
+        check_k(x.shape[-1], "NVFP4 activation")
+        return nvfp4_qdq(x, dtype, mode=spec.nvfp4_mode, per_token=spec.act_scale == "token")
+    out = fp8_act_qdq(x, spec.fp8_scheme)
+    return out if dtype is None else out.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------- GEMMs
+
+
+def lowp_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Emulated low-precision GEMM ``a @ b.T`` of dequantized operands, fp32 accumulate, fp32 out.
+
+    ``a`` ``[T, K']``, ``b`` ``[N, K']``. NVFP4 ``e2m1 * s`` products are exact in fp32, so this
+    matches a hardware FP4 GEMM up to accumulation order. With RAC, ``K' = K + |S|`` (see w4a4.py).
+    """
+    return a.float() @ b.float().T
