@@ -29,7 +29,9 @@ def _grads(fn, x, w):
 @pytest.mark.parametrize("act_scale", ["tensor", "token"])
 def test_ste_grads_equal_linear_at_quantized_point(tile, quantize_acts, act_scale):
     x, w = _xw()
-    y, gx, gw = _grads(lambda a, b: qat_linear(a, b, quantize_acts=quantize_acts, tile=tile, act_scale=act_scale), x, w)
+    y, gx, gw = _grads(
+        lambda a, b: qat_linear(a, b, quantize_acts=quantize_acts, tile=tile, act_scale=act_scale), x, w
+    )
     wq = nvfp4.qdq(w.detach(), tile=tile)
     xq = nvfp4.qdq(x.detach(), per_token=act_scale == "token") if quantize_acts else x.detach()
     xr, wr = xq.clone().requires_grad_(), wq.clone().requires_grad_()
@@ -67,7 +69,9 @@ def test_expert_stack_weights_have_one_global_scale_per_expert():
     assert q.global_scale.shape == (3, 1, 1)
     for e in range(3):
         qe = nvfp4.quantize(w[e])
-        assert torch.equal(q.codes[e], qe.codes) and torch.equal(q.scales[e].view(torch.uint8), qe.scales.view(torch.uint8))
+        assert torch.equal(q.codes[e], qe.codes) and torch.equal(
+            q.scales[e].view(torch.uint8), qe.scales.view(torch.uint8)
+        )
         assert torch.equal(q.global_scale[e].reshape(()), qe.global_scale)
 
 
@@ -95,7 +99,9 @@ def test_no_grad_path_matches_grad_path():
     assert torch.equal(y1.detach(), y2)
 
 
-@pytest.mark.parametrize("fn", [lambda x, w: qat_linear(x, w), lambda x, w: w4a4_linear(x, w)], ids=["qat", "w4a4"])
+@pytest.mark.parametrize(
+    "fn", [lambda x, w: qat_linear(x, w), lambda x, w: w4a4_linear(x, w)], ids=["qat", "w4a4"]
+)
 def test_k_not_multiple_of_16(fn):
     with pytest.raises(ValueError, match="multiple of 16"):
         fn(torch.randn(4, 40), torch.randn(8, 40))

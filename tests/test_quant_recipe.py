@@ -20,7 +20,9 @@ TABLE = {
 @pytest.mark.parametrize("name", list(TABLE))
 def test_presets_match_design_table(name):
     r = get_recipe(name)
-    assert (r.trainer.weight, r.trainer.act, r.rollout.weight, r.rollout.act, r.rollout.rac_ratio) == TABLE[name]
+    assert (r.trainer.weight, r.trainer.act, r.rollout.weight, r.rollout.act, r.rollout.rac_ratio) == TABLE[
+        name
+    ]
     assert r.trainer.rac_ratio == 0.0
     assert r.targets == ("*.mlp.experts",)
     assert set(PRESETS) == set(TABLE)
@@ -34,8 +36,15 @@ def test_round_trip_through_json(name):
 
 
 def test_overrides_route_to_sides():
-    r = get_recipe("quads", rac_ratio=0.25, rac_selection="static", act_scale="token", trainer_weight_tile=(16, 16),
-                   rollout_weight_tile=(16, 16), targets=["*.experts", "*.mlp.gate"])
+    r = get_recipe(
+        "quads",
+        rac_ratio=0.25,
+        rac_selection="static",
+        act_scale="token",
+        trainer_weight_tile=(16, 16),
+        rollout_weight_tile=(16, 16),
+        targets=["*.experts", "*.mlp.gate"],
+    )
     assert r.rollout.rac_ratio == 0.25 and r.rollout.rac_selection == "static"
     assert r.trainer.rac_ratio == 0.0  # RAC overrides go to the rollout side only
     assert r.trainer.act_scale == r.rollout.act_scale == "token"

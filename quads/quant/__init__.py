@@ -1,6 +1,12 @@
 """Precision recipes and the layers that carry them (QAT, W4A4 + RAC, FP8), model swapping, weight sync."""
 
-from quads.quant.apply import QuantSummary, dequantize_model, quantize_model, quantized_modules, refresh_quantized
+from quads.quant.apply import (
+    QuantSummary,
+    dequantize_model,
+    quantize_model,
+    quantized_modules,
+    refresh_quantized,
+)
 from quads.quant.fp8_linear import fp8_linear
 from quads.quant.layers import QuantizedExperts, QuantizedLinear
 from quads.quant.qat import qat_linear, ste_linear

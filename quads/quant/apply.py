@@ -102,7 +102,9 @@ def dequantize_model(model: nn.Module) -> int:
     return len(qm)
 
 
-def quantize_model(model: nn.Module, recipe: Recipe | str, side: str = "trainer", *, verbose: bool = True) -> QuantSummary:
+def quantize_model(
+    model: nn.Module, recipe: Recipe | str, side: str = "trainer", *, verbose: bool = True
+) -> QuantSummary:
     """Swap the modules matched by ``recipe.targets`` for quantized ones computing ``recipe.<side>``.
 
     Weights are shared, not copied. On the rollout side the weights are quantized now (the initial

@@ -65,7 +65,9 @@ class WeightStore:
 class _QuantizedBase(nn.Module):
     """Shared bookkeeping: spec, side, weight stores, static RAC selectors, the original module."""
 
-    def _setup(self, original: nn.Module, spec: LinearSpec, side: str, weight_dtype: torch.dtype, groups: int) -> None:
+    def _setup(
+        self, original: nn.Module, spec: LinearSpec, side: str, weight_dtype: torch.dtype, groups: int
+    ) -> None:
         if side not in SIDES:
             raise ValueError(f"unknown side {side!r}; valid: {', '.join(SIDES)}")
         self.spec, self.side, self.weight_dtype = spec, side, weight_dtype

@@ -44,11 +44,15 @@ class _STELinearFn(torch.autograd.Function):
         return gx, gw, None
 
 
-def ste_linear(x: torch.Tensor, w: torch.Tensor, compute: Compute, bias: torch.Tensor | None = None) -> torch.Tensor:
+def ste_linear(
+    x: torch.Tensor, w: torch.Tensor, compute: Compute, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x`` ``[..., K]``, ``w`` ``[N, K]`` -> ``[..., N]`` via ``compute`` with STE gradients."""
     k = x.shape[-1]
     if w.dim() != 2 or w.shape[1] != k:
-        raise ValueError(f"expected x [..., K] and w [N, K] with the same K, got {tuple(x.shape)} and {tuple(w.shape)}")
+        raise ValueError(
+            f"expected x [..., K] and w [N, K] with the same K, got {tuple(x.shape)} and {tuple(w.shape)}"
+        )
     x2 = x.reshape(-1, k)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         y = _STELinearFn.apply(x2, w, compute)

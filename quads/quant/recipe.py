@@ -58,8 +58,12 @@ class LinearSpec:
     rac_selection: str = "dynamic"  # dynamic: top residual norm per batch; static: calibrated order
     act_scale: str = "tensor"  # NVFP4 activation global scale: one per tensor, or one per token
     weight_tile: tuple[int, int] = (1, 16)  # NVFP4 weight block: 1x16 or 16x16 tiles
-    nvfp4_mode: str = "te"  # NVFP4 arithmetic: te (canonical) | torchao | vllm | modelopt | compressed_tensors
-    fp8_scheme: str = "row"  # FP8 scales: tensor | row (per-channel W, per-token X) | block (128x128 W, 1x128 X)
+    nvfp4_mode: str = (
+        "te"  # NVFP4 arithmetic: te (canonical) | torchao | vllm | modelopt | compressed_tensors
+    )
+    fp8_scheme: str = (
+        "row"  # FP8 scales: tensor | row (per-channel W, per-token X) | block (128x128 W, 1x128 X)
+    )
 
     def __post_init__(self) -> None:
         _choice("weight format", self.weight, FORMATS)
@@ -123,10 +127,14 @@ class Recipe:
             if isinstance(spec, dict):
                 object.__setattr__(self, side, LinearSpec(**spec))
             elif not isinstance(spec, LinearSpec):
-                raise ValueError(f"recipe.{side} must be a LinearSpec or a dict of its fields, got {type(spec).__name__}")
+                raise ValueError(
+                    f"recipe.{side} must be a LinearSpec or a dict of its fields, got {type(spec).__name__}"
+                )
         targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
         if not targets or not all(isinstance(t, str) and t for t in targets):
-            raise ValueError(f"targets must be a non-empty list of module-name patterns, got {self.targets!r}")
+            raise ValueError(
+                f"targets must be a non-empty list of module-name patterns, got {self.targets!r}"
+            )
         object.__setattr__(self, "targets", targets)
         _choice("weight_dtype", self.weight_dtype, tuple(WEIGHT_DTYPES))
         t, r = self.trainer, self.rollout
@@ -179,7 +187,9 @@ PRESETS: dict[str, Recipe] = {
     "w4a16-qat": Recipe("w4a16-qat", trainer=LinearSpec(weight="nvfp4"), rollout=_W4A4),
     "w4a4-qat": Recipe("w4a4-qat", trainer=_W4A4, rollout=_W4A4),
     "quads": Recipe(
-        "quads", trainer=LinearSpec(weight="nvfp4"), rollout=LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5)
+        "quads",
+        trainer=LinearSpec(weight="nvfp4"),
+        rollout=LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
     ),
 }
 

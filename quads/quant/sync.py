@@ -70,21 +70,31 @@ class SyncReport:
         return not self.mismatches
 
 
-def _reference_operand(trainer_model: nn.Module, name: str, pname: str, module: _QuantizedBase) -> torch.Tensor:
+def _reference_operand(
+    trainer_model: nn.Module, name: str, pname: str, module: _QuantizedBase
+) -> torch.Tensor:
     """The trainer's version of the rollout operand ``name.pname``."""
     tm = dict(trainer_model.named_modules()).get(name)
-    if isinstance(tm, _QuantizedBase) and tm.spec.weight_key() == module.spec.weight_key() and tm.weight_dtype == module.weight_dtype:
+    if (
+        isinstance(tm, _QuantizedBase)
+        and tm.spec.weight_key() == module.spec.weight_key()
+        and tm.weight_dtype == module.weight_dtype
+    ):
         return tm.stores[pname].get()  # the trainer's cached QDQ(W)
     p = trainer_model.get_parameter(f"{name}.{pname}")
     return ops.quantize_weight(p, module.spec, module.weight_dtype)[0]
 
 
-def verify_sync(trainer_model: nn.Module, rollout_model: nn.Module, *, raise_on_mismatch: bool = True) -> SyncReport:
+def verify_sync(
+    trainer_model: nn.Module, rollout_model: nn.Module, *, raise_on_mismatch: bool = True
+) -> SyncReport:
     """Compare the rollout's weight operands with the trainer's, bit for bit, via fingerprints."""
     report = SyncReport()
     rq = quantized_modules(rollout_model)
     if not rq:
-        raise ValueError("verify_sync: the rollout model has no quantized modules; call quantize_model(..., side='rollout')")
+        raise ValueError(
+            "verify_sync: the rollout model has no quantized modules; call quantize_model(..., side='rollout')"
+        )
     for name, module in rq.items():
         for pname, (_, operand) in module.weight_operands().items():
             key = f"{name}.{pname}"
@@ -117,7 +127,9 @@ def copy_weights(trainer_model: nn.Module, rollout_model: nn.Module) -> tuple[in
     for k, v in src.items():
         d = dst[k]
         if d.shape != v.shape:
-            raise ValueError(f"sync: {k} has shape {tuple(v.shape)} on the trainer but {tuple(d.shape)} on the rollout")
+            raise ValueError(
+                f"sync: {k} has shape {tuple(v.shape)} on the trainer but {tuple(d.shape)} on the rollout"
+            )
         d.copy_(v)
         n_bytes += v.numel() * v.element_size()
     return len(src), n_bytes
