@@ -129,7 +129,8 @@ _nan_ignoring_amax = nan_ignoring_amax
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """S_enc = fminf(2688 / amax, FLT_MAX), 1.0 where amax == 0 or S_enc == 0 (fp32)."""
     amax = amax.float()
-    s_enc = torch.fmin(NVFP4_GLOBAL_ENCODE_NUMERATOR / amax, torch.tensor(FLT_MAX, device=amax.device))
+    # a true fp32 division (as TE): torch's `scalar / tensor` is `reciprocal(tensor) * scalar`, 1 ulp off at times
+    s_enc = torch.fmin(torch.full_like(amax, NVFP4_GLOBAL_ENCODE_NUMERATOR) / amax, torch.tensor(FLT_MAX, device=amax.device))
     return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
 
 
