@@ -71,13 +71,15 @@ def mismatch_metrics(
     *,
     routing_train: torch.Tensor | None = None,
     routing_rollout: torch.Tensor | None = None,
+    routing_mask: torch.Tensor | None = None,
     probe_tokens: int = 4096,
     layer_errors: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """All mismatch metrics of one batch; ``logp_*`` [B, L], ``mask`` [B, L] 0/1 on response tokens.
 
     ``routing_*``: [n_layers, B, L, k] expert ids of the same positions (``routing_diff`` is omitted
-    when either is None). ``layer_errors``: name -> relative output error, logged as
+    when either is None); ``routing_mask`` [B, L] restricts it (default ``mask``), e.g. to the tokens the
+    engine fed back through the model (its last sampled token has no routing). ``layer_errors``: name -> relative output error, logged as
     ``mismatch/layer_err/<name>``.
     """
     if logp_train.shape != logp_rollout.shape or logp_train.shape != mask.shape:
@@ -120,7 +122,8 @@ def mismatch_metrics(
             out[_band_key(lo, hi)] = ((rho < lo) | (rho > hi)).float().mean().item()
         out["mismatch/logp_gap_max_probe"] = gap[:probe_tokens].max().item() if n >= probe_tokens else math.nan
     if routing_train is not None and routing_rollout is not None:
-        out["mismatch/routing_diff"] = routing_diff(routing_train, routing_rollout, mask)
+        out["mismatch/routing_diff"] = routing_diff(
+            routing_train, routing_rollout, mask if routing_mask is None else routing_mask)
     for name, err in (layer_errors or {}).items():
         out[f"mismatch/layer_err/{name}"] = float(err)
     return out

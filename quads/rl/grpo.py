@@ -72,6 +72,8 @@ class GRPOLossConfig:
     kl_coef: float = 0.0  # weight of the k3 KL penalty to the reference policy; 0 disables it
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss); 0 disables it
     agg: LossAgg = "token_mean"  # token_mean: sum / response tokens; seq_mean: per-sequence mean, then mean
+    std_norm: bool = True  # divide advantages by the group std (False: Dr. GRPO, mean-centred only)
+    adv_eps: float = 1e-6  # added to the group std before dividing
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low < 1.0:
@@ -82,6 +84,8 @@ class GRPOLossConfig:
             raise ValueError(
                 f"grpo.kl_coef and grpo.entropy_coef must be >= 0; got {self.kl_coef}, {self.entropy_coef}"
             )
+        if self.adv_eps < 0.0:
+            raise ValueError(f"grpo.adv_eps must be >= 0; got {self.adv_eps}")
         if self.agg not in ("token_mean", "seq_mean"):
             raise ValueError(f"grpo.agg must be 'token_mean' or 'seq_mean'; got {self.agg!r}")
 

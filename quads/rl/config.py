@@ -1,0 +1,206 @@
+"""``TrainConfig``: every knob of ``quads train``, as typed nested dataclasses.
+
+Resolved as defaults <- YAML (``--config``) <- flags (``--section.field``), by ``quads.config``; unknown
+fields and wrong types raise ``ValueError`` naming the field. The resolved config is saved with the run
+(``config.yaml``) and inside every checkpoint, so a run can be resumed and reproduced.
+
+The defaults are the built-in job of ``make run``: the tiny MoE warm-started on arithmetic, then GRPO
+with the ``quads`` recipe (W4A16 QAT trainer, W4A4 + RAC rollout), sized to finish in minutes on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from quads.rl.correction import CorrectionConfig
+from quads.rl.grpo import GRPOLossConfig
+
+DTYPES = ("float32", "bfloat16", "float64")
+
+
+def _positive(section: str, **values: float) -> None:
+    for name, v in values.items():
+        if not v > 0:
+            raise ValueError(f"{section}.{name} must be > 0; got {v}")
+
+
+@dataclass
+class ModelSection:
+    """The policy: a checkpoint folder, or a built-in preset that is warm-started automatically."""
+
+    checkpoint: str | None = None  # checkpoint folder (quads save_checkpoint); None = warm start the preset
+    preset: str = "tiny"  # built-in ModelConfig preset used by the warm start (ignored with a checkpoint)
+    master_dtype: Literal["float32", "bfloat16"] = "float32"  # trainer master weights (optimizer updates them)
+
+    def __post_init__(self) -> None:
+        if self.master_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"model.master_dtype must be float32 or bfloat16; got {self.master_dtype!r}")
+
+
+@dataclass
+class WarmStartSection:
+    """Supervised warm start (``quads.pretrain.warm_start``), used when ``model.checkpoint`` is None."""
+
+    steps: int = 600  # SFT steps on the task's demonstrations (cached by config hash)
+    lr: float = 3e-3  # SFT learning rate
+    batch_size: int = 32  # SFT sequences per step
+    cache_dir: str = "runs/warm_start"  # where warm-start checkpoints are cached
+
+    def __post_init__(self) -> None:
+        _positive("warm_start", steps=self.steps, lr=self.lr, batch_size=self.batch_size)
+
+
+@dataclass
+class TaskSection:
+    """Prompts and the verifier."""
+
+    name: str = "arithmetic"  # a registered task (quads.tasks.get_task)
+    difficulty: int | None = None  # task difficulty level; None = the task's default
+    dataset: str | None = None  # jsonl/parquet file with verl-style fields, replaces the generated train split
+    train_size: int = 4000  # training prompts drawn from the task (sampled with replacement by the sampler)
+
+    def __post_init__(self) -> None:
+        _positive("task", train_size=self.train_size)
+
+
+@dataclass
+class RecipeSection:
+    """Precision recipe (DESIGN.md section 4) and its overrides; None keeps the preset's value."""
+
+    name: str = "quads"  # bf16 | fp8 | nvfp4 | w4a16-qat | w4a4-qat | quads
+    rac_ratio: float | None = None  # rollout RAC ratio in [0, 1] (quads: 0.5)
+    rac_selection: Literal["dynamic", "static"] | None = None  # RAC channel selection
+    act_scale: Literal["tensor", "token"] | None = None  # NVFP4 activation global scale, both sides
+    weight_tile: Literal["1x16", "16x16"] | None = None  # NVFP4 weight block shape, both sides
+    targets: list[str] | None = None  # module-name patterns to quantize (default: routed experts)
+
+    def overrides(self) -> dict:
+        """Keyword overrides for ``quads.quant.get_recipe``."""
+        out: dict = {}
+        for k in ("rac_ratio", "rac_selection", "act_scale", "targets"):
+            v = getattr(self, k)
+            if v is not None:
+                out[k] = tuple(v) if k == "targets" else v
+        if self.weight_tile is not None:
+            out["weight_tile"] = tuple(int(x) for x in self.weight_tile.split("x"))
+        return out
+
+    def __post_init__(self) -> None:
+        if self.rac_ratio is not None and not 0.0 <= self.rac_ratio <= 1.0:
+            raise ValueError(f"recipe.rac_ratio must be in [0, 1]; got {self.rac_ratio}")
+
+
+@dataclass
+class RolloutSection:
+    """Sampling on the rollout engine."""
+
+    prompts_per_step: int = 16  # prompts per RL step (P)
+    n_samples: int = 8  # samples per prompt (the GRPO group size n); batch B = P * n
+    temperature: float = 1.0  # sampling temperature; trainer log-probs use the same one
+    max_new_tokens: int = 40  # response length cap
+
+    def __post_init__(self) -> None:
+        _positive("rollout", prompts_per_step=self.prompts_per_step, temperature=self.temperature,
+                  max_new_tokens=self.max_new_tokens)
+        if self.n_samples < 2:
+            raise ValueError(f"rollout.n_samples must be >= 2 (GRPO compares samples); got {self.n_samples}")
+
+
+@dataclass
+class OptimSection:
+    """AdamW on the trainer's master weights."""
+
+    lr: float = 2e-4  # learning rate (constant after warmup)
+    warmup_steps: int = 0  # linear warmup optimizer steps
+    betas: tuple[float, float] = (0.9, 0.99)  # AdamW betas
+    eps: float = 1e-8  # AdamW eps
+    weight_decay: float = 0.0  # decoupled weight decay
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    mini_batches: int = 1  # optimizer steps per PPO epoch (the batch is split in this many mini-batches)
+    ppo_epochs: int = 1  # passes over each step's batch
+
+    def __post_init__(self) -> None:
+        _positive("optim", lr=self.lr, eps=self.eps, mini_batches=self.mini_batches, ppo_epochs=self.ppo_epochs)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1); got {self.betas}")
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.warmup_steps < 0:
+            raise ValueError("optim.weight_decay, optim.grad_clip and optim.warmup_steps must be >= 0")
+
+
+@dataclass
+class GuardSection:
+    """Mismatch guard: act when the rollout/trainer gap crosses a threshold (None = not checked)."""
+
+    gap_mean: float | None = 0.5  # threshold on mismatch/logp_gap_mean
+    gap_max: float | None = None  # threshold on mismatch/logp_gap_max
+    k3: float | None = 0.1  # threshold on mismatch/k3
+    action: Literal["warn", "abort"] = "warn"  # warn: log and continue; abort: checkpoint and stop (exit 3)
+
+    def __post_init__(self) -> None:
+        if self.action not in ("warn", "abort"):
+            raise ValueError(f"guard.action must be warn or abort; got {self.action!r}")
+
+
+@dataclass
+class LogSection:
+    """Logging and checkpoints."""
+
+    tensorboard: bool = True  # also write TensorBoard event files under <out_dir>/tb
+    probe_tokens: int = 1024  # size of the fixed probe for mismatch/logp_gap_max_probe
+    save_every: int = 0  # checkpoint every N steps (0: only at the end and on abort)
+    progress: bool = True  # tqdm progress bar with reward and gap
+
+    def __post_init__(self) -> None:
+        _positive("log", probe_tokens=self.probe_tokens)
+        if self.save_every < 0:
+            raise ValueError(f"log.save_every must be >= 0; got {self.save_every}")
+
+
+@dataclass
+class TrainConfig:
+    """``quads train``: GRPO with a quantized rollout engine."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    warm_start: WarmStartSection = field(default_factory=WarmStartSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    recipe: RecipeSection = field(default_factory=RecipeSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    grpo: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    guard: GuardSection = field(default_factory=GuardSection)
+    log: LogSection = field(default_factory=LogSection)
+    routing_replay: bool = False  # trainer forward reuses the rollout's expert ids (R3 routing replay)
+    steps: int = 40  # RL steps (one rollout batch each)
+    eval_every: int = 10  # held-out pass@1 every N steps (and at step 0 and the end); 0 = start and end only
+    eval_n: int = 200  # held-out prompts (a fixed subset of the test split), greedy decoding
+    seed: int = 0  # seeds python, torch, the prompt sampler and the engine's generator
+    device: str = "cpu"  # torch device (cpu, cuda, cuda:1)
+    dtype: Literal["float32", "bfloat16", "float64"] = "bfloat16"  # compute dtype of both forwards
+    threads: int = 0  # torch CPU threads; 0 = torch default
+    out_dir: str | None = None  # run folder; None = runs/train-<task>-<recipe>-<timestamp>
+    resume: bool = False  # continue the run in out_dir from its latest checkpoint
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1; got {self.steps}")
+        if self.eval_every < 0 or self.eval_n < 1:
+            raise ValueError(f"eval_every must be >= 0 and eval_n >= 1; got {self.eval_every}, {self.eval_n}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}; got {self.dtype!r}")
+        if self.resume and self.out_dir is None:
+            raise ValueError("resume needs out_dir: pass --out-dir <run folder> --resume true")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0; got {self.threads}")
+        b = self.rollout.prompts_per_step * self.rollout.n_samples
+        if b % self.optim.mini_batches:
+            raise ValueError(
+                f"optim.mini_batches={self.optim.mini_batches} must divide the batch "
+                f"(rollout.prompts_per_step * rollout.n_samples = {b})"
+            )
+
+
+def section_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]

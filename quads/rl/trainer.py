@@ -1,0 +1,405 @@
+"""The GRPO loop: quantized rollouts, trainer log-probs, IS-corrected clipped loss, weight sync.
+
+One RL step (``GRPOTrainer.step``):
+1. take ``P`` prompts from the seeded sampler; the rollout engine samples ``n`` responses each
+   (rollout model, ``recipe.rollout``) with log-probs and expert ids; the task's verifier scores them;
+2. group-normalised advantages (``quads.rl.grpo``);
+3. the trainer's full forward (``recipe.trainer``, no grad) gives the old log-probs; the mismatch
+   metrics compare them with the rollout's; the IS correction (``quads.rl.correction``) turns them
+   into per-token weights and a loss mask;
+4. ``optim.ppo_epochs`` passes over ``optim.mini_batches`` mini-batches: forward with grad, clipped
+   loss (+ router aux loss), backward, grad clip, AdamW;
+5. ``sync_weights`` (copy + re-quantize + fingerprint check) once the step's last optimizer step is
+   done (at most one sync per rollout: syncing between mini-batches would only cost time and reset
+   static RAC statistics that no rollout has refreshed);
+6. metrics to ``metrics.jsonl`` (+ TensorBoard), held-out pass@1 every ``eval_every`` steps (greedy,
+   rollout engine), the mismatch guard, checkpoints.
+
+Determinism: the engine is seeded per step with ``seed * 1_000_003 + step``; the sampler, Python and
+torch RNG states go into every checkpoint, so a resumed run reproduces the metrics of an uninterrupted
+one (timings aside).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quads.config import save_config, to_dict
+from quads.io import atomic_write_text
+from quads.metrics.mismatch import mismatch_metrics
+from quads.metrics.report import write_report
+from quads.model.checkpoint import save_checkpoint
+from quads.model.transformer import MoEForCausalLM
+from quads.quant import sync_weights
+from quads.rl import build
+from quads.rl.checkpoint import (
+    latest_checkpoint,
+    load_train_state,
+    rng_state,
+    save_train_state,
+    set_rng_state,
+)
+from quads.rl.config import TrainConfig
+from quads.rl.correction import is_correction
+from quads.rl.grpo import group_advantages, group_stats, grpo_loss
+from quads.rl.logprobs import SequenceBatch, forward_logprobs, to_sequence_batch
+from quads.rl.sampler import PromptSampler
+from quads.rollout import RolloutBatch, RolloutEngine, SamplingParams
+
+# config fields that may differ when resuming (they do not change what the next steps compute)
+RESUMABLE_CHANGES = ("resume", "steps", "log", "guard", "device", "threads", "out_dir", "eval_every", "eval_n")
+NONDETERMINISTIC = ("time/", "perf/")  # metric prefixes that differ between identical runs
+
+
+class MismatchGuardError(RuntimeError):
+    """The rollout/trainer mismatch crossed a threshold with ``guard.action=abort``."""
+
+
+@dataclass
+class StepData:
+    """What the rollout half of a step hands the update half. Shapes: B samples, R response tokens."""
+
+    rollout: RolloutBatch
+    seq: SequenceBatch
+    advantages: torch.Tensor  # [B]
+    logp_old: torch.Tensor  # [B, R] trainer, no grad
+    logp_ref: torch.Tensor | None  # [B, R] initial policy (only with grpo.kl_coef > 0)
+    loss_mask: torch.Tensor  # [B, R] float, response tokens kept by the IS correction
+    is_weights: torch.Tensor  # [B, R] detached IS weights
+    routing: torch.Tensor | None  # [n_layers, B, P + R, k] replayed expert ids, or None
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    report_dir: Path
+    policy_dir: Path
+    steps: int
+    eval_start: float
+    eval_end: float
+    last: dict[str, float]
+
+
+def default_run_dir(cfg: TrainConfig) -> Path:
+    return Path("runs") / f"train-{cfg.task.name}-{cfg.recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_run_dir(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
+    """The checkpoint state to resume from (None for a fresh run); refuses to clobber another run."""
+    if not cfg.resume:
+        if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+            raise ValueError(f"out_dir {str(run_dir)!r} already holds a run; pass --resume true to continue it "
+                             "or choose another --out-dir")
+        return None
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ValueError(f"resume: no checkpoint in {str(run_dir / 'checkpoints')!r}; start the run without "
+                         "--resume (or check --out-dir)")
+    state = load_train_state(ckpt)
+    old, new = state["config"], to_dict(cfg)
+    diff = [f"{k}: run {old.get(k)!r}, now {new[k]!r}" for k in new
+            if k not in RESUMABLE_CHANGES and old.get(k) != new[k]]
+    if diff:
+        raise ValueError(f"resume: the config differs from the run's in {'; '.join(diff)}; resume with the run's "
+                         f"config ({run_dir / 'config.yaml'}) or start a new run in another --out-dir")
+    return state
+
+
+def check_guard(metrics: dict[str, float], cfg: TrainConfig) -> list[str]:
+    g, out = cfg.guard, []
+    for key, limit in (("mismatch/logp_gap_mean", g.gap_mean), ("mismatch/logp_gap_max", g.gap_max),
+                       ("mismatch/k3", g.k3)):
+        v = metrics.get(key)
+        if limit is not None and v is not None and not v <= limit:  # NaN trips too
+            out.append(f"{key}={v:.4g} > {limit:g}")
+    return out
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: TrainConfig, *, on_step_end: Callable[[int, dict[str, float]], None] | None = None,
+                 quiet: bool = False) -> None:
+        self.cfg = cfg
+        self.on_step_end = on_step_end
+        self.quiet = quiet
+        self.run_dir = Path(cfg.out_dir) if cfg.out_dir else default_run_dir(cfg)
+        self.resume_state = check_run_dir(cfg, self.run_dir)
+        self.res = build.resolve(cfg)  # every input checked before the run folder is written
+        if self.resume_state is not None:
+            want = self.res.model_config.to_dict()
+            have = self.resume_state["model_config"]
+            diff = [f"{k}: run {have.get(k)!r}, checkpoint {want[k]!r}" for k in want
+                    if k != "dtype" and have.get(k) != want[k]]
+            if diff:
+                raise ValueError(f"resume: model.checkpoint {str(self.res.checkpoint)!r} is another architecture "
+                                 f"than the run's ({'; '.join(diff)}); resume with the run's original "
+                                 "model.checkpoint or start a new run in another --out-dir")
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.task = self.res.task
+        self.trainer, self.rollout_model, self.tokenizer = build.build_models(self.res, cfg)
+        self.ref = None
+        if cfg.grpo.kl_coef > 0:
+            self.ref, _, _ = build.build_models(self.res, cfg)
+            self.ref.requires_grad_(False)
+        self.engine = RolloutEngine(self.rollout_model, self.tokenizer, device=cfg.device, recipe=self.res.recipe.name)
+        self.params = [p for p in self.trainer.parameters() if p.requires_grad]
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                     weight_decay=o.weight_decay)
+        self.opt_steps = 0
+        self.sampler = PromptSampler(self.task.examples("train", cfg.task.train_size), seed=cfg.seed)
+        self.eval_set = self.task.examples("test", cfg.eval_n)
+        self.start_step = 0
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.resume_state is not None:
+            self._restore(self.resume_state)
+        else:
+            sync_weights(self.trainer, self.rollout_model)
+        save_config(cfg, self.run_dir / "config.yaml")
+        self.writer = None
+        if cfg.log.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.run_dir / "tb"), purge_step=self.start_step + 1)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.opt_steps = int(state["opt_steps"])
+        self.sampler.load_state_dict(state["sampler"])
+        sync_weights(self.trainer, self.rollout_model)
+        bufs = dict(self.rollout_model.named_buffers())
+        for name, value in state["rollout_buffers"].items():
+            bufs[name].copy_(value)  # static RAC orders and statistics: rollout state, not weights
+        set_rng_state(state["rng"])
+        self.start_step = int(state["step"])
+        self.eval_history = list(state.get("eval_history", []))
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():  # drop records of steps after the checkpoint (they will be recomputed)
+            keep = []
+            for line in path.read_text().splitlines():
+                try:
+                    if int(json.loads(line)["step"]) <= self.start_step:
+                        keep.append(line)
+                except (json.JSONDecodeError, KeyError, ValueError):
+                    continue  # torn line from the crash
+            atomic_write_text(path, "".join(x + "\n" for x in keep))
+
+    def save(self, step: int) -> Path:
+        state = {
+            "model": self.trainer.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "opt_steps": self.opt_steps,
+            "sampler": self.sampler.state_dict(),
+            "rng": rng_state(),
+            "rollout_buffers": {k: v.detach().clone() for k, v in self.rollout_model.named_buffers()},
+            "model_config": self.res.model_config.to_dict(),
+            "base_checkpoint": str(self.res.checkpoint),
+            "eval_history": self.eval_history,
+        }
+        return save_train_state(self.run_dir, step, state, to_dict(self.cfg))
+
+    # ------------------------------------------------------------------ one step
+
+    def _rollout(self, step: int) -> tuple[StepData, dict[str, float]]:
+        cfg, r = self.cfg, self.cfg.rollout
+        t0 = time.perf_counter()
+        exs = self.sampler.take(r.prompts_per_step)
+        params = SamplingParams(n=r.n_samples, temperature=r.temperature, max_new_tokens=r.max_new_tokens,
+                                seed=cfg.seed * 1_000_003 + step, record_routing=True)
+        batch = self.engine.generate([e.prompt for e in exs], params)
+        t_roll = time.perf_counter() - t0
+        scores = [self.task.score(e, text) for e, text in zip([e for e in exs for _ in range(r.n_samples)],
+                                                              batch.texts)]
+        rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32)
+        adv = group_advantages(rewards, r.n_samples, std_norm=cfg.grpo.std_norm, eps=cfg.grpo.adv_eps)
+        seq = to_sequence_batch(batch, device=cfg.device)
+        routing = batch.routing if cfg.routing_replay else None
+        t1 = time.perf_counter()
+        with torch.no_grad(), build.autocast(cfg):
+            old = forward_logprobs(self.trainer, seq, routing, r.temperature, return_routing=True)
+            ref = None
+            if self.ref is not None:
+                ref = forward_logprobs(self.ref, seq, routing, r.temperature).logprobs
+        mask = seq.response_mask
+        P = seq.prompt_len
+        fed = mask & (batch.routing[0, :, P:, 0] >= 0) if batch.routing is not None else None
+        m = mismatch_metrics(
+            old.logprobs, batch.logprobs.to(old.logprobs.device), mask,
+            routing_train=old.routing[:, :, P:] if batch.routing is not None else None,
+            routing_rollout=batch.routing[:, :, P:] if batch.routing is not None else None,
+            routing_mask=fed, probe_tokens=cfg.log.probe_tokens)
+        corr = is_correction(old.logprobs, batch.logprobs.to(old.logprobs.device), mask.float(), cfg.correction)
+        lengths = batch.response_lengths().float()
+        m.update(group_stats(rewards, r.n_samples))
+        m.update(corr.metrics)
+        m.update({
+            "reward/correct_frac": sum(s.correct for s in scores) / len(scores),
+            "response/len_mean": lengths.mean().item(),
+            "response/len_max": lengths.max().item(),
+            "response/truncated_frac": sum(f == "length" for f in batch.finish_reasons) / len(scores),
+            "time/rollout_s": t_roll,
+            "time/old_logprobs_s": time.perf_counter() - t1,
+            "perf/rollout_tokens_per_s": batch.stats.n_response_tokens / max(t_roll, 1e-9),
+        })
+        data = StepData(batch, seq, adv.to(cfg.device), old.logprobs, ref, corr.mask.float(), corr.weights,
+                        routing)
+        return data, m
+
+    def _lr(self) -> float:
+        o = self.cfg.optim
+        return o.lr * min(1.0, (self.opt_steps + 1) / o.warmup_steps) if o.warmup_steps else o.lr
+
+    def _update(self, d: StepData) -> dict[str, float]:
+        cfg, o = self.cfg, self.cfg.optim
+        B = d.seq.input_ids.shape[0]
+        mb = B // o.mini_batches
+        sums: dict[str, float] = {}
+        count = 0
+        t0 = time.perf_counter()
+        tokens = 0
+        for _ in range(o.ppo_epochs):
+            for i in range(o.mini_batches):
+                rows = slice(i * mb, (i + 1) * mb)
+                s = d.seq
+                sub = SequenceBatch(s.input_ids[rows], s.attention_mask[rows], s.prompt_len, s.response_mask[rows],
+                                    None if s.position_ids is None else s.position_ids[rows])
+                with build.autocast(cfg):
+                    res = forward_logprobs(self.trainer, sub, None if d.routing is None else d.routing[:, rows],
+                                           cfg.rollout.temperature, return_entropy=True)
+                loss, m = grpo_loss(res.logprobs, d.logp_old[rows], d.advantages[rows], d.loss_mask[rows],
+                                    cfg.grpo, is_weights=d.is_weights[rows],
+                                    logp_ref=None if d.logp_ref is None else d.logp_ref[rows], entropy=res.entropy)
+                total = loss + res.aux_loss
+                self.opt.zero_grad(set_to_none=True)
+                total.backward()
+                clip = o.grad_clip if o.grad_clip > 0 else float("inf")
+                gn = torch.nn.utils.clip_grad_norm_(self.params, clip)
+                lr = self._lr()
+                for g in self.opt.param_groups:
+                    g["lr"] = lr
+                self.opt.step()
+                self.opt_steps += 1
+                m["optim/grad_norm"] = gn.item()
+                m["loss/aux"] = float(res.aux_loss)
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+                tokens += int(sub.attention_mask.sum())
+        t_train = time.perf_counter() - t0
+        rep = sync_weights(self.trainer, self.rollout_model)
+        out = {k: v / count for k, v in sums.items()}
+        out.update({"optim/lr": self._lr(), "optim/steps": float(self.opt_steps), "time/train_s": t_train,
+                    "time/sync_s": rep.seconds, "perf/train_tokens_per_s": tokens / max(t_train, 1e-9)})
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out pass@1: greedy decoding with the rollout engine on the fixed test subset."""
+        t0 = time.perf_counter()
+        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                record_routing=False)
+        batch = self.engine.generate([e.prompt for e in self.eval_set], params)
+        correct = [self.task.score(e, t).correct for e, t in zip(self.eval_set, batch.texts)]
+        return {"eval/pass@1": sum(correct) / len(correct), "eval/n": float(len(correct)),
+                "eval/len_mean": batch.response_lengths().float().mean().item(),
+                "time/eval_s": time.perf_counter() - t0}
+
+    def step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        data, metrics = self._rollout(step)
+        metrics.update(self._update(data))
+        metrics["time/step_s"] = time.perf_counter() - t0
+        return metrics
+
+    # ------------------------------------------------------------------ the run
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.writer is not None:
+            for k, v in metrics.items():
+                if isinstance(v, int | float) and math.isfinite(v):
+                    self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+
+    def _say(self, msg: str) -> None:
+        if not self.quiet:
+            from tqdm import tqdm
+
+            tqdm.write(msg, file=sys.stderr)
+
+    def _eval_due(self, step: int) -> bool:
+        e = self.cfg.eval_every
+        return step == self.cfg.steps or (e > 0 and step % e == 0)
+
+    def run(self) -> TrainResult:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        self.eval_history: list[float] = []
+        self.setup()
+        if self.start_step == 0:
+            ev = self.evaluate()
+            self.eval_history.append(ev["eval/pass@1"])
+            self._log(0, ev)
+            self._say(f"step 0: held-out pass@1 {ev['eval/pass@1']:.3f} (start of RL)")
+        bar = tqdm(range(self.start_step + 1, cfg.steps + 1), initial=self.start_step, total=cfg.steps,
+                   disable=self.quiet or not cfg.log.progress, desc="quads train", dynamic_ncols=True)
+        metrics: dict[str, float] = {}
+        try:
+            for step in bar:
+                metrics = self.step(step)
+                if self._eval_due(step):
+                    metrics.update(self.evaluate())
+                    self.eval_history.append(metrics["eval/pass@1"])
+                tripped = check_guard(metrics, cfg)
+                metrics["guard/tripped"] = float(bool(tripped))
+                self._log(step, metrics)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
+                                gap=f"{metrics['mismatch/logp_gap_mean']:.4f}",
+                                acc=f"{self.eval_history[-1]:.3f}" if self.eval_history else "n/a")
+                if tripped:
+                    self._say(f"step {step}: mismatch guard: {', '.join(tripped)} (action: {cfg.guard.action})")
+                    if cfg.guard.action == "abort":
+                        self.save(step)
+                        self._finish(step)
+                        raise MismatchGuardError(f"mismatch guard tripped at step {step}: {', '.join(tripped)}; "
+                                                 f"checkpoint and report in {self.run_dir}")
+                if (cfg.log.save_every and step % cfg.log.save_every == 0) or step == cfg.steps:
+                    self.save(step)
+                if self.on_step_end is not None:
+                    self.on_step_end(step, metrics)
+        finally:
+            bar.close()
+            if self.writer is not None:
+                self.writer.close()
+        return self._finish(cfg.steps, metrics)
+
+    def _finish(self, step: int, last: dict[str, float] | None = None) -> TrainResult:
+        policy_dir = self.run_dir / "policy"
+        export = MoEForCausalLM(self.res.model_config)
+        names = set(export.state_dict())
+        export.load_state_dict({k: v for k, v in self.trainer.state_dict().items() if k in names})
+        save_checkpoint(export, policy_dir, extra={"recipe": self.res.recipe.name, "step": step},
+                        tokenizer=self.tokenizer)
+        report = write_report(self.run_dir)
+        ev = self.eval_history or [math.nan]
+        return TrainResult(self.run_dir, report, policy_dir, step, ev[0], ev[-1], last or {})
