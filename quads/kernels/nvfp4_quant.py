@@ -76,7 +76,7 @@ if HAS_TRITON:
     @triton.jit
     def _quantize_tile(x, s_enc, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE16: tl.constexpr):
         """x [BLOCK_M, BLOCK_K] fp32, S_enc/S_dec [BLOCK_M] -> (packed [BM, BK/2] int32, scale bytes
-        [BM, BK/16] int32, float(s) [BM, BK/16])."""
+        [BM, BK/16] int32 (0x7F for NaN blocks), float(s) [BM, BK/16], codes [BM, BK/16, 16] int32)."""
         NB: tl.constexpr = BLOCK_K // 16
         x3 = tl.reshape(x, (BLOCK_M, NB, 16))
         a3 = tl.where(x3 != x3, 0.0, tl.abs(x3))
@@ -98,7 +98,7 @@ if HAS_TRITON:
         codes = tl.reshape(codes, (BLOCK_M, BLOCK_K // 2, 2))
         lo, hi = tl.split(codes)
         s_byte = tl.where(bnan != 0, 0x7F, s_byte)
-        return lo | (hi << 4), s_byte, s_val
+        return lo | (hi << 4), s_byte, s_val, tl.reshape(codes, (BLOCK_M, NB, 16))
 
     @triton.jit
     def _nvfp4_quantize_kernel(
@@ -127,7 +127,7 @@ if HAS_TRITON:
             cols = k0 + tl.arange(0, BLOCK_K)
             m = rmask[:, None] & (cols[None, :] < K)
             x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            packed, s_byte, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K, TILE16)
+            packed, s_byte, _, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K, TILE16)
             pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             pm = rmask[:, None] & (pcols[None, :] < K // 2)
             tl.store(codes_ptr + rows[:, None] * (K // 2) + pcols[None, :], packed.to(tl.uint8), mask=pm)
