@@ -42,8 +42,13 @@ def rac_channels(k: int, ratio: float) -> int:
 
 
 def residual_norms(r: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norm of each channel over tokens, fp32 ``[K]`` (the selection score)."""
-    return r.float().square().sum(dim=0)
+    """Squared L2 norm of each channel over tokens, fp64 ``[K]`` (the selection score).
+
+    fp64 so that the ranking does not depend on the summation order (the squares of fp32 residuals
+    are exact in fp64): the fused Triton kernel (``quads.kernels.rac``) sums in another order and
+    selects the same channels, which an fp32 sum would not guarantee.
+    """
+    return r.double().square().sum(dim=0)
 
 
 def select_dynamic(r: torch.Tensor, n: int) -> torch.Tensor:
