@@ -12,6 +12,7 @@ import torch
 
 from quads.formats import fp8, nvfp4
 from quads.formats.constants import FP8_ACT_BLOCK, FP8_WEIGHT_BLOCK, NVFP4_BLOCK
+from quads.kernels import dispatch
 from quads.quant.recipe import LinearSpec
 
 
@@ -28,13 +29,13 @@ def check_k(k: int, what: str) -> None:
 
 
 def nvfp4_quantize(x: torch.Tensor, **opts) -> nvfp4.NVFP4Tensor:
-    """``nvfp4.quantize`` (dispatch point)."""
-    return nvfp4.quantize(x, **opts)
+    """``nvfp4.quantize`` (dispatch point: Triton on CUDA, bit-exact; see ``quads.kernels.dispatch``)."""
+    return dispatch.nvfp4_quantize(x, **opts)
 
 
 def nvfp4_dequantize(q: nvfp4.NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``nvfp4.dequantize`` (dispatch point)."""
-    return nvfp4.dequantize(q, dtype)
+    """``nvfp4.dequantize`` (dispatch point: Triton on CUDA, bit-exact)."""
+    return dispatch.nvfp4_dequantize(q, dtype)
 
 
 def nvfp4_qdq(x: torch.Tensor, dtype: torch.dtype | None = None, **opts) -> torch.Tensor:
