@@ -45,7 +45,7 @@ class ExportConfig:
     calib_data: str | None = None  # text file, one prompt per line (W4A4 calibration); default random ids
     calib_tokens: int = 512  # random calibration tokens when no calib_data
     qdq: bool = False  # bf16 format only: write the NVFP4-dequantized weights of the targets
-    max_shard_mb: int = 4096  # safetensors shard size
+    max_shard_mb: float = 4096.0  # safetensors shard size (MiB)
     force: bool = False  # replace an existing non-empty --out
     seed: int = 0
 
@@ -72,7 +72,7 @@ class ExportResult:
     notes: list[str] = field(default_factory=list)  # mode mismatches and other things the user should know
 
 
-def recipe_spec(recipe: Any, notes: list[str] | None = None) -> QuantSpec:
+def recipe_spec(recipe: Any, notes: list[str] | None = None, **overrides: Any) -> QuantSpec:
     """The rollout's NVFP4 weight quantization of a recipe (a name, a ``Recipe`` or its dict).
 
     A recipe whose rollout does not use NVFP4 weights (bf16, fp8) gets the canonical ``te`` mode and 1x16
@@ -80,7 +80,7 @@ def recipe_spec(recipe: Any, notes: list[str] | None = None) -> QuantSpec:
     """
     from quads.quant.recipe import Recipe, get_recipe
 
-    r = Recipe.from_dict(recipe) if isinstance(recipe, dict) else get_recipe(recipe)
+    r = Recipe.from_dict(recipe) if isinstance(recipe, dict) else get_recipe(recipe, **overrides)
     side = r.rollout
     if side.weight != "nvfp4":
         if notes is not None:
@@ -98,7 +98,8 @@ def _resolve_spec(cfg: ExportConfig, src: ExportSource, notes: list[str]) -> Qua
     if cfg.recipe is None and src.recipe_dict is not None:
         spec = recipe_spec(src.recipe_dict, notes)
     else:
-        spec = recipe_spec(cfg.recipe or src.recipe or "quads", notes)
+        over = src.recipe_overrides if cfg.recipe is None else {}
+        spec = recipe_spec(cfg.recipe or src.recipe or "quads", notes, **over)
     over: dict[str, Any] = {}
     if cfg.targets:
         over["targets"] = tuple(cfg.targets)
@@ -165,7 +166,7 @@ def export(cfg: ExportConfig) -> ExportResult:
         "quantized_tensors": sorted(plan.sources), "notes": notes,
     }
     with staging_dir(Path(cfg.out), cfg.force) as tmp:
-        files = write_shards(tmp, tensors, cfg.max_shard_mb * 2**20)
+        write_shards(tmp, tensors, int(cfg.max_shard_mb * 2**20))
         write_json(tmp / "config.json", config)
         for name, obj in fmt.extra_files(plan, w4a4, linear_names).items():
             write_json(tmp / name, obj)
@@ -189,7 +190,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib-data", default=None, help="W4A4 calibration prompts, one per line")
     parser.add_argument("--calib-tokens", type=int, default=512, help="random calibration tokens without --calib-data")
     parser.add_argument("--qdq", action="store_true", help="bf16 format: write NVFP4-dequantized target weights")
-    parser.add_argument("--max-shard-mb", type=int, default=4096)
+    parser.add_argument("--max-shard-mb", type=float, default=4096.0, help="safetensors shard size (MiB)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     parser.add_argument("--seed", type=int, default=0)
 

@@ -123,14 +123,15 @@ def _fuse_quantized(lin: dict[str, _Linear]) -> dict[str, nvfp4.NVFP4Tensor]:
             if n == 0:
                 continue
             per = [[kinds[p][e] for p in parts] for e in range(n)]
-            for e, ls in enumerate(per):
-                if len({float(x.s_dec) for x in ls}) > 1:
-                    raise ValueError(f"{prefix}.{e}: gate and up have different global scales; they cannot be "
-                                     "fused into one gate_up_proj tensor bit-exactly")
             codes = torch.stack([torch.cat([x.codes for x in ls]) for ls in per])
             scales = torch.stack([torch.cat([x.scales for x in ls]) for ls in per]).to(torch.float8_e4m3fn)
-            gs = torch.stack([ls[0].s_dec for ls in per])
-            gs = gs[0].clone() if bool((gs == gs[0]).all()) else gs.reshape(n, 1, 1)
+            rows = torch.stack([torch.cat([x.s_dec.reshape(1).expand(x.codes.shape[0]) for x in ls]) for ls in per])
+            if bool((rows == rows.reshape(-1)[0]).all()):
+                gs = rows.reshape(-1)[0].clone()  # one scale for the stack
+            elif bool((rows == rows[:, :1]).all()):
+                gs = rows[:, :1].unsqueeze(-1).clone()  # [E, 1, 1]: one per expert (the quads rollout)
+            else:
+                gs = rows.unsqueeze(-1).clone()  # [E, 2I, 1]: gate and up quantized with separate scales
             out[f"{prefix}.{fused}"] = nvfp4.NVFP4Tensor(codes, scales, gs, torch.Size((*codes.shape[:-1],
                                                          2 * codes.shape[-1])), torch.bfloat16)
     return out
@@ -168,10 +169,9 @@ def read_exported(folder: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
         w = nvfp4.dequantize(q, torch.bfloat16)
         sd[key] = w
         re_q = quantize_weight(w, QuantSpec(mode=mode, tile=tile))
-        exact[key] = bool(torch.equal(re_q.codes, q.codes) and torch.equal(
-            re_q.scales.view(torch.uint8), q.scales.view(torch.uint8))
-            and torch.equal(re_q.global_scale.float().reshape(-1), q.global_scale.float().reshape(-1).expand(
-                re_q.global_scale.numel())))
+        same_g = torch.equal(*torch.broadcast_tensors(re_q.global_scale.float(), q.global_scale.float()))
+        exact[key] = bool(torch.equal(re_q.codes, q.codes) and same_g
+                          and torch.equal(re_q.scales.view(torch.uint8), q.scales.view(torch.uint8)))
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     info = ImportInfo(fmt, scheme if lin else None, quantized, amax, exact, meta)
     return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}, config, info

@@ -6,9 +6,12 @@ routed experts fused exactly as ``quads.model`` and transformers 5 store them
 the transformers ``config.json`` dict of the target architecture, the tokenizer files to copy and the
 recipe the run trained with (``None`` for a bare checkpoint).
 
-Run folders (``quads train``) hold ``config.yaml`` (with the recipe name) and checkpoint folders below it;
-the checkpoint used is ``final`` or ``latest`` when present, else the one with the highest step number in
-its name. A checkpoint folder is any folder with ``config.json`` and ``*.safetensors``.
+Run folders (``quads train``, see ``quads.rl.trainer``) hold ``config.yaml`` (its ``recipe:`` section: name
+and overrides such as ``weight_tile`` / ``targets``) and, once the run finished, ``policy/`` (a
+``save_checkpoint`` folder of the final master weights); ``checkpoints/step_N/state.pt`` are training states,
+not exportable. The checkpoint used is ``policy`` (or ``final`` / ``latest``) when present, else the
+sub-folder with the highest step number in its name. A checkpoint folder is any folder with
+``config.json`` and ``*.safetensors``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ TOKENIZER_FILES = (
     "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
     "generation_config.json",
 )
-_PREFERRED_CKPT_NAMES = ("final", "latest")
+_PREFERRED_CKPT_NAMES = ("policy", "final", "latest")
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -43,6 +46,7 @@ class ExportSource:
     recipe: str | None = None  # recipe name of the training run (None: a bare checkpoint)
     run_config: dict[str, Any] = field(default_factory=dict)  # the run's config.yaml, if any
     recipe_dict: dict[str, Any] | None = None  # the full recipe (Recipe.to_dict()) if the run stored it
+    recipe_overrides: dict[str, Any] = field(default_factory=dict)  # get_recipe overrides of the run
 
 
 def is_checkpoint_dir(path: Path) -> bool:
@@ -68,8 +72,9 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path | None]:
     candidates = [c for c in candidates if len(c.relative_to(path).parts) <= 3]
     if not candidates:
         raise ValueError(
-            f"--checkpoint {path}: no checkpoint found (expected config.json + *.safetensors in the folder or in "
-            "a sub-folder such as checkpoints/final); has the run saved a checkpoint yet?"
+            f"--checkpoint {path}: no exportable checkpoint (expected config.json + *.safetensors in the folder or "
+            "in a sub-folder such as policy/); a run writes policy/ when it finishes, and the training states "
+            "under checkpoints/ are not exportable"
         )
     for name in _PREFERRED_CKPT_NAMES:
         named = [c for c in candidates if c.name == name]
@@ -120,6 +125,16 @@ def fuse_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             [torch.cat([kinds["gate_proj"][e], kinds["up_proj"][e]], dim=0) for e in range(n)])
         out[f"{prefix}.down_proj"] = torch.stack([kinds["down_proj"][e] for e in range(n)])
     return out
+
+
+def _recipe_overrides(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``get_recipe`` overrides from the run's ``recipe:`` section (``quads.rl.config.RecipeSection``)."""
+    r = cfg.get("recipe")
+    if not isinstance(r, dict) or "name" not in r or "rollout" in r:
+        return {}
+    from quads.rl.config import RecipeSection
+
+    return RecipeSection(**r).overrides()
 
 
 def _find_recipe_dict(cfg: Any) -> dict[str, Any] | None:
@@ -175,6 +190,10 @@ def _load_hf(folder: Path, ckpt: Path, run: Path | None, raw: dict[str, Any]) ->
     if run is not None and (run / "config.yaml").is_file():
         run_config = yaml.safe_load((run / "config.yaml").read_text()) or {}
     tok = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
+    recipe = _find_recipe(run_config)
+    if recipe is None and (ckpt / "config.json").is_file():  # save_checkpoint(extra={"recipe": ...})
+        extra = json.loads((ckpt / "config.json").read_text()).get("extra") or {}
+        recipe = extra.get("recipe") if isinstance(extra.get("recipe"), str) else None
     return ExportSource(state_dict=sd, hf_config=hf_config, checkpoint_dir=ckpt, tokenizer_files=tok,
-                        recipe=_find_recipe(run_config), run_config=run_config,
-                        recipe_dict=_find_recipe_dict(run_config))
+                        recipe=recipe, run_config=run_config, recipe_dict=_find_recipe_dict(run_config),
+                        recipe_overrides=_recipe_overrides(run_config))
