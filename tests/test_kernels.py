@@ -1,0 +1,210 @@
+"""Triton kernels against their references: bit-exact quantizers, GEMMs within summation-order tolerance.
+
+Without a GPU the kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``, set below
+before any kernel module is imported; Triton reads it when a kernel is decorated) at tiny sizes.
+With a GPU the same checks run compiled, plus the ``gpu``-marked real-size checks.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton", reason="Triton is not installed (pip install quads[kernels])")
+
+from quads.formats import nvfp4  # noqa: E402
+from quads.kernels import dispatch, gemm, nvfp4_quant, rac  # noqa: E402
+from quads.quant.rac import rac_operands  # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+if not HAS_CUDA and not isinstance(
+    nvfp4_quant._nvfp4_quantize_kernel, triton.runtime.interpreter.InterpretedFunction
+):
+    pytest.skip("kernel modules were imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="real-size kernel checks need a CUDA GPU (sm_90); none here")
+
+
+def _same_q(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor, what: str) -> None:
+    assert torch.equal(a.codes, b.codes), f"{what}: codes differ at {(a.codes != b.codes).sum()} bytes"
+    sa, sb = a.scales.view(torch.uint8), b.scales.view(torch.uint8)
+    assert sa.shape == sb.shape and torch.equal(sa, sb), f"{what}: scales differ at {(sa != sb).sum()}"
+    assert a.global_scale.shape == b.global_scale.shape, (
+        f"{what}: {a.global_scale.shape} vs {b.global_scale.shape}"
+    )
+    assert torch.equal(a.global_scale, b.global_scale), f"{what}: global scales differ"
+
+
+def _awkward(shape, seed=0, dtype=torch.bfloat16):
+    """Random data over 10 decades, with zeros, -0.0, a NaN, an Inf, exact E2M1 ties and a zero block."""
+    g = torch.Generator().manual_seed(seed)
+    k = shape[-1]
+    x = torch.randn(shape, generator=g) * torch.logspace(-5, 3, k)
+    flat = x.view(-1, k)
+    flat[0, :16] = 0.0
+    flat[0, 16] = -0.0
+    flat[-1, 17:23] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5]) * 100
+    flat[-1, 23] = 6.0 * 100  # sets the block amax so the ties above stay ties
+    if flat.shape[0] > 2:
+        flat[1, 3] = float("nan")
+        flat[2, 5] = float("-inf")
+    return x.to(dtype).to(DEV)
+
+
+QUANT_CASES = {
+    "tensor": dict(),
+    "token": dict(per_token=True),
+    "amax": dict(amax=7.5),
+    "tile16": dict(tile=(16, 16)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", list(QUANT_CASES), ids=lambda c: c)
+def test_quantize_bit_exact(case, dtype):
+    x = _awkward((32, 96), seed=1, dtype=dtype)
+    kw = QUANT_CASES[case]
+    _same_q(nvfp4_quant.nvfp4_quantize(x, **kw), nvfp4.quantize(x, **kw), f"{case} {dtype}")
+
+
+def test_quantize_per_expert_amax_and_swizzle():
+    w = _awkward((3, 32, 64), seed=2, dtype=torch.float32)
+    amax = nvfp4.nan_ignoring_amax(w, dim=None).expand(3, 1, 1) * torch.tensor(
+        [1.0, 0.5, 2.0], device=DEV
+    ).view(3, 1, 1)
+    a = nvfp4_quant.nvfp4_quantize(w, amax=amax, tile=(16, 16))
+    _same_q(a, nvfp4.quantize(w, amax=amax, tile=(16, 16)), "per-expert amax, 16x16")
+    s = nvfp4_quant.nvfp4_quantize(w, amax=amax, tile=(16, 16), scale_layout="swizzled")
+    ref = nvfp4.swizzle_scales(a.scales)
+    assert torch.equal(s.scales.view(torch.uint8), ref.view(torch.uint8)), "swizzled scales differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_dequantize_bit_exact(dtype):
+    q = nvfp4.quantize(_awkward((16, 64), seed=3, dtype=torch.float32), per_token=True)
+    a, b = nvfp4_quant.nvfp4_dequantize(q, dtype), nvfp4.dequantize(q, dtype)
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), (
+        f"dequantize {dtype}"
+    )
+
+
+@pytest.mark.parametrize("act_scale", ["tensor", "token"])
+@pytest.mark.parametrize("t,k,n", [(1, 64, 32), (37, 96, 48)], ids=lambda v: str(v))
+def test_rac_quantize_bit_exact(t, k, n, act_scale):
+    g = torch.Generator().manual_seed(t * k)
+    x = (torch.randn(t, k, generator=g) * torch.rand(k, generator=g) * 4).bfloat16().to(DEV)
+    a = rac.rac_quantize(x, n, act_scale=act_scale, scatter=True, splits=2)
+    b = rac.rac_quantize_reference(x, n, act_scale=act_scale, scatter=True)
+    _same_q(a.x, b.x, "RAC X")
+    assert torch.equal(a.channels, b.channels), f"RAC channels differ: {a.channels} vs {b.channels}"
+    _same_q(a.residual, b.residual, "RAC residual")
+    assert torch.equal(a.scattered, b.scattered), "scattered residual operand differs"
+    xq, rq, s = rac_operands(x, n=n, act_scale=act_scale)  # the quant layers' reference
+    assert torch.equal(nvfp4.dequantize(a.x), xq) and torch.equal(a.channels, s)
+    assert torch.equal(nvfp4.dequantize(a.residual), rq)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+# fp32 accumulation of exact products in another order: |err| <= K * 2**-24 * sum|terms| in the worst
+# case, typically sqrt(K) * 2**-24 relative; 1e-5 relative (Frobenius) leaves a wide margin at K <= 8192
+# and still catches any wrong code, scale or index (those give errors of order 1e-2 or more).
+GEMM_RTOL = 1e-5
+
+
+@pytest.mark.parametrize("m,n,k,split", [(1, 64, 256, 1), (5, 80, 160, 2), (33, 64, 384, 1)], ids=str)
+def test_w4a16_gemm(m, n, k, split):
+    x = torch.randn(m, k).bfloat16().to(DEV)
+    w = nvfp4.quantize(torch.randn(n, k).to(DEV))
+    a = gemm.w4a16_gemm(x, w, out_dtype=torch.float32, split_k=split)
+    b = gemm.w4a16_gemm_reference(x, w, out_dtype=torch.float32)
+    assert _rel(a, b) < GEMM_RTOL, f"W4A16 M={m} N={n} K={k} split={split}: rel err {_rel(a, b):.2e}"
+
+
+def test_w4a16_grouped_gemm():
+    e, n, k = 4, 48, 128
+    w = nvfp4.quantize(torch.randn(e, n, k).to(DEV), amax=torch.rand(e, 1, 1).to(DEV) * 4)
+    offs = torch.tensor([0, 3, 3, 20, 21], dtype=torch.int32, device=DEV)  # expert 1 gets no tokens
+    x = torch.randn(21, k).bfloat16().to(DEV)
+    a = gemm.w4a16_grouped_gemm(x, w, offs, out_dtype=torch.float32)
+    b = gemm.w4a16_grouped_gemm_reference(x, w, offs, out_dtype=torch.float32)
+    assert _rel(a, b) < GEMM_RTOL, f"grouped W4A16 E={e} N={n} K={k}: rel err {_rel(a, b):.2e}"
+
+
+@pytest.mark.parametrize("act_scale", ["tensor", "token"])
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_w4a4_rac_linear_matches_quant_reference(ratio, act_scale):
+    t, n, k = 7, 48, 128
+    x = torch.randn(t, k).bfloat16().to(DEV)
+    w = torch.randn(n, k).to(DEV)
+    wq = nvfp4.quantize(w)
+    from quads.quant.rac import rac_channels
+    from quads.quant.w4a4 import w4a4_linear as quant_w4a4
+
+    with dispatch.kernels("triton"):
+        y = dispatch.w4a4_linear(x, wq, rac_channels=rac_channels(k, ratio), act_scale=act_scale)
+    with dispatch.kernels("reference"):
+        y_ref = dispatch.w4a4_linear(x, wq, rac_channels=rac_channels(k, ratio), act_scale=act_scale)
+        y_quant = quant_w4a4(x, w, rac_ratio=ratio, act_scale=act_scale)
+    assert torch.equal(y.float().isnan(), y_ref.float().isnan())
+    # bf16 outputs: the two paths may round differently by one bf16 ulp (2**-8 relative)
+    assert _rel(y, y_ref) < 4e-3, (
+        f"W4A4 ratio={ratio} {act_scale}: {_rel(y, y_ref):.2e} vs the kernel reference"
+    )
+    assert _rel(y, y_quant) < 4e-3, f"W4A4 ratio={ratio} {act_scale}: {_rel(y, y_quant):.2e} vs quant.w4a4"
+
+
+def test_dispatch_switch():
+    x = torch.randn(4, 32)
+    with dispatch.kernels("reference"):
+        assert dispatch.backend() == "reference" and not dispatch.use_triton(x)
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        with dispatch.kernels("fast"):
+            pass
+    with dispatch.kernels("auto"):
+        assert dispatch.use_triton(x) == (x.is_cuda and dispatch.HAS_TRITON)
+        q = dispatch.nvfp4_quantize(x.to(DEV), per_token=True)
+    _same_q(q, nvfp4.quantize(x.to(DEV), per_token=True), "dispatch auto")
+
+
+# ------------------------------------------------------------------------- real sizes (GPU only)
+
+
+@gpu
+@pytest.mark.parametrize("shape,kw", [((4096, 8192), {}), ((4096, 8192), {"per_token": True}),
+                                      ((2048, 4096), {"tile": (16, 16)})], ids=str)  # fmt: skip
+def test_gpu_quantize_real_size(shape, kw):
+    x = (torch.randn(shape, device="cuda") * 3).bfloat16()
+    _same_q(nvfp4_quant.nvfp4_quantize(x, **kw), nvfp4.quantize(x, **kw), f"{shape} {kw}")
+
+
+@gpu
+@pytest.mark.parametrize("act_scale", ["tensor", "token"])
+def test_gpu_rac_real_size(act_scale):
+    x = (torch.randn(512, 4096, device="cuda") * torch.rand(4096, device="cuda") * 4).bfloat16()
+    a = rac.rac_quantize(x, 2048, act_scale=act_scale, scatter=True)
+    b = rac.rac_quantize_reference(x, 2048, act_scale=act_scale, scatter=True)
+    _same_q(a.x, b.x, "RAC X")
+    assert torch.equal(a.channels, b.channels), "RAC channels differ"
+    _same_q(a.residual, b.residual, "RAC residual")
+    assert torch.equal(a.scattered, b.scattered)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 1024])
+@pytest.mark.parametrize("n,k", [(8192, 8192), (28672, 4096)], ids=str)
+def test_gpu_gemms_real_size(m, n, k):
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    w = nvfp4.quantize(torch.randn(n, k, device="cuda").bfloat16())
+    a = gemm.w4a16_gemm(x, w, out_dtype=torch.float32)
+    b = gemm.w4a16_gemm_reference(x, w, out_dtype=torch.float32)
+    assert _rel(a, b) < GEMM_RTOL, f"W4A16 M={m} N={n} K={k}: {_rel(a, b):.2e}"
+    xa = nvfp4.quantize(x, per_token=True)
+    a = gemm.w4a4_gemm(xa, w, out_dtype=torch.float32)
+    b = gemm.w4a4_gemm_reference(xa, w, out_dtype=torch.float32)
+    assert _rel(a, b) < GEMM_RTOL, f"W4A4 M={m} N={n} K={k}: {_rel(a, b):.2e}"
