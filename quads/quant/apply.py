@@ -5,8 +5,8 @@ matched module becomes:
 - ``QuantizedExperts`` when it holds 3-D ``gate_up_proj`` / ``down_proj`` parameters (the built-in
   model, transformers 5 Qwen3-MoE / OLMoE / Mixtral);
 - ``QuantizedLinear`` when it is an ``nn.Linear``;
-- otherwise (e.g. an ``nn.ModuleList`` of per-expert MLPs, older layouts) every ``nn.Linear`` inside
-  it becomes a ``QuantizedLinear``.
+- otherwise (e.g. an ``nn.ModuleList`` of per-expert MLPs, older layouts, or a whole decoder layer)
+  every expert stack and every ``nn.Linear`` inside it is swapped as above.
 Always kept as they are, even when a pattern matches: routers (modules named ``gate`` or ``router``),
 embeddings (``nn.Embedding``, the model's input embeddings), ``lm_head`` (the output embeddings) and
 norms (never ``nn.Linear``, so never swapped).
@@ -133,8 +133,14 @@ def quantize_model(
         elif isinstance(module, nn.Linear):
             plan.append((name, module, "linear"))
         else:
+            inner: list[str] = []
             for sub, m in module.named_modules(prefix=name):
-                if isinstance(m, nn.Linear) and not _protected(sub, m, model):
+                if any(sub.startswith(d + ".") for d in inner) or _protected(sub, m, model):
+                    continue
+                if _is_experts(m):
+                    plan.append((sub, m, "experts"))
+                    inner.append(sub)
+                elif isinstance(m, nn.Linear):
                     plan.append((sub, m, "linear"))
     if not plan:
         names = [n for n, _ in model.named_modules() if n][:8]
