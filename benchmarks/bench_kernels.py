@@ -269,7 +269,7 @@ def _fmt(v) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
-    ap.add_argument("--only", default="quantize,w4a16,sweep,moe,w4a4", help="comma list of suites")
+    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,sweep", help="comma list of suites")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                "w4a16": lambda: bench_w4a16(rows, copy_bw, args.quick), "sweep": lambda: bench_w4a16_sweep(rows),
                "moe": lambda: bench_moe(rows, args.quick), "w4a4": lambda: bench_w4a4(rows)}  # fmt: skip
     for s in suites:
+        n0 = len(rows)
         try:
             runners[s]()
         except Exception as e:  # one broken suite must not lose the others' numbers; it is reported
@@ -292,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
             rows.append({"bench": f"{s} FAILED", "shape": f"{type(e).__name__}: {e}"[:200]})
+        for r in rows[n0:]:  # as they come, so that a run cut short still reports
+            print("row", json.dumps(r), flush=True)
         torch.cuda.empty_cache()
     keys = [
         "us",

@@ -17,7 +17,7 @@ SUITES = ("kernels",)
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("suite", nargs="?", default="kernels", choices=SUITES, help="what to benchmark")
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
-    parser.add_argument("--only", default="quantize,w4a16,sweep,moe,w4a4", help="comma list of kernel suites")
+    parser.add_argument("--only", default="quantize,w4a16,moe,w4a4,sweep", help="comma list of kernel suites")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 

@@ -5,7 +5,7 @@
 set -u -o pipefail
 OUT=${OUT:-/tmp/quads_gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-SUITES=${SUITES:-quantize,w4a16,sweep,moe,w4a4}
+SUITES=${SUITES:-quantize,w4a16,moe,w4a4,sweep}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv; 
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 t0=$(date +%s)
@@ -14,4 +14,4 @@ echo "tests: $(( $(date +%s) - t0 )) s"
 t1=$(date +%s)
 timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench_kernels.py --only "$SUITES" --json "$OUT/bench.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
 echo "bench rc=$? $(( $(date +%s) - t1 )) s"
-grep -v '^{"info"' "$OUT/bench.log" | tail -60
+grep -v '^{"info"' "$OUT/bench.log" | grep -v '^row ' | tail -60
