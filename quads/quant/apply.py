@@ -102,30 +102,23 @@ def dequantize_model(model: nn.Module) -> int:
     return len(qm)
 
 
-def quantize_model(
-    model: nn.Module, recipe: Recipe | str, side: str = "trainer", *, verbose: bool = True
-) -> QuantSummary:
-    """Swap the modules matched by ``recipe.targets`` for quantized ones computing ``recipe.<side>``.
+def target_modules(
+    model: nn.Module, targets, protected: list[str] | None = None
+) -> list[tuple[str, nn.Module, str]]:
+    """``[(name, module, kind)]`` that ``targets`` select (kind "experts" or "linear"), per the module doc.
 
-    Weights are shared, not copied. On the rollout side the weights are quantized now (the initial
-    sync). Raises ValueError when nothing matches (with examples of module names) or a matched layer
-    cannot be quantized (e.g. in_features not a multiple of 16 for NVFP4). Prints the summary when
-    ``verbose``.
+    Names of pattern-matched modules kept unquantized are appended to ``protected`` when given.
     """
-    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
-    spec = recipe.spec(side)
-    dequantize_model(model)
-    summary = QuantSummary(recipe=recipe.name, side=side, spec=spec.describe())
-    summary.n_total_params = sum(p.numel() for p in model.parameters())
     plan: list[tuple[str, nn.Module, str]] = []
     done: list[str] = []
     for name, module in model.named_modules():
         if not name or any(name.startswith(d + ".") for d in done):
             continue
-        if not any(fnmatch.fnmatchcase(name, pat) for pat in recipe.targets):
+        if not any(fnmatch.fnmatchcase(name, pat) for pat in targets):
             continue
         if _protected(name, module, model):
-            summary.protected.append(name)
+            if protected is not None:
+                protected.append(name)
             continue
         done.append(name)
         if _is_experts(module):
@@ -142,6 +135,25 @@ def quantize_model(
                     inner.append(sub)
                 elif isinstance(m, nn.Linear):
                     plan.append((sub, m, "linear"))
+    return plan
+
+
+def quantize_model(
+    model: nn.Module, recipe: Recipe | str, side: str = "trainer", *, verbose: bool = True
+) -> QuantSummary:
+    """Swap the modules matched by ``recipe.targets`` for quantized ones computing ``recipe.<side>``.
+
+    Weights are shared, not copied. On the rollout side the weights are quantized now (the initial
+    sync). Raises ValueError when nothing matches (with examples of module names) or a matched layer
+    cannot be quantized (e.g. in_features not a multiple of 16 for NVFP4). Prints the summary when
+    ``verbose``.
+    """
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    spec = recipe.spec(side)
+    dequantize_model(model)
+    summary = QuantSummary(recipe=recipe.name, side=side, spec=spec.describe())
+    summary.n_total_params = sum(p.numel() for p in model.parameters())
+    plan = target_modules(model, recipe.targets, protected=summary.protected)
     if not plan:
         names = [n for n, _ in model.named_modules() if n][:8]
         raise ValueError(
