@@ -29,6 +29,11 @@ E2M1_F16_SHIFT = 16384.0
 E4M3_SUBNORMAL_MAGIC = 16384.0
 
 
+# Launch options of the bit-exact kernels: no FMA contraction (``x - a * b`` must round ``a * b``
+# first, as the reference does; Triton contracts by default).
+EXACT = {"enable_fp_fusion": False}
+
+
 def interpreting() -> bool:
     """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

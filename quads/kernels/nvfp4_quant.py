@@ -34,7 +34,7 @@ from quads.formats.constants import (
     SWIZZLE_COLS,
     SWIZZLE_ROWS,
 )
-from quads.kernels._common import HAS_TRITON
+from quads.kernels._common import EXACT, HAS_TRITON
 
 INV6 = float(torch.tensor(1.0 / F4_E2M1_MAX, dtype=torch.float32))  # fp32(1/6), as the reference
 
@@ -183,7 +183,7 @@ def row_amax(x: torch.Tensor) -> torch.Tensor:
     m, k = x2.shape
     out = torch.empty(m, dtype=torch.float32, device=x.device)
     bm, bk = 4, min(1024, triton.next_power_of_2(k))
-    _row_amax_kernel[(triton.cdiv(m, bm),)](x2, out, m, k, x2.stride(0), BLOCK_M=bm, BLOCK_K=bk)
+    _row_amax_kernel[(triton.cdiv(m, bm),)](x2, out, m, k, x2.stride(0), BLOCK_M=bm, BLOCK_K=bk, **EXACT)
     return out.reshape(x.shape[:-1])
 
 
@@ -260,7 +260,7 @@ def nvfp4_quantize(
     _nvfp4_quantize_kernel[(triton.cdiv(m, bm),)](
         x2, amax_rows, codes, scales, sdec, m, k, x2.stride(0), stride_amax, r_mat, rp, cp,
         PER_ROW_AMAX=per_row, TILE16=tile16, SWIZZLE=scale_layout == "swizzled",
-        BLOCK_M=bm, BLOCK_K=bk,
+        BLOCK_M=bm, BLOCK_K=bk, **EXACT,
     )  # fmt: skip
     g = sdec.reshape(*x.shape[:-1], 1)
     target = out_gshape
@@ -301,7 +301,7 @@ def nvfp4_dequantize(q: nvfp4.NVFP4Tensor, dtype: torch.dtype = torch.float32) -
     out = torch.empty(m, k, dtype=dtype, device=codes.device)
     bm, bk = 16, min(256, triton.next_power_of_2(k))
     grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
-    _nvfp4_dequantize_kernel[grid](codes, scales, sdec, out, m, k, stride, BLOCK_M=bm, BLOCK_K=bk)
+    _nvfp4_dequantize_kernel[grid](codes, scales, sdec, out, m, k, stride, BLOCK_M=bm, BLOCK_K=bk, **EXACT)
     return out.reshape(*q.codes.shape[:-1], k)
 
 

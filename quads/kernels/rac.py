@@ -33,7 +33,7 @@ import torch
 
 from quads.formats import nvfp4
 from quads.formats.constants import F8E4M3_DTYPE, NVFP4_BLOCK
-from quads.kernels._common import HAS_TRITON
+from quads.kernels._common import EXACT, HAS_TRITON
 from quads.kernels.nvfp4_quant import row_amax
 
 if HAS_TRITON:
@@ -206,7 +206,7 @@ def rac_quantize(
     chmax = torch.empty(splits, k, dtype=torch.float32, device=dev)
     _rac_quantize_kernel[(k_tiles, splits)](
         x, amax_rows, stride_amax, codes, scales, sdec, norms, chmax, t, k, x.stride(0), rows_per_split,
-        BLOCK_M=bm, BLOCK_K=bk,
+        BLOCK_M=bm, BLOCK_K=bk, **EXACT,
     )  # fmt: skip
     gx = sdec[:t].reshape(t, 1).clone() if per_token else sdec[0].clone()
     xq = _nvfp4(codes, scales, gx, x.shape, x.dtype)
@@ -220,7 +220,7 @@ def rac_quantize(
     bs = min(64, triton.next_power_of_2(n))
     _rac_residual_kernel[(triton.cdiv(t, bm),)](
         x, scales, sel, ramax, rcodes, rscales, sdec, scat, t, k, n, x.stride(0),
-        PER_TOKEN=per_token, SCATTER=scatter, BLOCK_M=bm, BLOCK_S=bs,
+        PER_TOKEN=per_token, SCATTER=scatter, BLOCK_M=bm, BLOCK_S=bs, **EXACT,
     )  # fmt: skip
     gr = sdec[t:].reshape(t, 1).clone() if per_token else sdec[t].clone()
     rq = _nvfp4(rcodes, rscales, gr, torch.Size((t, n)), torch.float32)
