@@ -186,5 +186,6 @@ class QuantizedExperts(_QuantizedBase):
             start += c
             gate, up = self._gemm("gate_up_proj", e, hidden_states[idx], gu_q).chunk(2, dim=-1)
             y = self._gemm("down_proj", e, self.act_fn(gate) * up, dn_q)
-            out.index_add_(0, idx, (y * w_route[:, None]).to(out.dtype))
+            # idx is unique within one expert: same sums as index_add_, which is ~100x slower in BF16 on CPU
+            out.index_put_((idx,), (y * w_route[:, None]).to(out.dtype), accumulate=True)
         return out
