@@ -91,12 +91,17 @@ class KVCache:
 
 
 def build_attn_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, past: int,
-                    device: torch.device) -> torch.Tensor:
+                    device: torch.device) -> torch.Tensor | None:
     """Boolean SDPA mask [B, 1, L, S] (True = attend): causal, keys with ``attention_mask == 0`` hidden.
 
     ``attention_mask`` is [B, S] over all keys (past + new). A query always sees itself, so rows of
     padding tokens are never fully masked (their outputs are garbage but finite and unused).
+    Returns None when plain causal attention is exact (no padding, no past, or a single query with
+    no padding), so SDPA can take its ``is_causal`` fast path.
     """
+    if attention_mask is None or bool(attention_mask.all()):
+        if past == 0 or q_len == 1:
+            return None
     s = past + q_len
     q_pos = torch.arange(past, s, device=device)[:, None]
     k_pos = torch.arange(s, device=device)[None, :]
@@ -127,7 +132,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(kv, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None) -> torch.Tensor:
         B, L, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, L, nh*D], [B, L, nkv*D] x2
@@ -142,5 +147,7 @@ class Attention(nn.Module):
         v = v.view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, nkv, S, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        causal = mask is None and L > 1  # mask None: plain causal (L > 1) or one query seeing every key
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))

@@ -133,8 +133,11 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
 class RolloutEngine:
     """Generates from ``model`` (used as given: the quantization helper may have swapped its layers)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, *, device: torch.device | str | None = None,
-                 max_batch_tokens: int | None = None, recipe: str | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, recipe: str | None = None, *,
+                 device: torch.device | str | None = None, max_batch_tokens: int | None = None) -> None:
+        """``recipe`` is stored for reporting only; ``max_batch_tokens`` caps samples per prefill/decode
+        batch at max_batch_tokens // (P + max_new_tokens) (chunks run one after another, so results
+        with sampling depend on it through the generator's draw order; greedy results do not)."""
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else model.device
