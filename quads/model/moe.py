@@ -40,6 +40,8 @@ class MoEExperts(nn.Module):
         summed in slot order (for k = 2 this equals transformers' expert-order ``index_add_`` exactly).
         """
         T, k = top_k_index.shape
+        if T == 0:
+            return torch.zeros_like(hidden_states)
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order kept inside
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
