@@ -180,16 +180,32 @@ def test_scaled_mm_convention(ga, gb):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gran", ["tensor", "row"])
+@pytest.mark.parametrize("gran", ["tensor", "row", "block"])
 def test_scaled_mm_on_gpu_matches_reference(gran):
+    """The documented call ``_scaled_mm(a.data, b.data.t(), a.scale, b.scale.t())`` computes ``a @ b.T``.
+
+    Hopper's FP8 MMA accumulates with fewer bits than fp32 (seen here: ~4e-4 relative on K=512),
+    so the bound is 2^-8 of the sum of |terms|; a wrong scale convention would be off by orders of
+    magnitude. For blocks, cuBLAS wants the activation scale outer-dim-major.
+    """
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a CUDA GPU with FP8 tensor cores (sm89+) for torch._scaled_mm")
     g = torch.Generator().manual_seed(2)
-    x, w = torch.randn(64, 256, generator=g), torch.randn(128, 256, generator=g)
-    a, b = fp8.quantize(x.cuda(), granularity=gran), fp8.quantize(w.cuda(), granularity=gran)
-    out = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=b.scale.t(), out_dtype=torch.float32)
+    x, w = torch.randn(256, 512, generator=g).cuda(), torch.randn(384, 512, generator=g).cuda()
+    if gran == "block":
+        a = fp8.quantize(x, granularity="block", block=(1, 128))
+        b = fp8.quantize(w, granularity="block", block=(128, 128))
+        scale_a = a.scale.t().contiguous().t()  # [M, K/128], outer-dim-major
+    else:
+        a, b = fp8.quantize(x, granularity=gran), fp8.quantize(w, granularity=gran)
+        scale_a = a.scale
+    out = torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=b.scale.t(), out_dtype=torch.float32)
     ref = fp8.scaled_mm_reference(a, b, torch.float32)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    abs_a = fp8.FP8Tensor(a.data.float().abs().to(a.data.dtype), a.scale, a.shape, a.dtype, a.granularity, a.block)
+    abs_b = fp8.FP8Tensor(b.data.float().abs().to(b.data.dtype), b.scale, b.shape, b.dtype, b.granularity, b.block)
+    bound = fp8.scaled_mm_reference(abs_a, abs_b, torch.float32) * 2.0**-8
+    worst = ((out - ref).abs() - bound).max().item()
+    assert worst <= 0, f"{gran}: _scaled_mm differs from the reference by more than 2^-8 of sum|terms| ({worst})"
 
 
 # ---------------------------------------------------------------- bad input

@@ -32,8 +32,9 @@ column-major). For ``y = x @ w.T`` with ``a = quantize(x2d, ...)`` ``[M, K]`` an
 
 - tensor x tensor: ``a.scale`` and ``b.scale`` are 0-dim fp32 (``.t()`` of a 0-dim tensor is itself).
 - row x row: ``a.scale [M, 1]``, ``b.scale.t() [1, N]`` (both contiguous).
-- block (1, 128) x block (128, 128): ``a.scale [M, K/128]``, ``b.scale.t() [K/128, N/128]``; on
-  Hopper cuBLAS wants the scales outer-dim-major: pass ``a.scale.t().contiguous().t()``.
+- block (1, 128) x block (128, 128): ``a.scale [M, K/128]``, ``b.scale.t() [K/128, N/128]``; cuBLAS
+  wants both outer-dim-major: pass ``a.scale.t().contiguous().t()`` and ``b.scale.t()`` as is
+  (checked on an H200 with torch 2.11).
 ``scaled_mm_reference`` below computes the same product in fp32 on any device.
 """
 
