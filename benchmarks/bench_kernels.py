@@ -106,6 +106,10 @@ def bench_quantize(rows: list, copy_bw: float, quick: bool) -> None:
         "RAC 0.5 quantize per-token": (lambda: rac.rac_quantize(x, k // 2, act_scale="token"), None),
         "RAC 0.5 quantize per-tensor": (lambda: rac.rac_quantize(x, k // 2, act_scale="tensor"), None),
     }
+    for bm in (8, 16, 32):  # row-block sweep of the per-token quantize (tile = bm x 256)
+        t = time_plain(lambda bm=bm: nvfp4_quant.nvfp4_quantize(x, per_token=True, block_m=bm), reps=10)
+        rows.append({"bench": f"quantize per-token block_m={bm}", "shape": f"{t_}x{k} bf16", "us": t * 1e6,
+                     "eff_TBps": min_bytes / t / 1e12, "frac_copy": min_bytes / t / copy_bw})  # fmt: skip
     for name, (fn, moved) in cases.items():
         t = time_plain(fn, reps=10)
         eff = min_bytes if "RAC" not in name else min_bytes + t_ * (k // 2) // 2 + t_ * (k // 2) // 16
