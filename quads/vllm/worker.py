@@ -96,6 +96,8 @@ def set_recipe(worker, recipe: dict) -> int:
         )
     cfg.recipe = new
     cfg.sync_ok, cfg.sync_detail = None, ""
+    for layer, _ in quads_layers(get_model(worker)):
+        layer.quads_selectors = {}  # static RAC statistics belong to the previous recipe
     return requantize(worker)
 
 

