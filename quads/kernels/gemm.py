@@ -36,7 +36,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from quads.kernels._common import cast_out, e2m1_times_scale, e4m3_to_f32
+    from quads.kernels._common import cast_out, e2m1_times_scale, e4m3_to_f32, unpack_codes
 
     @triton.jit
     def _dot(a, b, acc, DOT_F32: tl.constexpr):
@@ -49,16 +49,23 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_tile(c_ptr, s_ptr, rows, k0, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        """NVFP4 rows ``rows`` x [k0, k0+BLOCK_K) -> ``e2m1 * s`` BF16 [BLOCK_R, BLOCK_K] (exact).
-
-        Every element loads its own code byte and scale byte (neighbours hit the same L1 lines):
-        this avoids the shared-memory layout shuffles that join/reshape/broadcast would cost."""
-        rk = k0 + tl.arange(0, BLOCK_K)
-        m = (rows[:, None] < R) & (rk[None, :] < K)
-        p = tl.load(c_ptr + rows[:, None] * (K // 2) + (rk // 2)[None, :], mask=m, other=0).to(tl.int32)
-        c = (p >> ((rk & 1) * 4)[None, :]) & 0xF
-        sb = tl.load(s_ptr + rows[:, None] * (K // 16) + (rk // 16)[None, :], mask=m, other=0)
-        w = e2m1_times_scale(c, e4m3_to_f32(sb) * 16384.0)
+        """NVFP4 rows ``rows`` x [k0, k0+BLOCK_K) -> ``e2m1 * s`` BF16 [BLOCK_R, BLOCK_K] (exact)."""
+        rmask = rows < R
+        pk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        p = tl.load(
+            c_ptr + rows[:, None] * (K // 2) + pk[None, :],
+            mask=rmask[:, None] & (pk[None, :] < K // 2),
+            other=0,
+        )
+        sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        sb = tl.load(
+            s_ptr + rows[:, None] * (K // 16) + sk[None, :],
+            mask=rmask[:, None] & (sk[None, :] < K // 16),
+            other=0,
+        )
+        s16 = e4m3_to_f32(sb) * 16384.0
+        s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BLOCK_R, BLOCK_K // 16, 16)), (BLOCK_R, BLOCK_K))
+        w = e2m1_times_scale(unpack_codes(p, BLOCK_R, BLOCK_K), s16)
         return w.to(tl.bfloat16)  # exact: e2m1 * s has at most 6 significant bits
 
     @triton.jit
