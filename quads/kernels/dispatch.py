@@ -26,8 +26,8 @@ from quads.kernels._common import HAS_TRITON, interpreting
 BACKENDS = ("auto", "triton", "reference")
 ENV = "QUADS_KERNELS"
 # W4A16: at or below this many tokens the fused Triton GEMM runs; above it, Triton dequantize +
-# cuBLAS (torch.mm) is faster on an H200 (see docs/PERF.md).
-W4A16_FUSED_MAX_M = 256
+# cuBLAS (torch.mm) is faster on an H200 (M=256: 108 vs 233 us, docs/PERF.md).
+W4A16_FUSED_MAX_M = 64
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("quads_kernels", default=None)
 
