@@ -126,3 +126,19 @@ def test_mismatched_models_rejected():
     quantize_model(other, "quads", "rollout", verbose=False)
     with pytest.raises(ValueError, match="state-dict keys"):
         sync_weights(trainer, other)
+
+
+def test_calibrate_static_channels_and_parameter_swap():
+    from quads.quant import calibrate_static_channels
+
+    trainer, rollout = _pair(get_recipe("quads", rac_selection="static"))
+    sel = rollout.model.layers[1].mlp.experts.selectors["down_proj"]
+    before = sel.order.clone()
+    n = calibrate_static_channels(rollout, lambda m: m(torch.randint(0, 64, (4, 16))))
+    assert n == 2 * 2 * 4 and not torch.equal(sel.order, before)  # layers x GEMMs x experts
+    with pytest.raises(ValueError, match="static RAC"):
+        calibrate_static_channels(trainer, lambda m: None)
+    # the store follows the module's current parameter object (e.g. after FSDP2 or a user swap)
+    e = trainer.model.layers[0].mlp.experts
+    e.down_proj = torch.nn.Parameter(e.down_proj.detach() * 2)
+    assert torch.equal(e.stores["down_proj"].get(), quantize_weight(e.down_proj, e.spec, e.weight_dtype)[0])

@@ -2,11 +2,13 @@
 
 from quads.quant.apply import (
     QuantSummary,
+    calibrate_static_channels,
     dequantize_model,
     quantize_model,
     quantized_modules,
     refresh_quantized,
 )
+from quads.quant.diagnostics import layer_errors, recipe_layer_errors
 from quads.quant.fp8_linear import fp8_linear
 from quads.quant.layers import QuantizedExperts, QuantizedLinear
 from quads.quant.qat import qat_linear, ste_linear
@@ -25,10 +27,13 @@ __all__ = [
     "StaticChannelSelector",
     "SyncReport",
     "WeightSyncError",
+    "calibrate_static_channels",
     "dequantize_model",
     "fingerprint",
     "fp8_linear",
     "get_recipe",
+    "layer_errors",
+    "recipe_layer_errors",
     "qat_linear",
     "quantize_model",
     "quantized_modules",

@@ -18,8 +18,10 @@ undone first (the same parameters are kept), then the new recipe and side are ap
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from quads.quant.layers import QuantizedExperts, QuantizedLinear, _QuantizedBase
@@ -182,3 +184,19 @@ def refresh_quantized(model: nn.Module) -> int:
     for m in qm.values():
         m.refresh()
     return len(qm)
+
+
+@torch.no_grad()
+def calibrate_static_channels(model: nn.Module, run: Callable[[nn.Module], object]) -> int:
+    """Calibrate the static RAC orders now: gather residual statistics over ``run(model)`` (e.g. a few
+    forwards on recent prompts), then re-sort the orders. Weight sync does the same with the
+    statistics gathered by the rollouts since the previous sync. Returns the number of groups updated.
+    """
+    qm = [m for m in quantized_modules(model).values() if len(m.selectors)]
+    if not qm:
+        raise ValueError("calibrate_static_channels: no quantized module uses static RAC selection")
+    for m in qm:
+        for sel in m.selectors.values():
+            sel.observing = True
+    run(model)
+    return sum(m.refresh_static() for m in qm)

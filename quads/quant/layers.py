@@ -31,12 +31,17 @@ SIDES = ("trainer", "rollout")
 class WeightStore:
     """The weight operand of one parameter under one spec (see the module docstring)."""
 
-    def __init__(self, param: nn.Parameter, spec: LinearSpec, dtype: torch.dtype, side: str) -> None:
-        self.param, self.spec, self.dtype, self.side = param, spec, dtype, side
+    def __init__(self, owner: nn.Module, name: str, spec: LinearSpec, dtype: torch.dtype, side: str) -> None:
+        self.owner, self.name, self.spec, self.dtype, self.side = owner, name, spec, dtype, side
         self.w_q: torch.Tensor | None = None  # dequantized operand, [N, K] or [E, N, K]
         self.packed = None  # NVFP4Tensor for NVFP4 weights (codes, scales, global scales)
         self.key: tuple | None = None
         self.n_quantize = 0  # how many times this weight was quantized (tests, benchmarks)
+
+    @property
+    def param(self) -> torch.Tensor:
+        """The owner's parameter *now* (looked up each time: FSDP2 or a user may swap the object)."""
+        return getattr(self.owner, self.name)
 
     def _key(self) -> tuple:
         p = self.param
@@ -79,7 +84,7 @@ class _QuantizedBase(nn.Module):
             p = getattr(self, name)
             if "nvfp4" in (spec.act, spec.weight):
                 ops.check_k(p.shape[-1], f"{type(original).__name__}.{name}")
-            self.stores[name] = WeightStore(p, spec, weight_dtype, side)
+            self.stores[name] = WeightStore(self, name, spec, weight_dtype, side)
             if static:
                 self.selectors[name] = StaticChannelSelector(groups, p.shape[-1])
         if side == "rollout":
@@ -91,10 +96,21 @@ class _QuantizedBase(nn.Module):
 
     def refresh(self) -> None:
         """Re-quantize every weight now and refresh the static RAC orders (weight sync calls this)."""
-        for name, store in self.stores.items():
-            w_q = store.refresh() if self.spec.weight != "none" else store.get()
-            if name in self.selectors:
-                self.selectors[name].refresh(prior=w_q.float().square().sum(dim=-2))  # weight column norms
+        for store in self.stores.values():
+            if self.spec.weight != "none":
+                store.refresh()
+        self.refresh_static()
+
+    def refresh_static(self) -> int:
+        """Re-sort the static RAC orders from the statistics since the last refresh; returns groups updated.
+
+        Groups without statistics take the column norms of the weight operand as a prior.
+        """
+        n = 0
+        for name, sel in self.selectors.items():
+            w_q = self.stores[name].get()
+            n += sel.refresh(prior=w_q.float().square().sum(dim=-2))  # [groups, K] weight column norms
+        return n
 
     def weight_operands(self) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
         """``{param_name: (master parameter, weight operand)}`` (what weight sync fingerprints)."""
