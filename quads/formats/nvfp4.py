@@ -147,8 +147,8 @@ def e2m1_round(y: torch.Tensor) -> torch.Tensor:
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes (uint8, one per element) -> fp32 values (code 0x8 -> -0.0)."""
     grid = torch.tensor(F4_E2M1_GRID, dtype=torch.float32, device=codes.device)
-    mag = grid[(codes & 0x7).long()]
-    return torch.where((codes & 0x8) != 0, -mag, mag)
+    lut = torch.cat([grid, -grid])  # code c -> value, 16 entries
+    return lut.index_select(0, (codes & 0xF).reshape(-1).int()).reshape(codes.shape)
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -179,11 +179,6 @@ def _tile_reduce(bam: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
     return t.expand(*t.shape[:-3], n // NVFP4_BLOCK, NVFP4_BLOCK, bam.shape[-1]).reshape(bam.shape)
 
 
-def _block_amax(xf: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
-    """Per-block NaN-ignoring amax, [..., K/16] (16x16 tiles: the tile amax repeated over its 16 rows)."""
-    return _tile_reduce(nan_ignoring_amax(_blocks(xf), dim=-1).squeeze(-1), tile)
-
-
 def _block_has_nan(xf: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
     """[..., K/16] bool: the block (or its 16x16 tile) holds a NaN."""
     return _tile_reduce(torch.isnan(_blocks(xf)).any(dim=-1).to(torch.uint8), tile).bool()
@@ -210,8 +205,14 @@ def quantize(
 
         return nvfp4_compat.quantize(x, mode=mode, tile=tuple(tile), per_token=per_token, amax=amax)
     xf = x.float()
+    mag = xf.abs()
+    nan = torch.isnan(mag)
+    has_nan = bool(nan.any())
+    if has_nan:
+        mag = mag.masked_fill(nan, 0.0)
+    bamax_1x16 = _blocks(mag).amax(dim=-1)  # [..., K/16], NaN ignored
     if amax is None:
-        amax_t = nan_ignoring_amax(xf, dim=-1 if per_token else None)
+        amax_t = bamax_1x16.amax(dim=-1, keepdim=True) if per_token else bamax_1x16.amax()
     else:
         amax_t = check_amax(amax, x, per_token)
     s_enc = global_encode_scale(amax_t)  # [] or [..., 1]
@@ -219,15 +220,14 @@ def quantize(
     if per_token and s_dec.dim() == 0:
         s_dec = s_dec.expand(*xf.shape[:-1], 1).clone()
         s_enc = s_enc.expand(*xf.shape[:-1], 1)
-    bamax = _block_amax(xf, tile)  # [..., K/16]
+    bamax = _tile_reduce(bamax_1x16, tile)  # [..., K/16]
     inv6 = torch.tensor(1.0 / F4_E2M1_MAX, dtype=torch.float32, device=x.device)
     s_fp32 = torch.clamp(bamax * (s_enc * inv6), -F8E4M3_MAX, F8E4M3_MAX)
     scales = s_fp32.to(F8E4M3_DTYPE)
     enc = torch.fmin(1.0 / (scales.float() * s_dec), torch.tensor(FLT_MAX, device=x.device))  # [..., K/16]
     y = torch.clamp(_blocks(xf) * enc.unsqueeze(-1), -F4_E2M1_MAX, F4_E2M1_MAX)
     codes = e2m1_round(y).reshape(xf.shape)
-    nan = torch.isnan(xf)
-    if bool(nan.any()):  # NaN policy: code 0x0 for the NaN element, E4M3 NaN scale for its block/tile
+    if has_nan:  # NaN policy: code 0x0 for the NaN element, E4M3 NaN scale for its block/tile
         codes = torch.where(nan, torch.zeros_like(codes), codes)
         scales = torch.where(_block_has_nan(xf, tile), torch.tensor(float("nan"), device=x.device), scales.float())
         scales = scales.to(F8E4M3_DTYPE)
