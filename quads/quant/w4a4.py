@@ -29,10 +29,10 @@ def rac_gemm_operands(
     xq: torch.Tensor, rq: torch.Tensor | None, s: torch.Tensor | None, wq: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The concatenated GEMM operands ``A`` ``[T, K+|S|]`` and ``B`` ``[N, K+|S|]`` (fp32)."""
-    wq = wq.float()
     if s is None:
-        return xq, wq
-    return torch.cat([xq, rq], dim=1), torch.cat([wq, wq[:, s]], dim=1)
+        return xq, wq.float()
+    cols = torch.cat([torch.arange(wq.shape[1], device=s.device), s])  # [K + |S|]: all columns, then S again
+    return torch.cat([xq, rq], dim=1), wq.index_select(1, cols).float()  # one gather, in the stored dtype
 
 
 def w4a4_linear(
