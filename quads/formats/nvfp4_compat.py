@@ -27,8 +27,10 @@ Special values, as each library does them (so do not rely on them for anything b
   gives the 0.125 zero-block scale with zero codes.
 - NaN: torchao, modelopt, vLLM propagate it into the global amax (``torch.max``), so the whole tensor
   gets NaN scales; compressed-tensors replaces a NaN global scale by 1.0 but its block scale is NaN.
-  NaN codes follow each library's cast (torchao's bit trick gives 0x3 for the default NaN,
-  modelopt's ``searchsorted`` gives 0x7, the others give 0x0 / 0x8 by the NaN's sign bit).
+  NaN codes follow each library's cast: torchao's integer rounding trick gives a payload-dependent
+  code (0x3 for 0x7FC00000, 0xC for the 0xFFFFFFFF NaN that ``torch.max`` returns), modelopt's
+  ``searchsorted`` gives 0x7, the others give 0x0 / 0x8 by the NaN's sign bit. Since they depend on
+  NaN payloads, the reproduction uses the same reductions as each library (``torch.max`` vs ``amax``).
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ def global_scale_native(
 
 def _torchao_e2m1(y: torch.Tensor) -> torch.Tensor:
     """torchao ``f32_to_f4_unpacked`` on values already clamped to [-6, 6]: RNE, and for NaN its integer
-    rounding trick applied to the NaN's bits (the default quiet NaN gives magnitude code 3)."""
+    rounding trick applied to the NaN's bits (0x7FC00000 gives magnitude code 3)."""
     codes = e2m1_round(torch.nan_to_num(y, nan=0.0))
     bits = y.view(torch.int32)
     mag = bits & 0x7FFFFFFF
