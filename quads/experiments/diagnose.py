@@ -1,0 +1,436 @@
+"""``quads diagnose``: where the rollout/trainer log-prob gap comes from (DESIGN.md section 5).
+
+Protocol:
+1. sample ONE fixed batch (``prompts`` held-out prompts x ``n_samples``, seed ``seed``) with the rollout
+   engine under ``sample_with`` (default the BF16 engine);
+2. for every rollout variant of the grid, recompute the rollout-side log-probs of exactly those token
+   sequences through the engine's own KV-cache path (``quads.experiments.score``: prefill + decode,
+   teacher-forced), with the variant's ``LinearSpec`` on the quantized layers;
+3. for every trainer variant, the trainer-side log-probs with ``quads.rl.logprobs`` (one full forward;
+   BF16 compute over FP32 master weights under autocast, as ``quads train`` does);
+4. per (rollout, trainer) pair: ``quads.metrics.mismatch_metrics`` (gap max/mean, k1, k3, chi2,
+   routing difference) and the mean over layers of the per-layer relative output error
+   ``||Y_rollout - Y_trainer|| / ||Y_trainer||`` on the same captured inputs
+   (``quads.quant.diagnostics.layer_errors``, inputs from a BF16 forward of the batch).
+
+Default grid (one thing changes at a time):
+- rollout: ``bf16`` (engine drift, the floor), ``w4a16`` (weight error only), ``w16a4`` (activation
+  error only), ``w4a4`` (= RAC ratio 0), ``w4a4+rac<r>`` for every ``rac_ratios`` entry;
+- trainer: ``bf16``, ``w4a16-qat`` (QDQ(W) x X), ``w4a4-qat`` (QDQ(W) x QDQ(X)).
+A ``--recipe-grid`` YAML replaces it: ``{rollout: {name: {LinearSpec fields}}, trainer: {...}}``.
+
+Note: activation-quantized GEMMs (``act: nvfp4``) accumulate in FP32 (``quads.quant.linear``), the
+unquantized ones in the compute dtype; at BF16 this adds a little rounding difference to every
+A4 variant beside its quantization error.
+
+Outputs in ``out_dir``: ``decomposition.md`` (tables), ``decomposition.jsonl`` (one row per pair),
+``layer_errors.json`` (per pair, per layer), ``batch.json`` (what was sampled), ``rac_ratio_gap.png``,
+``decomposition_gap.png``, ``layer_errors.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from quads.config import add_dataclass_args, build_config, save_config
+from quads.experiments.score import score_rollout
+from quads.io import atomic_write_text
+from quads.metrics.mismatch import mismatch_metrics
+from quads.quant import LinearSpec, Recipe, dequantize_model, quantize_model
+from quads.quant.diagnostics import layer_errors
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DEFAULT_TRAINERS = {"bf16": {}, "w4a16-qat": {"weight": "nvfp4"}, "w4a4-qat": {"weight": "nvfp4", "act": "nvfp4"}}
+
+
+@dataclass
+class DiagnoseConfig:
+    """``quads diagnose``: the fixed batch, the grid and where to write."""
+
+    checkpoint: str | None = None  # policy checkpoint folder; None = warm-start `preset` on `task` (cached)
+    preset: str = "tiny"  # built-in model preset for the warm start
+    task: str = "arithmetic"  # task whose held-out prompts are sampled
+    difficulty: int | None = None  # task level; None = the task's default
+    prompts: int = 32  # prompts in the fixed batch (held-out split)
+    n_samples: int = 4  # samples per prompt
+    max_new_tokens: int = 40  # response cap
+    temperature: float = 1.0  # sampling temperature (both sides' log-probs use it)
+    seed: int = 0  # sampling seed (and task seed)
+    sample_with: str = "bf16"  # rollout variant of the grid that samples the fixed batch
+    rac_ratios: str = "0.125,0.25,0.5,0.75,1.0"  # RAC ratios of the default grid (0 is the w4a4 row)
+    rac_selection: str = "dynamic"  # RAC channel selection of the default grid
+    recipe_grid: str | None = None  # YAML {rollout: {name: spec}, trainer: {name: spec}}; replaces the default
+    dtype: str = "bfloat16"  # compute dtype of both sides (float64 for exactness checks)
+    master_dtype: str = "float32"  # trainer weights (bf16 compute runs under autocast over them)
+    layer_errors: bool = True  # per-layer relative output errors (one replay per pair)
+    probe_tokens: int = 1024  # fixed-size probe for mismatch/logp_gap_max_probe
+    device: str = "cpu"
+    threads: int = 0  # torch CPU threads; 0 = default
+    warm_start_dir: str = "runs/warm_start"  # warm-start cache (the one quads train uses by default)
+    out_dir: str = "runs/diagnose"  # report folder
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "n_samples", "max_new_tokens", "probe_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (log-probs of sampled tokens); got {self.temperature}")
+        for name in ("dtype", "master_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(_DTYPES)}; got {getattr(self, name)!r}")
+        self.ratios()  # validates
+
+    def ratios(self) -> list[float]:
+        try:
+            rs = [float(r) for r in str(self.rac_ratios).split(",") if r.strip()]
+        except ValueError:
+            raise ValueError(f"rac_ratios must be comma-separated numbers in (0, 1]; got {self.rac_ratios!r}") from None
+        if not all(0 < r <= 1 for r in rs):
+            raise ValueError(f"rac_ratios must be in (0, 1] (0 is the w4a4 row); got {self.rac_ratios!r}")
+        return rs
+
+
+@dataclass
+class Grid:
+    rollout: dict[str, LinearSpec]  # name -> rollout-side spec
+    trainer: dict[str, LinearSpec]  # name -> trainer-side spec
+
+
+def default_grid(cfg: DiagnoseConfig) -> Grid:
+    a4 = dict(weight="nvfp4", act="nvfp4")
+    rollout = {"bf16": LinearSpec(), "w4a16": LinearSpec(weight="nvfp4"), "w16a4": LinearSpec(act="nvfp4"),
+               "w4a4": LinearSpec(**a4)}
+    for r in cfg.ratios():
+        rollout[f"w4a4+rac{r * 100:g}%"] = LinearSpec(**a4, rac_ratio=r, rac_selection=cfg.rac_selection)
+    return Grid(rollout, {k: LinearSpec(**v) for k, v in DEFAULT_TRAINERS.items()})
+
+
+def load_grid(path: str) -> Grid:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"recipe_grid: file {path!r} does not exist; pass a YAML file with rollout: and trainer:")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict) or set(data) != {"rollout", "trainer"}:
+        raise ValueError(f"recipe_grid {path!r}: expected a mapping with exactly the keys rollout and trainer, "
+                         f"each {{name: LinearSpec fields}}; got {sorted(data) if isinstance(data, dict) else data!r}")
+    out = {}
+    for side in ("rollout", "trainer"):
+        if not isinstance(data[side], dict) or not data[side]:
+            raise ValueError(f"recipe_grid {path!r}: {side} must be a non-empty mapping name -> spec fields")
+        try:
+            out[side] = {str(k): LinearSpec(**(v or {})) for k, v in data[side].items()}
+        except TypeError as e:
+            fields = [f.name for f in dataclasses.fields(LinearSpec)]
+            raise ValueError(f"recipe_grid {path!r} ({side}): {e}; valid spec fields: {fields}") from None
+    return Grid(out["rollout"], out["trainer"])
+
+
+def _checkpoint(cfg: DiagnoseConfig) -> Path:
+    if cfg.checkpoint is not None:
+        if not Path(cfg.checkpoint).is_dir():
+            raise ValueError(f"checkpoint: folder {cfg.checkpoint!r} does not exist; pass a quads checkpoint "
+                             "folder (quads pretrain / the policy/ folder of a quads train run)")
+        return Path(cfg.checkpoint)
+    from quads.pretrain import PretrainConfig, warm_start
+
+    kw: dict[str, Any] = dict(task=cfg.task, preset=cfg.preset, seed=cfg.seed, device=cfg.device,
+                              cache_dir=cfg.warm_start_dir)
+    if cfg.difficulty is not None:
+        kw["difficulty"] = cfg.difficulty
+    return Path(warm_start(PretrainConfig(**kw)))
+
+
+def _load(ckpt: Path, dtype: str, device: str):
+    from quads.model.checkpoint import load_checkpoint, read_checkpoint_config
+    from quads.model.tokenizer import load_tokenizer
+    from quads.model.transformer import MoEForCausalLM
+
+    mcfg, _ = read_checkpoint_config(ckpt)
+    model, _ = load_checkpoint(ckpt, MoEForCausalLM(dataclasses.replace(mcfg, dtype=dtype)))
+    return model.to(device).requires_grad_(False), load_tokenizer(ckpt)
+
+
+def _autocast(cfg: DiagnoseConfig) -> contextlib.AbstractContextManager:
+    if cfg.dtype == "bfloat16" and cfg.master_dtype == "float32":
+        return torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _recipe(name: str, spec: LinearSpec, side: str) -> Recipe:
+    return Recipe(name="diagnose-" + name.replace("%", "pct"), **{side: spec})
+
+
+def decompose(cfg: DiagnoseConfig, grid: Grid | None = None, say=print) -> dict[str, Any]:
+    """Run the protocol of the module docstring; returns ``{rows, layer_errors, self_check, batch, meta}``."""
+    from quads.rl.logprobs import forward_logprobs, to_sequence_batch
+    from quads.rollout import RolloutEngine, SamplingParams
+    from quads.tasks import get_task
+
+    grid = grid or (load_grid(cfg.recipe_grid) if cfg.recipe_grid else default_grid(cfg))
+    if cfg.sample_with not in grid.rollout:
+        raise ValueError(f"sample_with {cfg.sample_with!r} is not a rollout variant of the grid; "
+                         f"valid: {', '.join(grid.rollout)}")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    t_start = time.perf_counter()
+    ckpt = _checkpoint(cfg)
+    rollout, tok = _load(ckpt, cfg.dtype, cfg.device)
+    trainer, _ = _load(ckpt, cfg.master_dtype if cfg.dtype == "bfloat16" else cfg.dtype, cfg.device)
+    task_kw = {"seed": cfg.seed} | ({"difficulty": cfg.difficulty} if cfg.difficulty is not None else {})
+    task = get_task(cfg.task, **task_kw)
+    examples = task.examples("test", cfg.prompts)
+
+    quantize_model(rollout, _recipe(cfg.sample_with, grid.rollout[cfg.sample_with], "rollout"), "rollout",
+                   verbose=False)
+    engine = RolloutEngine(rollout, tok, device=cfg.device, recipe=cfg.sample_with)
+    params = SamplingParams(n=cfg.n_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                            seed=cfg.seed, record_routing=True)
+    batch = engine.generate([e.prompt for e in examples], params)
+    scores = [task.score(e, t) for e, t in zip([e for e in examples for _ in range(cfg.n_samples)], batch.texts)]
+    mask = batch.response_mask.to(cfg.device)
+    P = batch.prompt_len
+    say(f"diagnose: fixed batch of {batch.num_samples} samples, {int(mask.sum())} response tokens "
+        f"(mean length {batch.response_lengths().float().mean():.1f}), sampled with {cfg.sample_with}")
+
+    roll: dict[str, Any] = {}
+    for name, spec in grid.rollout.items():
+        quantize_model(rollout, _recipe(name, spec, "rollout"), "rollout", verbose=False)
+        roll[name] = score_rollout(rollout, batch, cfg.temperature)
+    own = roll[cfg.sample_with].logprobs
+    self_check = (own - batch.logprobs.to(own.device)).abs().max().item()
+
+    seq = to_sequence_batch(batch, device=cfg.device)
+    train: dict[str, Any] = {}
+    for name, spec in grid.trainer.items():
+        quantize_model(trainer, _recipe(name, spec, "trainer"), "trainer", verbose=False)
+        with torch.no_grad(), _autocast(cfg):
+            train[name] = forward_logprobs(trainer, seq, None, cfg.temperature, return_routing=True)
+
+    dequantize_model(rollout)
+    ids, amask, pos = seq.input_ids, seq.attention_mask, seq.position_ids
+    wd = _DTYPES[cfg.dtype] if cfg.dtype != "float32" else torch.float32
+    rows, per_layer = [], {}
+    for rname, rspec in grid.rollout.items():
+        r = roll[rname]
+        fed = mask & (r.routing[0, :, P:, 0] >= 0)
+        for tname, tspec in grid.trainer.items():
+            t = train[tname]
+            m = mismatch_metrics(t.logprobs, r.logprobs, mask, routing_train=t.routing[:, :, P:],
+                                 routing_rollout=r.routing[:, :, P:], routing_mask=fed,
+                                 probe_tokens=cfg.probe_tokens)
+            errs: dict[str, float] = {}
+            if cfg.layer_errors:
+                errs = layer_errors(rollout, lambda mdl: mdl(ids, attention_mask=amask, position_ids=pos),
+                                    tspec, rspec, weight_dtype=wd)
+                per_layer[f"{rname}|{tname}"] = errs
+            rows.append({"rollout": rname, "trainer": tname, "rollout_spec": rspec.describe(),
+                         "trainer_spec": tspec.describe(), "rac_ratio": rspec.rac_ratio if rspec.act == "nvfp4" else None,
+                         "gap_max": m["mismatch/logp_gap_max"], "gap_mean": m["mismatch/logp_gap_mean"],
+                         "gap_max_probe": m["mismatch/logp_gap_max_probe"], "k1": m["mismatch/k1"],
+                         "k3": m["mismatch/k3"], "chi2": m["mismatch/chi2"],
+                         "routing_diff": m["mismatch/routing_diff"],
+                         "layer_err_mean": (sum(errs.values()) / len(errs)) if errs else math.nan,
+                         "tokens": int(m["mismatch/tokens"])})
+        say(f"  rollout {rname:<16} " + "  ".join(
+            f"{row['trainer']}: gap max {row['gap_max']:.3f} mean {row['gap_mean']:.4f}"
+            for row in rows[-len(grid.trainer):]))
+    meta = {"checkpoint": str(ckpt), "config": dataclasses.asdict(cfg), "seconds": time.perf_counter() - t_start,
+            "samples": batch.num_samples, "response_tokens": int(mask.sum()),
+            "mean_response_len": batch.response_lengths().float().mean().item(),
+            "reward_mean": sum(s.reward for s in scores) / len(scores),
+            "model": rollout.config.to_dict(), "n_params": rollout.num_parameters(),
+            "torch": torch.__version__, "device_name": _device_name(cfg.device)}
+    return {"rows": rows, "layer_errors": per_layer, "self_check": self_check, "meta": meta,
+            "texts": batch.texts[: min(8, len(batch.texts))], "grid": grid}
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
+
+
+# ---------------------------------------------------------------------- report
+
+def _f(v: Any, fmt: str) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def decomposition_table(rows: list[dict[str, Any]]) -> str:
+    head = ("| rollout | trainer | rollout spec | trainer spec | gap max | gap mean | k3 | routing diff | "
+            "layer err (mean) |\n|---|---|---|---|---|---|---|---|---|")
+    body = [f"| {r['rollout']} | {r['trainer']} | {r['rollout_spec']} | {r['trainer_spec']} | "
+            f"{_f(r['gap_max'], '{:.3f}')} | {_f(r['gap_mean'], '{:.4f}')} | {_f(r['k3'], '{:.2e}')} | "
+            f"{_f(r['routing_diff'], '{:.3f}')} | {_f(r['layer_err_mean'], '{:.4f}')} |" for r in rows]
+    return "\n".join([head, *body])
+
+
+def rac_table(rows: list[dict[str, Any]], trainer: str) -> str:
+    """Gap against RAC ratio for one trainer, plus the BF16-engine floor row."""
+    rac = sorted((r for r in rows if r["trainer"] == trainer and r["rac_ratio"] is not None
+                  and r["rollout_spec"].startswith("W4A4")), key=lambda r: r["rac_ratio"])
+    floor = [r for r in rows if r["trainer"] == trainer and r["rollout"] == "bf16"]
+    head = f"| RAC ratio (trainer {trainer}) | gap max | gap mean | k3 | routing diff |\n|---|---|---|---|---|"
+    body = [f"| {r['rac_ratio'] * 100:g}% | {r['gap_max']:.3f} | {r['gap_mean']:.4f} | {r['k3']:.2e} | "
+            f"{r['routing_diff']:.3f} |" for r in rac]
+    body += [f"| BF16 engine (floor) | {r['gap_max']:.3f} | {r['gap_mean']:.4f} | {r['k3']:.2e} | "
+             f"{r['routing_diff']:.3f} |" for r in floor]
+    return "\n".join([head, *body])
+
+
+def layer_table(per_layer: dict[str, dict[str, float]], trainer: str) -> str:
+    cols = [k for k in per_layer if k.endswith(f"|{trainer}")]
+    if not cols:
+        return ""
+    layers = list(per_layer[cols[0]])
+    head = "| layer | " + " | ".join(c.split("|")[0] for c in cols) + " |\n|" + "---|" * (len(cols) + 1)
+    body = [f"| {layer} | " + " | ".join(_f(per_layer[c].get(layer), "{:.4f}") for c in cols) + " |"
+            for layer in layers]
+    return "\n".join([head, *body])
+
+
+def _save_fig(fig, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    tmp.replace(path)
+
+
+def plots(result: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, made = result["rows"], []
+    trainers = list(dict.fromkeys(r["trainer"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for tname in trainers:
+        rac = sorted((r for r in rows if r["trainer"] == tname and r["rac_ratio"] is not None
+                      and r["rollout_spec"].startswith("W4A4")), key=lambda r: r["rac_ratio"])
+        floor = [r for r in rows if r["trainer"] == tname and r["rollout"] == "bf16"]
+        for ax, key in zip(axes, ("gap_max", "gap_mean")):
+            if rac:
+                line = ax.plot([r["rac_ratio"] * 100 for r in rac], [r[key] for r in rac], marker="o",
+                               label=f"W4A4+RAC vs trainer {tname}")[0]
+                for f in floor:
+                    ax.axhline(f[key], ls="--", color=line.get_color(), alpha=0.6,
+                               label=f"BF16 engine vs trainer {tname}")
+    for ax, key in zip(axes, ("max", "mean")):
+        ax.set_xlabel("RAC ratio (% of K)")
+        ax.set_title(f"{key} |logp_rollout - logp_train|")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    _save_fig(fig, out / "rac_ratio_gap.png")
+    plt.close(fig)
+    made.append("rac_ratio_gap.png")
+
+    names = list(dict.fromkeys(r["rollout"] for r in rows))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / max(1, len(trainers))
+    for j, tname in enumerate(trainers):
+        vals = {r["rollout"]: r["gap_mean"] for r in rows if r["trainer"] == tname}
+        ax.bar([i + j * width for i in range(len(names))], [vals.get(n, math.nan) for n in names], width,
+               label=f"trainer {tname}")
+    ax.set_xticks([i + width * (len(trainers) - 1) / 2 for i in range(len(names))], names, rotation=30,
+                  ha="right", fontsize=8)
+    ax.set_ylabel("mean |logp_rollout - logp_train|")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    _save_fig(fig, out / "decomposition_gap.png")
+    plt.close(fig)
+    made.append("decomposition_gap.png")
+
+    per_layer = result["layer_errors"]
+    if per_layer:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        t0 = trainers[0]
+        for key, errs in per_layer.items():
+            rname, tname = key.split("|")
+            if tname != t0 or rname == "bf16":
+                continue
+            ax.plot(range(len(errs)), list(errs.values()), marker="o", label=rname)
+        ax.set_xlabel("quantized layer (in model order)")
+        ax.set_ylabel(f"relative output error vs trainer {t0}")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        _save_fig(fig, out / "layer_errors.png")
+        plt.close(fig)
+        made.append("layer_errors.png")
+    return made
+
+
+def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, meta = result["rows"], result["meta"]
+    atomic_write_text(out / "decomposition.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    atomic_write_text(out / "layer_errors.json", json.dumps(result["layer_errors"], indent=1) + "\n")
+    atomic_write_text(out / "batch.json", json.dumps({"meta": meta, "self_check_max_abs": result["self_check"],
+                                                     "first_texts": result["texts"]}, indent=1) + "\n")
+    figs = plots(result, out)
+    trainers = list(dict.fromkeys(r["trainer"] for r in rows))
+    c = meta["config"]
+    parts = [
+        "# quads diagnose: decomposition of the rollout/trainer log-prob gap",
+        f"Checkpoint `{meta['checkpoint']}` ({meta['n_params']:,} parameters, {meta['model']['n_layers']} layers, "
+        f"{meta['model']['n_experts']} experts, top-{meta['model']['top_k']}), task {c['task']}, one fixed batch "
+        f"of {meta['samples']} samples ({c['prompts']} held-out prompts x {c['n_samples']}, seed {c['seed']}, "
+        f"temperature {c['temperature']}) sampled with the `{c['sample_with']}` engine: "
+        f"{meta['response_tokens']} response tokens, mean length {meta['mean_response_len']:.1f}, mean reward "
+        f"{meta['reward_mean']:.3f}. Compute dtype {c['dtype']}, device {meta['device_name']}, torch {meta['torch']}.",
+        f"Engine self-check: teacher-forced scoring with the sampling variant reproduces the engine's own "
+        f"log-probs to max |diff| = {result['self_check']:.3g} (0 = bit for bit).",
+        "Each row: rollout log-probs (engine KV-cache path, teacher-forced) vs trainer log-probs (one full "
+        "forward) on the same tokens. gap = |logp_rollout - logp_train| over response tokens; k3 = "
+        "mean(rho - log rho - 1); routing diff = fraction of (token, layer) expert sets that differ; layer err "
+        "= mean over quantized layers of ||Y_rollout - Y_trainer|| / ||Y_trainer|| on identical inputs.",
+        decomposition_table(rows),
+    ]
+    for tname in trainers:
+        t = rac_table(rows, tname)
+        if t.count("\n") > 1:
+            parts.append(t)
+    if result["layer_errors"]:
+        parts.append(f"Per-layer relative output error against the `{trainers[0]}` trainer:\n\n"
+                     + layer_table(result["layer_errors"], trainers[0]))
+    parts += [f"![{f}]({f})" for f in figs]
+    atomic_write_text(out / "decomposition.md", "\n\n".join(parts) + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------- CLI
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="YAML file with DiagnoseConfig fields")
+    add_dataclass_args(parser, DiagnoseConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = build_config(DiagnoseConfig, getattr(args, "config", None), args, skip=("config",))
+        result = decompose(cfg, say=lambda s: print(s, file=sys.stderr))
+    except ValueError as e:
+        print(f"quads diagnose: {e}", file=sys.stderr)
+        return 2
+    out = write_report(result, cfg.out_dir)
+    save_config(cfg, out / "config.yaml")
+    print(decomposition_table(result["rows"]))
+    print(f"report: {out / 'decomposition.md'}")
+    return 0

@@ -1,0 +1,83 @@
+"""Rollout-side teacher forcing: the engine's log-probs of *given* token sequences.
+
+``score_rollout(model, batch)`` replays a ``RolloutBatch`` through the rollout engine's own path
+(one prefill of the prompt block into a ``KVCache``, then one decode forward per response column)
+but feeds the batch's tokens instead of sampling. It mirrors ``RolloutEngine._generate_chunk`` step
+for step, including the rows it drops from the cache when a sample ends (a sample of length n is
+fed for its first n - 1 tokens; the last one is never fed back), because under NVFP4 a per-tensor
+activation scale depends on which rows share a forward. So scoring a batch with the model that
+sampled it reproduces the engine's log-probs bit for bit, and scoring it with another rollout
+variant changes exactly one thing: the numerics of the rollout forward.
+
+This is the rollout side only: it never calls the trainer's full forward (``quads.rl.logprobs``);
+the disagreement between the two paths is the engine-drift floor of DESIGN.md section 2.
+Not supported: batches the engine produced in several chunks (``max_batch_tokens``), whose rows
+were decoded in separate forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention import sdpa_kernel
+
+from quads.model.attention import KVCache
+from quads.rollout.engine import _DECODE_BACKENDS, RolloutBatch
+
+
+@dataclass
+class ScoreResult:
+    logprobs: torch.Tensor  # [B, R] log-probs of the batch's response tokens at `temperature`, 0 on padding
+    routing: torch.Tensor  # [n_layers, B, P + R, k] expert ids of every fed token; -1 where not fed
+
+
+@torch.no_grad()
+def score_rollout(model: torch.nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> ScoreResult:
+    """Teacher-forced rollout log-probs of ``batch``'s responses under ``model`` (module docstring).
+
+    ``temperature`` must be the one the batch was sampled at (> 0); log-probs are
+    ``log_softmax(logits / temperature)`` in fp32 (fp64 for an fp64 model), as the engine reports.
+    """
+    if temperature <= 0:
+        raise ValueError(f"score_rollout needs temperature > 0, got {temperature}; greedy batches report "
+                         "temperature-1 log-probs, so pass 1.0")
+    cfg, dev = model.config, model.device
+    ids = batch.input_ids.to(dev)
+    full_mask = batch.attention_mask.to(dev).bool()
+    P = batch.prompt_len
+    B, S = ids.shape
+    R = S - P
+    lengths = batch.response_mask.sum(-1).tolist()
+    lp_dtype = torch.promote_types(model.dtype, torch.float32)
+    logprobs = torch.zeros((B, R), dtype=lp_dtype, device=dev)
+    routing = torch.full((cfg.n_layers, B, S, cfg.top_k), -1, dtype=torch.long, device=dev)
+    cache = KVCache(cfg, B, S, dtype=model.dtype, device=dev)
+    was_training = model.training
+    model.eval()
+    try:
+        with sdpa_kernel(_DECODE_BACKENDS):
+            out = model(ids[:, :P], attention_mask=full_mask[:, :P], cache=cache, return_routing=True,
+                        logits_slice=slice(P - 1, P))
+            routing[:, :, :P] = out.routing.masked_fill(~full_mask[None, :, :P, None], -1)
+            logits = out.logits[:, -1]
+            active = torch.arange(B, device=dev)  # cache row -> sample row
+            for t in range(R):
+                tok = ids[active, P + t]
+                lp = torch.log_softmax(logits.to(lp_dtype) / temperature, -1).gather(1, tok[:, None]).squeeze(1)
+                logprobs[active, t] = lp
+                done = torch.tensor([lengths[i] == t + 1 for i in active.tolist()], device=dev)
+                if t == R - 1 or bool(done.all()):
+                    break
+                if bool(done.any()):
+                    keep = (~done).nonzero().squeeze(1)
+                    active, tok = active[keep], tok[keep]
+                    cache.select(keep)
+                out = model(tok[:, None], attention_mask=full_mask[active, :P + t + 1], cache=cache,
+                            return_routing=True)
+                routing[:, active, P + t] = out.routing[:, :, 0]
+                logits = out.logits[:, -1]
+    finally:
+        model.train(was_training)
+    logprobs = logprobs.masked_fill(~batch.response_mask.to(dev).bool(), 0.0)
+    return ScoreResult(logprobs, routing)
