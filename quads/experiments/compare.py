@@ -1,0 +1,414 @@
+"""``quads compare``: the same GRPO job under several precision recipes and seeds; one report.
+
+Every run gets the same ``TrainConfig`` (``--train-config`` YAML, then ``--set`` overrides) except
+``recipe.name``, ``seed`` and ``out_dir``. The starting policy is resolved once (the cached warm start
+of ``model.preset``, with the base config's seed) and passed to every run as ``model.checkpoint``, so
+all recipes and seeds start from the same weights and train on the same task data; the seed changes
+the prompt order, the engine's sampling and the held-out subset is the task's fixed one.
+
+Each (recipe, seed) is one ``quads train --config <run>.yaml`` subprocess; ``parallel`` of them run at
+once. A run that exits non-zero (or passes ``timeout_s``) is reported with its exit code and the tail
+of its log; the others go on and the report covers what finished.
+
+Report (``out_dir``): ``compare.md`` (per-recipe table over seeds + per-run table + crashes + plots),
+``compare.json``, ``compare.png`` (reward, held-out pass@1, gap max and k3 against steps, every recipe
+on one figure, mean over seeds), ``runs/<recipe>-s<seed>/`` (each run's folder, ``metrics.jsonl``),
+``report/`` (``quads.metrics.report.write_compare_report`` over every finished run).
+
+Table columns, per recipe over its finished seeds: final reward (smoothed, ``summarize``), held-out
+pass@1 at the end (mean, and spread = max - min over seeds), max over steps of the per-step gap max,
+mean over steps of the per-step gap mean and of k3, collapse (``summarize``'s rule; the step is the
+first at which the rule holds on the records up to that step), rollout tokens/s (mean over steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from quads.config import add_dataclass_args, build_config, from_dict, save_config, to_dict
+from quads.io import atomic_write_text
+
+ALL_RECIPES = "bf16,fp8,nvfp4,w4a16-qat,w4a4-qat,quads"
+
+
+@dataclass
+class CompareConfig:
+    """``quads compare``: which recipes and seeds, the shared training config, how to run."""
+
+    recipes: str = ALL_RECIPES  # comma-separated recipe presets
+    seeds: str = "0"  # comma-separated seeds; every recipe runs every seed
+    train_config: str | None = None  # YAML with TrainConfig fields shared by every run
+    set: str = ""  # extra shared TrainConfig overrides: "steps=50,optim.lr=1e-3,rollout.max_new_tokens=48"
+    parallel: int = 2  # runs at once (processes)
+    threads: int = 1  # torch CPU threads per run (train.threads), unless the config sets it
+    timeout_s: float = 0  # kill a run after this many seconds (0: no limit); it is reported as crashed
+    reuse: bool = True  # skip runs whose folder already holds a finished run (policy/ and metrics.jsonl)
+    out_dir: str = "runs/compare"  # report folder; runs go to <out_dir>/runs/<recipe>-s<seed>
+    python: str = sys.executable  # interpreter for the run subprocesses
+
+    def __post_init__(self) -> None:
+        if self.parallel < 1:
+            raise ValueError(f"parallel must be >= 1; got {self.parallel}")
+        if not self.recipe_list() or not self.seed_list():
+            raise ValueError(f"need at least one recipe and one seed; got recipes={self.recipes!r} seeds={self.seeds!r}")
+        from quads.quant.recipe import PRESETS
+
+        bad = [r for r in self.recipe_list() if r not in PRESETS]
+        if bad:
+            raise ValueError(f"unknown recipe(s) {bad}; valid: {', '.join(PRESETS)}")
+
+    def recipe_list(self) -> list[str]:
+        return [r.strip() for r in self.recipes.split(",") if r.strip()]
+
+    def seed_list(self) -> list[int]:
+        try:
+            return [int(s) for s in str(self.seeds).split(",") if s.strip()]
+        except ValueError:
+            raise ValueError(f"seeds must be comma-separated integers; got {self.seeds!r}") from None
+
+
+@dataclass
+class RunOutcome:
+    name: str  # <recipe>-s<seed>
+    recipe: str
+    seed: int
+    run_dir: str
+    returncode: int | None  # None: not started
+    seconds: float
+    log_tail: str  # last lines of the run's stdout+stderr when it failed
+    reused: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def _parse_set(text: str) -> dict[str, Any]:
+    """"a.b=1,c=x" -> nested {"a": {"b": 1}, "c": "x"} (values parsed as YAML scalars)."""
+    out: dict[str, Any] = {}
+    for item in [s for s in text.split(",") if s.strip()]:
+        if "=" not in item:
+            raise ValueError(f"set: expected key=value items separated by commas; got {item!r}")
+        key, value = item.split("=", 1)
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = yaml.safe_load(value)
+    return out
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def base_train_config(cfg: CompareConfig):
+    """The shared ``TrainConfig`` (YAML <- set), with the starting checkpoint resolved once."""
+    from quads.rl.config import TrainConfig
+
+    data: dict[str, Any] = {}
+    if cfg.train_config:
+        p = Path(cfg.train_config)
+        if not p.is_file():
+            raise ValueError(f"train_config: file {cfg.train_config!r} does not exist")
+        data = yaml.safe_load(p.read_text()) or {}
+    data = _merge(data, _parse_set(cfg.set))
+    data.setdefault("threads", cfg.threads)
+    base = from_dict(TrainConfig, data, "train config")
+    if base.model.checkpoint is None:
+        from quads.rl.build import warm_start_checkpoint
+
+        ckpt = warm_start_checkpoint(base)
+        base = dataclasses.replace(base, model=dataclasses.replace(base.model, checkpoint=str(ckpt)))
+    return base
+
+
+def plan_runs(cfg: CompareConfig, base) -> list[tuple[str, Any]]:
+    """``[(name, TrainConfig)]``: one per (recipe, seed), differing only in recipe, seed and out_dir."""
+    runs = []
+    for recipe in cfg.recipe_list():
+        for seed in cfg.seed_list():
+            name = f"{recipe}-s{seed}"
+            tc = dataclasses.replace(base, recipe=dataclasses.replace(base.recipe, name=recipe), seed=seed,
+                                     out_dir=str(Path(cfg.out_dir) / "runs" / name), resume=False)
+            runs.append((name, tc))
+    return runs
+
+
+def _train_command(python: str, config_path: Path) -> list[str]:
+    if importlib.util.find_spec("quads.rl.cli") is not None:
+        return [python, "-m", "quads.cli", "train", "--config", str(config_path)]
+    # quads.rl.cli not in this build: the same job through the trainer's public API
+    code = ("import sys; from quads.config import build_config; from quads.rl.config import TrainConfig; "
+            "from quads.rl.trainer import GRPOTrainer; "
+            "GRPOTrainer(build_config(TrainConfig, sys.argv[1]), quiet=True).run()")
+    return [python, "-c", code, str(config_path)]
+
+
+def _finished(run_dir: Path) -> bool:
+    return (run_dir / "policy" / "config.json").is_file() and (run_dir / "metrics.jsonl").is_file()
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def launch(cfg: CompareConfig, runs: list[tuple[str, Any]], say=print) -> list[RunOutcome]:
+    """Run every planned job, ``cfg.parallel`` at a time; never raises for a failing run."""
+    out = Path(cfg.out_dir)
+    (out / "configs").mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    pending = list(runs)
+    active: dict[str, tuple[subprocess.Popen, float, Any, Path, Any]] = {}
+    outcomes: dict[str, RunOutcome] = {}
+    while pending or active:
+        while pending and len(active) < cfg.parallel:
+            name, tc = pending.pop(0)
+            run_dir = Path(tc.out_dir)
+            if cfg.reuse and _finished(run_dir):
+                outcomes[name] = RunOutcome(name, tc.recipe.name, tc.seed, str(run_dir), 0, 0.0, "", reused=True)
+                say(f"compare: {name}: reusing the finished run in {run_dir}")
+                continue
+            if run_dir.exists():  # a stale or crashed attempt: start clean
+                import shutil
+
+                shutil.rmtree(run_dir)
+            cpath = out / "configs" / f"{name}.yaml"
+            save_config(tc, cpath)
+            log = open(out / "logs" / f"{name}.log", "w")
+            proc = subprocess.Popen(_train_command(cfg.python, cpath), stdout=log, stderr=subprocess.STDOUT,
+                                    env=env)
+            active[name] = (proc, time.monotonic(), tc, out / "logs" / f"{name}.log", log)
+            say(f"compare: started {name} (pid {proc.pid})")
+        time.sleep(0.5)
+        for name in list(active):
+            proc, t0, tc, log_path, log = active[name]
+            rc = proc.poll()
+            elapsed = time.monotonic() - t0
+            if rc is None and cfg.timeout_s and elapsed > cfg.timeout_s:
+                proc.kill()
+                rc = proc.wait()
+                with open(log_path, "a") as f:
+                    f.write(f"\nquads compare: killed after {elapsed:.0f}s (timeout_s={cfg.timeout_s:g})\n")
+            if rc is None:
+                continue
+            log.close()
+            del active[name]
+            tail = "" if rc == 0 else _tail(log_path)
+            outcomes[name] = RunOutcome(name, tc.recipe.name, tc.seed, tc.out_dir, rc, elapsed, tail)
+            say(f"compare: {name} {'finished' if rc == 0 else f'FAILED (exit {rc})'} in {elapsed:.0f}s")
+    return [outcomes[name] for name, _ in runs]
+
+
+# ---------------------------------------------------------------------- summary
+
+
+def collapse_step(records: list[dict[str, Any]]) -> int | None:
+    """First step at which ``summarize``'s collapse rule holds on the records up to that step."""
+    from quads.metrics.report import summarize
+
+    for i in range(1, len(records) + 1):
+        if summarize(records[:i])["collapse"]:
+            return int(records[i - 1]["step"])
+    return None
+
+
+def _mean(xs: list[float]) -> float:
+    f = [x for x in xs if isinstance(x, int | float) and math.isfinite(x)]
+    return sum(f) / len(f) if f else math.nan
+
+
+def run_summary(run_dir: str) -> dict[str, Any]:
+    from quads.metrics.report import load_metrics, summarize
+
+    recs = load_metrics(run_dir)
+    s = summarize(recs)
+    s["collapse_step"] = collapse_step(recs) if s["collapse"] else None
+    s["rollout_tokens_per_s"] = _mean([r.get("perf/rollout_tokens_per_s", math.nan) for r in recs])
+    return s
+
+
+def recipe_table(cfg: CompareConfig, outcomes: list[RunOutcome], per_run: dict[str, dict]) -> list[dict[str, Any]]:
+    rows = []
+    for recipe in cfg.recipe_list():
+        mine = [o for o in outcomes if o.recipe == recipe]
+        done = [per_run[o.name] for o in mine if o.name in per_run]
+        ev = [s["eval_end"] for s in done if math.isfinite(s["eval_end"])]
+        coll = [(o.seed, per_run[o.name]["collapse_step"]) for o in mine
+                if o.name in per_run and per_run[o.name]["collapse"]]
+        rows.append({
+            "recipe": recipe, "seeds": len(mine), "finished": len(done),
+            "crashed": [o.name for o in mine if not o.ok],
+            "reward_final": _mean([s["reward_final"] for s in done]),
+            "eval_start": _mean([s["eval_start"] for s in done]),
+            "eval_end": _mean(ev), "eval_end_spread": (max(ev) - min(ev)) if ev else math.nan,
+            "gap_max": max([s["gap_max"] for s in done if math.isfinite(s["gap_max"])], default=math.nan),
+            "gap_mean": _mean([s["gap_mean"] for s in done]),
+            "k3_mean": _mean([s["k3_mean"] for s in done]),
+            "collapsed": coll,
+            "rollout_tokens_per_s": _mean([s["rollout_tokens_per_s"] for s in done]),
+        })
+    return rows
+
+
+def _f(v: Any, fmt: str) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    head = ("| recipe | runs ok | final reward | held-out pass@1 start | held-out pass@1 end (mean) | spread over "
+            "seeds | gap max | gap mean | k3 mean | collapsed (seed@step) | rollout tok/s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
+    body = []
+    for r in rows:
+        coll = ", ".join(f"s{s}@{st}" for s, st in r["collapsed"]) or "no"
+        body.append(f"| {r['recipe']} | {r['finished']}/{r['seeds']} | {_f(r['reward_final'], '{:.3f}')} | "
+                    f"{_f(r['eval_start'], '{:.3f}')} | {_f(r['eval_end'], '{:.3f}')} | "
+                    f"{_f(r['eval_end_spread'], '{:.3f}')} | {_f(r['gap_max'], '{:.3f}')} | "
+                    f"{_f(r['gap_mean'], '{:.4f}')} | {_f(r['k3_mean'], '{:.2e}')} | {coll} | "
+                    f"{_f(r['rollout_tokens_per_s'], '{:.0f}')} |")
+    return "\n".join([head, *body])
+
+
+_PANELS = (("reward/mean", "reward (mean over samples)"), ("eval/pass@1", "held-out pass@1 (greedy)"),
+           ("mismatch/logp_gap_max", "gap max |logp_rollout - logp_train|"), ("mismatch/k3", "k3 KL"))
+
+
+def plot_compare(runs: dict[str, list[str]], path: Path) -> None:
+    """2x2 figure: each panel one metric against steps, one line per recipe (mean over its seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from quads.metrics.report import load_metrics
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for recipe, dirs in runs.items():
+        recs = [load_metrics(d) for d in dirs]
+        for ax, (key, title) in zip(axes.flat, _PANELS):
+            by_step: dict[int, list[float]] = {}
+            for rr in recs:
+                for r in rr:
+                    v = r.get(key)
+                    if isinstance(v, int | float) and math.isfinite(v):
+                        by_step.setdefault(int(r["step"]), []).append(float(v))
+            xs = sorted(by_step)
+            ys = [sum(by_step[x]) / len(by_step[x]) for x in xs]
+            if key == "reward/mean" and len(ys) > 10:  # trailing moving average, as the report smooths
+                w = max(1, len(ys) // 10)
+                ys = [sum(ys[max(0, i - w + 1):i + 1]) / len(ys[max(0, i - w + 1):i + 1]) for i in range(len(ys))]
+            if xs:
+                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=recipe)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+    for ax in axes.flat[2:]:
+        ax.set_yscale("log")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    tmp.replace(path)
+    plt.close(fig)
+
+
+def write_report(cfg: CompareConfig, base, outcomes: list[RunOutcome]) -> Path:
+    from quads.metrics.report import write_compare_report
+
+    out = Path(cfg.out_dir)
+    per_run = {}
+    for o in outcomes:
+        if o.ok:
+            try:
+                per_run[o.name] = run_summary(o.run_dir)
+            except ValueError as e:  # finished with no metrics: report it as a failure
+                o.returncode, o.log_tail = -1, f"no readable metrics: {e}"
+    rows = recipe_table(cfg, outcomes, per_run)
+    finished = {o.name: o.run_dir for o in outcomes if o.name in per_run}
+    by_recipe: dict[str, list[str]] = {}
+    for o in outcomes:
+        if o.name in per_run:
+            by_recipe.setdefault(o.recipe, []).append(o.run_dir)
+    if finished:
+        write_compare_report(finished, out / "report", title="quads compare: every run")
+        plot_compare(by_recipe, out / "compare.png")
+    crashed = [o for o in outcomes if not o.ok]
+    b = base
+    parts = [
+        "# quads compare",
+        f"Recipes {cfg.recipes}; seeds {cfg.seeds}. Shared config: checkpoint `{b.model.checkpoint}`, task "
+        f"{b.task.name} (difficulty {b.task.difficulty}), {b.steps} steps of {b.rollout.prompts_per_step} prompts x "
+        f"{b.rollout.n_samples} samples, max_new_tokens {b.rollout.max_new_tokens}, lr {b.optim.lr:g}, dtype "
+        f"{b.dtype}, device {b.device}, eval every {b.eval_every} steps on {b.eval_n} held-out prompts. "
+        f"Every run's config: `configs/<recipe>-s<seed>.yaml`.",
+        markdown_table(rows),
+        "Columns over the finished seeds of a recipe: final reward = smoothed last reward (mean over seeds); "
+        "held-out pass@1 = greedy on the rollout engine, at step 0 and at the end; spread = max - min over "
+        "seeds; gap max = max over steps and seeds of the per-step max |logp_rollout - logp_train|; gap mean, "
+        "k3 = mean over steps and seeds; collapse rule in `quads/metrics/report.py`; rollout tok/s = sampled "
+        "tokens per second of the rollout phase.",
+    ]
+    if crashed:
+        parts.append("## Failed runs\n\n" + "\n\n".join(
+            f"- {o.name}: exit {o.returncode} after {o.seconds:.0f}s; log `logs/{o.name}.log`, tail:\n\n```\n"
+            f"{o.log_tail}\n```" for o in crashed))
+    if finished:
+        parts += ["![compare](compare.png)", "Per-run table and per-metric plots: [report/report.md](report/report.md)."]
+    atomic_write_text(out / "compare.md", "\n\n".join(parts) + "\n")
+    clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
+    atomic_write_text(out / "compare.json", json.dumps({
+        "recipes": clean, "runs": {n: {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                       for k, v in s.items()} for n, s in per_run.items()},
+        "outcomes": [dataclasses.asdict(o) for o in outcomes], "base_config": to_dict(base)}, indent=1) + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="YAML file with CompareConfig fields")
+    add_dataclass_args(parser, CompareConfig)
+
+
+def compare(cfg: CompareConfig, say=print) -> tuple[Path, list[RunOutcome]]:
+    base = base_train_config(cfg)
+    runs = plan_runs(cfg, base)
+    outcomes = launch(cfg, runs, say=say)
+    return write_report(cfg, base, outcomes), outcomes
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = build_config(CompareConfig, getattr(args, "config", None), args, skip=("config",))
+        out, outcomes = compare(cfg, say=lambda s: print(s, file=sys.stderr))
+    except ValueError as e:
+        print(f"quads compare: {e}", file=sys.stderr)
+        return 2
+    print((out / "compare.md").read_text().split("\n\n")[2])
+    print(f"report: {out / 'compare.md'}")
+    n_bad = sum(not o.ok for o in outcomes)
+    return 1 if n_bad == len(outcomes) else 0

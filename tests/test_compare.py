@@ -1,0 +1,100 @@
+"""quads compare: one run per (recipe, seed) with the same config, in parallel processes; a crashed run is
+reported, not fatal; the report has every column filled."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from quads.cli import main
+from quads.experiments.compare import (
+    CompareConfig,
+    _parse_set,
+    base_train_config,
+    collapse_step,
+    launch,
+    plan_runs,
+)
+from quads.experiments.compare import write_report as write_compare
+from quads.model import ModelConfig, MoEForCausalLM
+from quads.model.checkpoint import save_checkpoint
+from quads.model.tokenizer import CharTokenizer
+
+TINY = dict(hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4, top_k=2,
+            moe_intermediate_size=32, max_seq_len=128)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = MoEForCausalLM(ModelConfig(vocab_size=CharTokenizer().vocab_size, **TINY))
+    return save_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "policy", tokenizer=CharTokenizer())
+
+
+def _set(checkpoint: Path) -> str:
+    return (f"model.checkpoint={checkpoint},steps=2,eval_every=1,eval_n=4,rollout.prompts_per_step=2,"
+            "rollout.n_samples=2,rollout.max_new_tokens=8,log.tensorboard=false,log.progress=false,"
+            "log.probe_tokens=8,optim.lr=1e-3")
+
+
+def test_plan_same_config_but_recipe_seed_out_dir(checkpoint, tmp_path):
+    cfg = CompareConfig(recipes="bf16,quads", seeds="0,1", set=_set(checkpoint), out_dir=str(tmp_path))
+    base = base_train_config(cfg)
+    runs = plan_runs(cfg, base)
+    assert [n for n, _ in runs] == ["bf16-s0", "bf16-s1", "quads-s0", "quads-s1"]
+    strip = [dataclasses.replace(tc, recipe=base.recipe, seed=0, out_dir=None) for _, tc in runs]
+    assert all(s == strip[0] for s in strip)  # identical data, hyperparameters and starting checkpoint
+    assert len({tc.out_dir for _, tc in runs}) == 4
+    assert base.steps == 2 and base.optim.lr == 1e-3 and base.model.checkpoint == str(checkpoint)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="unknown recipe"):
+        CompareConfig(recipes="bf16,nvfp5")
+    with pytest.raises(ValueError, match="key=value"):
+        _parse_set("steps")
+    assert _parse_set("a.b=1,c=x") == {"a": {"b": 1}, "c": "x"}
+
+
+def test_collapse_step():
+    recs = [{"step": i, "reward/mean": r} for i, r in enumerate([0.5, 0.8, 0.8, 0.2, 0.1, 0.1], 1)]
+    assert collapse_step(recs) == 4  # (smoothed) reward below half its best and 0.1 under it
+    assert collapse_step([{"step": 1, "reward/mean": 0.5}, {"step": 2, "reward/mean": 0.6}]) is None
+
+
+def test_compare_runs_in_parallel_and_reports_a_crash(checkpoint, tmp_path):
+    out = tmp_path / "cmp"
+    cfg = CompareConfig(recipes="bf16,nvfp4", seeds="0", set=_set(checkpoint), out_dir=str(out), parallel=3)
+    base = base_train_config(cfg)
+    runs = plan_runs(cfg, base)
+    bad = dataclasses.replace(base, task=dataclasses.replace(base.task, name="dataset",
+                                                             dataset=str(tmp_path / "missing.jsonl")))
+    runs.append(("quads-s0", dataclasses.replace(bad, recipe=dataclasses.replace(base.recipe, name="quads"),
+                                                 out_dir=str(out / "runs" / "quads-s0"))))
+    cfg = dataclasses.replace(cfg, recipes="bf16,nvfp4,quads")
+    outcomes = launch(cfg, runs, say=lambda s: None)
+    assert [o.ok for o in outcomes] == [True, True, False]
+    assert "missing.jsonl" in outcomes[2].log_tail
+    write_compare(cfg, base, outcomes)
+    md = (out / "compare.md").read_text()
+    rows = [ln for ln in md.splitlines() if ln.startswith("| bf16") or ln.startswith("| nvfp4")]
+    assert len(rows) == 2 and not any("n/a" in ln for ln in rows), md
+    assert "| quads | 0/1 |" in md and "Failed runs" in md and "quads-s0: exit" in md
+    for f in ("compare.png", "compare.json", "report/report.md", "report/reward.png", "report/k3.png"):
+        assert (out / f).stat().st_size > 0, f
+    data = json.loads((out / "compare.json").read_text())
+    assert data["recipes"][0]["gap_mean"] > 0 and data["recipes"][1]["gap_mean"] > data["recipes"][0]["gap_mean"]
+    # a second call reuses finished runs instead of training again
+    again = launch(cfg, runs[:1], say=lambda s: None)
+    assert again[0].reused and again[0].ok
+
+
+def test_cli(checkpoint, tmp_path, capsys):
+    out = tmp_path / "cli"
+    rc = main(["compare", "--recipes", "w4a16-qat", "--seeds", "3", "--set", _set(checkpoint),
+               "--out-dir", str(out)])
+    assert rc == 0
+    assert "| w4a16-qat | 1/1 |" in capsys.readouterr().out
+    assert (out / "runs" / "w4a16-qat-s3" / "metrics.jsonl").is_file()
