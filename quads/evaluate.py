@@ -1,0 +1,173 @@
+"""``quads eval``: pass@1 and pass@k of a checkpoint on a task's held-out split or a dataset file.
+
+For each prompt we draw ``n_samples`` responses (greedy when ``temperature`` is 0, then one sample
+is enough), count the ``c`` correct ones and use the unbiased estimator of Chen et al. (2021):
+``pass@k = 1 - C(n - c, k) / C(n, k)``, averaged over prompts (k <= n required). pass@1 reduces to
+``c / n``. Output: a table and one JSON line (``{"metric": "eval", ...}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quads.config import add_dataclass_args, build_config
+from quads.tasks import Example, Task, get_task
+
+
+@dataclass
+class EvalConfig:
+    checkpoint: str = ""  # checkpoint folder (quads save_checkpoint, with its tokenizer)
+    task: str | None = "arithmetic"  # a registered task; its held-out ("test") split is evaluated
+    difficulty: int | None = None  # task difficulty; None = the checkpoint's warm-start level, else the default
+    dataset: str | None = None  # a jsonl/parquet file instead of a task (all records are evaluated)
+    n_prompts: int = 200  # held-out prompts evaluated (the first n of the split)
+    n_samples: int = 1  # responses per prompt (n in the estimator)
+    k: tuple[int, ...] = (1,)  # the k of pass@k; each <= n_samples
+    temperature: float = 0.0  # 0 = greedy
+    max_new_tokens: int = 64  # response length cap
+    batch_size: int = 64  # prompts per generate call
+    recipe: str | None = None  # rollout precision recipe (quads.quant); None = the checkpoint as stored
+    seed: int = 0  # sampling seed
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.n_prompts < 1 or self.n_samples < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
+            raise ValueError("n_prompts, n_samples, batch_size and max_new_tokens must be >= 1")
+        self.k = tuple(sorted(set(int(k) for k in self.k)))
+        if not self.k or min(self.k) < 1 or max(self.k) > self.n_samples:
+            raise ValueError(f"every k must be in [1, n_samples={self.n_samples}], got {list(self.k)}; "
+                             "raise --n-samples or lower --k")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature == 0 and self.n_samples > 1:
+            raise ValueError("greedy decoding (temperature 0) gives n identical samples; set --temperature > 0 "
+                             "for n_samples > 1")
+
+
+@dataclass
+class EvalResult:
+    pass_at: dict[int, float]  # k -> mean pass@k over prompts
+    n_prompts: int
+    n_samples: int
+    mean_response_chars: float
+    reasons: dict[str, int]  # failure reason (first words) -> count
+    samples: list[dict] = field(default_factory=list)  # a few (prompt, response, reason) for inspection
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples with ``c`` correct: ``1 - C(n-c, k) / C(n, k)``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@torch.no_grad()
+def evaluate_model(model: torch.nn.Module, tokenizer, task: Task, examples: list[Example], *,
+                   n_samples: int = 1, ks: tuple[int, ...] = (1,), temperature: float = 0.0,
+                   max_new_tokens: int = 64, batch_size: int = 64, seed: int = 0,
+                   recipe: str | None = None) -> EvalResult:
+    """Generate ``n_samples`` responses per example with the rollout engine and score them."""
+    from quads.rollout import RolloutEngine, SamplingParams
+
+    engine = RolloutEngine(model, tokenizer, recipe=recipe)
+    params = SamplingParams(n=n_samples, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                            record_routing=False)
+    correct: list[int] = []
+    reasons: Counter[str] = Counter()
+    samples, chars = [], 0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        batch = engine.generate([e.prompt for e in chunk], params)
+        for j, ex in enumerate(chunk):
+            c = 0
+            for text in batch.texts[j * n_samples:(j + 1) * n_samples]:
+                s = task.score(ex, text)
+                c += s.correct
+                chars += len(text)
+                if not s.correct:
+                    reasons[s.reason.split(":")[0]] += 1
+                if len(samples) < 8:
+                    samples.append({"prompt": ex.prompt, "response": text, "reason": s.reason})
+            correct.append(c)
+    n = len(examples)
+    pass_at = {k: sum(pass_at_k(n_samples, c, k) for c in correct) / max(n, 1) for k in ks}
+    return EvalResult(pass_at, n, n_samples, chars / max(n * n_samples, 1), dict(reasons.most_common(8)),
+                      samples)
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="YAML file with EvalConfig fields")
+    add_dataclass_args(parser, EvalConfig)
+
+
+def _load(cfg: EvalConfig):
+    from quads.model.checkpoint import load_checkpoint
+    from quads.model.tokenizer import load_tokenizer
+
+    if not cfg.checkpoint:
+        raise ValueError("--checkpoint is required (a folder written by quads pretrain / train)")
+    model, extra = load_checkpoint(cfg.checkpoint, device=cfg.device)
+    tokenizer = load_tokenizer(cfg.checkpoint)
+    if cfg.recipe is not None:
+        from quads.quant import quantize_model
+
+        quantize_model(model, cfg.recipe, side="rollout", verbose=False)
+    return model.eval(), tokenizer, extra
+
+
+def _task_and_examples(cfg: EvalConfig, extra: dict) -> tuple[Task, list[Example], str]:
+    if cfg.dataset is not None:
+        from quads.tasks import DatasetTask, load_dataset
+
+        task = DatasetTask(cfg.dataset)
+        return task, load_dataset(cfg.dataset)[:cfg.n_prompts], f"dataset {cfg.dataset}"
+    if cfg.task is None:
+        raise ValueError("give --task NAME or --dataset FILE")
+    kwargs = {}
+    pre = extra.get("pretrain", {})
+    difficulty = cfg.difficulty if cfg.difficulty is not None else (
+        pre.get("difficulty") if pre.get("task") == cfg.task else None)
+    if difficulty is not None:
+        kwargs["difficulty"] = difficulty
+    task = get_task(cfg.task, **kwargs)
+    desc = f"task {cfg.task}" + (f" (difficulty {difficulty})" if difficulty is not None else "")
+    return task, task.examples("test", cfg.n_prompts), desc + " held-out split"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = build_config(EvalConfig, getattr(args, "config", None), args, skip=("config",))
+        model, tokenizer, extra = _load(cfg)
+        task, examples, desc = _task_and_examples(cfg, extra)
+    except ValueError as e:
+        print(f"quads eval: {e}", file=sys.stderr)
+        return 2
+    res = evaluate_model(model, tokenizer, task, examples, n_samples=cfg.n_samples, ks=cfg.k,
+                         temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                         batch_size=cfg.batch_size, seed=cfg.seed, recipe=cfg.recipe)
+    print(f"checkpoint {cfg.checkpoint}, {desc}, {res.n_prompts} prompts x {res.n_samples} samples, "
+          f"temperature {cfg.temperature:g}, recipe {cfg.recipe or 'as stored'}")
+    print(f"{'metric':<10} {'value':>8}")
+    for k, v in res.pass_at.items():
+        print(f"{f'pass@{k}':<10} {v:>8.4f}")
+    if res.reasons:
+        print("top failure reasons: " + ", ".join(f"{r} ({c})" for r, c in res.reasons.items()))
+    line = {"metric": "eval", "checkpoint": str(Path(cfg.checkpoint)), "source": desc,
+            **{f"pass@{k}": round(v, 6) for k, v in res.pass_at.items()},
+            "n_prompts": res.n_prompts, "n_samples": res.n_samples, "temperature": cfg.temperature,
+            "recipe": cfg.recipe, "mean_response_chars": round(res.mean_response_chars, 2)}
+    print(json.dumps(line))
+    return 0
+
+
+__all__ = ["EvalConfig", "EvalResult", "evaluate_model", "pass_at_k", "register", "run"]

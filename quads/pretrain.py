@@ -1,0 +1,211 @@
+"""``quads pretrain``: supervised warm start of the built-in MoE on a task's demonstrations.
+
+Each training sequence is ``<bos> prompt response <eos>`` in character ids; teacher forcing with
+cross-entropy on the response and ``<eos>`` only (prompt and padding positions are masked), mean
+over those tokens. AdamW, linear warmup then cosine decay to 10% of ``lr``, gradient clipping at 1.
+Batches are drawn with replacement from ``train_size`` training examples by a seeded generator, so a
+run is a function of its config. The checkpoint is cached under
+``<cache_dir>/<sha256(config)[:16]>/`` (``cache_dir``: ``$QUADS_CACHE/pretrain``, else
+``~/.cache/quads/pretrain``): a second call with the same config returns the folder at once. At the
+end the held-out greedy pass@1 is measured with the rollout engine and stored in the checkpoint's
+``extra["pretrain_result"]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quads.config import add_dataclass_args, build_config, to_dict
+
+FORMAT_VERSION = 1  # bump when the SFT recipe or data format changes, so old cache entries are not reused
+
+
+@dataclass
+class PretrainConfig:
+    task: str = "arithmetic"  # registered task (quads.tasks.get_task) whose demonstrations are learned
+    difficulty: int | None = None  # task difficulty level; None = the task's default
+    preset: str = "tiny"  # built-in ModelConfig preset (quads.model.PRESETS)
+    steps: int = 600  # optimizer steps
+    batch_size: int = 32  # sequences per step
+    lr: float = 3e-3  # peak AdamW learning rate
+    warmup_steps: int = 30  # linear warmup steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    train_size: int = 20000  # distinct training examples drawn from the task's train split
+    seed: int = 0  # init, data order and task generation seed
+    eval_size: int = 200  # held-out prompts for the final greedy pass@1 (0 = skip)
+    max_new_tokens: int = 64  # response cap of that evaluation
+    dtype: str = "float32"  # parameter / compute dtype of the model
+    device: str = "cpu"
+    cache_dir: str | None = None  # cache root; None = $QUADS_CACHE/pretrain or ~/.cache/quads/pretrain
+    progress: bool = True  # tqdm progress bar
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "train_size", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PretrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0 or self.warmup_steps < 0 or self.weight_decay < 0 or self.eval_size < 0:
+            raise ValueError("PretrainConfig: lr must be > 0; warmup_steps, weight_decay, eval_size >= 0")
+        if self.dtype not in ("float32", "bfloat16", "float64"):
+            raise ValueError(f"PretrainConfig.dtype must be float32, bfloat16 or float64, got {self.dtype!r}")
+
+    def cache_key(self) -> str:
+        """Hash of every field that changes the checkpoint (not where it is cached or the progress bar)."""
+        fields = {k: v for k, v in to_dict(self).items() if k not in ("cache_dir", "progress", "device")}
+        blob = json.dumps({"v": FORMAT_VERSION, **fields}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def cache_root(self) -> Path:
+        if self.cache_dir is not None:
+            return Path(self.cache_dir)
+        env = os.environ.get("QUADS_CACHE")
+        return Path(env) / "pretrain" if env else Path.home() / ".cache" / "quads" / "pretrain"
+
+    def folder(self) -> Path:
+        return self.cache_root() / self.cache_key()
+
+
+def _task(cfg: PretrainConfig):
+    from quads.tasks import get_task
+
+    kwargs: dict[str, Any] = {"seed": cfg.seed}
+    if cfg.difficulty is not None:
+        kwargs["difficulty"] = cfg.difficulty
+    return get_task(cfg.task, **kwargs)
+
+
+def encode_sft(tokenizer, prompt: str, response: str) -> tuple[list[int], int]:
+    """Ids of ``<bos> prompt response <eos>`` and the index of the first response id."""
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    head = bos + tokenizer.encode(prompt)
+    return head + tokenizer.encode(response) + [tokenizer.eos_id], len(head)
+
+
+def collate(seqs: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input ids [B, L] and targets [B, L] (next id; -100 on prompt and padding)."""
+    L = max(len(s) for s, _ in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    targets = torch.full((len(seqs), L), -100, dtype=torch.long)
+    for i, (s, start) in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        targets[i, start - 1:len(s) - 1] = torch.tensor(s[start:])  # position t predicts id t+1
+    return ids, targets
+
+
+def sft_loss(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean cross-entropy over response tokens (targets != -100), plus the router aux loss."""
+    out = model(ids)
+    logits = out.logits.float()  # [B, L, V]
+    n_tok = (targets != -100).sum()
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                           reduction="sum") / n_tok.clamp_min(1)
+    loss = ce + out.aux_loss
+    with torch.no_grad():
+        acc = ((logits.argmax(-1) == targets) & (targets != -100)).sum() / n_tok.clamp_min(1)
+    return loss, {"sft/ce": ce.item(), "sft/token_acc": acc.item(), "sft/aux": float(out.aux_loss)}
+
+
+def _lr_at(step: int, cfg: PretrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def train_sft(cfg: PretrainConfig, log_every: int = 50):
+    """Train a fresh model; returns (model, tokenizer, task, history of (step, ce) every log_every)."""
+    from tqdm.auto import tqdm
+
+    from quads.model import ModelConfig, MoEForCausalLM
+    from quads.model.tokenizer import CharTokenizer
+
+    torch.manual_seed(cfg.seed)
+    tok = CharTokenizer()
+    task = _task(cfg)
+    data = [encode_sft(tok, e.prompt, task.demonstration(e)) for e in task.examples("train", cfg.train_size)]
+    model = MoEForCausalLM(ModelConfig.preset(cfg.preset, vocab_size=tok.vocab_size, dtype=cfg.dtype))
+    model.to(cfg.device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    history: list[tuple[int, float]] = []
+    bar = tqdm(range(cfg.steps), desc=f"pretrain {cfg.task}", disable=not cfg.progress, file=sys.stderr)
+    ema = None
+    for step in bar:
+        idx = torch.randint(len(data), (cfg.batch_size,), generator=gen).tolist()
+        ids, targets = collate([data[i] for i in idx], tok.pad_id)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, cfg)
+        loss, metrics = sft_loss(model, ids.to(cfg.device), targets.to(cfg.device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ce = metrics["sft/ce"]
+        ema = ce if ema is None else 0.95 * ema + 0.05 * ce
+        if step % log_every == 0 or step == cfg.steps - 1:
+            history.append((step, ce))
+            bar.set_postfix(ce=f"{ema:.3f}", acc=f"{metrics['sft/token_acc']:.3f}")
+    return model, tok, task, history
+
+
+def warm_start(cfg: PretrainConfig) -> Path:
+    """The checkpoint folder of ``cfg``'s SFT run, training it first unless it is cached."""
+    from quads.model.checkpoint import save_checkpoint
+
+    folder = cfg.folder()
+    if (folder / "config.json").is_file():
+        return folder
+    start = time.monotonic()
+    model, tok, task, history = train_sft(cfg)
+    train_s = time.monotonic() - start
+    result: dict[str, Any] = {"train_seconds": round(train_s, 1), "loss_history": history,
+                              "final_ce": history[-1][1]}
+    if cfg.eval_size > 0:
+        from quads.evaluate import evaluate_model
+
+        res = evaluate_model(model.eval(), tok, task, task.examples("test", cfg.eval_size),
+                             max_new_tokens=cfg.max_new_tokens)
+        result["heldout_pass@1"] = res.pass_at[1]
+        result["heldout_mean_response_chars"] = res.mean_response_chars
+    extra = {"pretrain": to_dict(cfg), "pretrain_result": result, "task": cfg.task,
+             "difficulty": getattr(task, "difficulty", None)}
+    save_checkpoint(model, folder, extra, tokenizer=tok)
+    return folder
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="YAML file with PretrainConfig fields")
+    add_dataclass_args(parser, PretrainConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from quads.model.checkpoint import read_checkpoint_config
+
+    try:
+        cfg = build_config(PretrainConfig, getattr(args, "config", None), args, skip=("config",))
+    except ValueError as e:
+        print(f"quads pretrain: {e}", file=sys.stderr)
+        return 2
+    cached = (cfg.folder() / "config.json").is_file()
+    folder = warm_start(cfg)
+    _, extra = read_checkpoint_config(folder)
+    res = extra.get("pretrain_result", {})
+    print(f"{'cached' if cached else 'trained'} checkpoint: {folder}")
+    print(f"task {cfg.task} difficulty {extra.get('difficulty')}, {cfg.steps} steps, final ce "
+          f"{res.get('final_ce', float('nan')):.4f}, held-out greedy pass@1 {res.get('heldout_pass@1')}")
+    print(json.dumps({"metric": "pretrain", "checkpoint": str(folder), "cached": cached,
+                      **{k: v for k, v in res.items() if k != "loss_history"},
+                      **dataclasses.asdict(cfg)}))
+    return 0

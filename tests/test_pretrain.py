@@ -1,0 +1,62 @@
+"""SFT warm start: response-only loss masking, loss goes down, checkpoint cached and reloads identically."""
+
+import torch
+
+from quads.model.checkpoint import load_checkpoint
+from quads.model.tokenizer import CharTokenizer, load_tokenizer
+from quads.pretrain import PretrainConfig, collate, encode_sft, train_sft, warm_start
+
+
+def _tiny_cfg(tmp_path, **kw):
+    base = dict(difficulty=1, steps=30, batch_size=8, lr=3e-3, warmup_steps=3, train_size=100, eval_size=8,
+                max_new_tokens=12, cache_dir=str(tmp_path), progress=False)
+    return PretrainConfig(**{**base, **kw})
+
+
+def test_targets_cover_response_and_eos_only():
+    tok = CharTokenizer()
+    seq, start = encode_sft(tok, "Q: 1+2=\n", "1+2=3 #3")
+    assert seq[0] == tok.bos_id and seq[-1] == tok.eos_id
+    assert tok.decode(seq[start:-1]) == "1+2=3 #3"
+    ids, targets = collate([(seq, start), encode_sft(tok, "Q: 9=\n", "#9")], tok.pad_id)
+    assert ids.shape == targets.shape == (2, len(seq))
+    row = targets[0]
+    assert (row[:start - 1] == -100).all() and row[len(seq) - 1] == -100
+    assert row[start - 1:len(seq) - 1].tolist() == seq[start:]  # next-token targets of the response + eos
+    assert (targets[1] != -100).sum() == len("#9") + 1
+    assert (ids[1, len(encode_sft(tok, "Q: 9=\n", "#9")[0]):] == tok.pad_id).all()
+
+
+def test_cache_key_ignores_location_only(tmp_path):
+    a = _tiny_cfg(tmp_path)
+    assert a.cache_key() == _tiny_cfg(tmp_path / "elsewhere", progress=True).cache_key()
+    assert a.cache_key() != _tiny_cfg(tmp_path, seed=1).cache_key()
+    assert a.cache_key() != _tiny_cfg(tmp_path, steps=31).cache_key()
+
+
+def test_short_warm_start_lowers_loss_and_reloads_identically(tmp_path):
+    cfg = _tiny_cfg(tmp_path)
+    folder = warm_start(cfg)
+    assert folder == tmp_path / cfg.cache_key() and (folder / "config.json").is_file()
+    model, extra = load_checkpoint(folder)
+    hist = extra["pretrain_result"]["loss_history"]
+    assert hist[-1][1] < 0.6 * hist[0][1], hist  # cross-entropy fell
+    assert 0.0 <= extra["pretrain_result"]["heldout_pass@1"] <= 1.0
+    assert extra["pretrain"]["steps"] == cfg.steps
+    assert isinstance(load_tokenizer(folder), CharTokenizer)
+    # the same config trains the same weights (seeded), so the checkpoint is exactly the retrained model
+    again, _, _, _ = train_sft(cfg)
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    mtime = (folder / "model.safetensors").stat().st_mtime_ns
+    assert warm_start(cfg) == folder  # cached: not retrained
+    assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_config_validation():
+    import pytest
+
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        PretrainConfig(steps=0)
+    with pytest.raises(ValueError, match="dtype"):
+        PretrainConfig(dtype="int8")
