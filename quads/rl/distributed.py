@@ -32,6 +32,7 @@ Failure: collectives time out after ``timeout_s``; a failed collective is re-rai
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -105,6 +106,7 @@ def init(device: str = "cpu", timeout_s: float | None = None) -> DistInfo:
         if backend == "nccl":
             kwargs["device_id"] = torch.device(device)
         dist.init_process_group(backend, **kwargs)
+        atexit.register(shutdown)
     return DistInfo(rank, world, local, device, backend)
 
 
@@ -513,3 +515,29 @@ class GroupSeededEngine:
             params, seed=None if params.seed is None else params.seed + 7919 * (first + i + 1)))
             for i, p in enumerate(prompts)]
         return concat_rollouts(parts, self.pad_id)
+
+
+def broadcast_object(obj: T, info: DistInfo) -> T:
+    """Rank 0's ``obj`` on every rank (pickled; for small things such as a run folder name)."""
+    if not info.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def check_config(cfg, info: DistInfo) -> None:
+    """Refuse configs that cannot split over ``info.world`` ranks, with the fix in the message."""
+    if not info.enabled:
+        return
+    r, o = cfg.rollout, cfg.optim
+    if r.prompts_per_step % info.world:
+        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the {info.world} "
+                         "processes (each rank rolls out whole prompt groups)")
+    local = r.prompts_per_step // info.world * r.n_samples
+    if local % o.mini_batches:
+        raise ValueError(f"optim.mini_batches={o.mini_batches} must divide each rank's batch "
+                         f"(prompts_per_step / {info.world} * n_samples = {local})")
+    if getattr(cfg, "rollout_backend", "quads") != "quads":
+        raise ValueError(f"rollout_backend={cfg.rollout_backend!r} runs in one process only; use the quads "
+                         "rollout engine under torchrun (--rollout-backend quads)")

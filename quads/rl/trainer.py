@@ -22,6 +22,7 @@ one (timings aside).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -41,7 +42,7 @@ from quads.metrics.report import write_report
 from quads.model.checkpoint import save_checkpoint
 from quads.model.transformer import MoEForCausalLM
 from quads.quant import sync_weights
-from quads.rl import build
+from quads.rl import build, distributed
 from quads.rl.checkpoint import (
     latest_checkpoint,
     load_train_state,
@@ -131,9 +132,15 @@ class GRPOTrainer:
         self.cfg = cfg
         self.on_step_end = on_step_end
         self.quiet = quiet
-        self.run_dir = Path(cfg.out_dir) if cfg.out_dir else default_run_dir(cfg)
+        self.dist = distributed.init(cfg.device)  # under torchrun: join the process group (else a no-op)
+        distributed.check_config(cfg, self.dist)
+        cfg.device = self.dist.device  # cuda -> cuda:<LOCAL_RANK> under torchrun
+        self.run_dir = distributed.broadcast_object(Path(cfg.out_dir) if cfg.out_dir else default_run_dir(cfg),
+                                                    self.dist)
         self.resume_state = check_run_dir(cfg, self.run_dir)
-        self.res = build.resolve(cfg)  # every input checked before the run folder is written
+        distributed.barrier(self.dist)  # every rank checked the run folder before rank 0 writes to it
+        with distributed.rank0_first(self.dist):  # rank 0 warm-starts into the cache, the others reuse it
+            self.res = build.resolve(cfg)  # every input checked before the run folder is written
         if self.resume_state is not None:
             want = self.res.model_config.to_dict()
             have = self.resume_state["model_config"]
@@ -154,15 +161,19 @@ class GRPOTrainer:
         torch.manual_seed(cfg.seed)
         self.task = self.res.task
         self.trainer, self.rollout_model, self.tokenizer = build.build_models(self.res, cfg)
+        distributed.shard_model(self.trainer, self.dist)  # FSDP2 under torchrun; the rollout model stays full
         self.ref = None
         if cfg.grpo.kl_coef > 0:
             self.ref, _, _ = build.build_models(self.res, cfg)
             self.ref.requires_grad_(False)
+            distributed.shard_model(self.ref, self.dist)
         self.engine = RolloutEngine(self.rollout_model, self.tokenizer, device=cfg.device, recipe=self.res.recipe.name)
         self.params = [p for p in self.trainer.parameters() if p.requires_grad]
         o = cfg.optim
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                      weight_decay=o.weight_decay)
+        if self.dist.enabled:  # FSDP2 re-gathers into the same tensor: QAT's cache key cannot see the update
+            distributed.invalidate_qat_cache_on_step(self.opt, self.trainer)
         self.opt_steps = 0
         self.sampler = PromptSampler(self.task.examples("train", cfg.task.train_size), seed=cfg.seed)
         self.eval_set = self.task.examples("test", cfg.eval_n)
@@ -172,15 +183,18 @@ class GRPOTrainer:
             self._restore(self.resume_state)
         else:
             sync_weights(self.trainer, self.rollout_model)
-        save_config(cfg, self.run_dir / "config.yaml")
+        if self.dist.is_main:
+            save_config(cfg, self.run_dir / "config.yaml")
         self.writer = None
-        if cfg.log.tensorboard:
+        if cfg.log.tensorboard and self.dist.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.run_dir / "tb"), purge_step=self.start_step + 1)
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.trainer.load_state_dict(state["model"])
+        if self.dist.enabled:  # FSDP2 trainer: gather full tensors one by one into each rank's replica
+            return distributed.sync_weights_sharded(self.trainer, self.rollout_model, self.dist)
         self.opt.load_state_dict(state["optimizer"])
         self.opt_steps = int(state["opt_steps"])
         self.sampler.load_state_dict(state["sampler"])
@@ -192,7 +206,7 @@ class GRPOTrainer:
         self.start_step = int(state["step"])
         self.eval_history = list(state.get("eval_history", []))
         path = self.run_dir / "metrics.jsonl"
-        if path.exists():  # drop records of steps after the checkpoint (they will be recomputed)
+        if path.exists() and self.dist.is_main:  # drop records of steps after the checkpoint (they will be recomputed)
             keep = []
             for line in path.read_text().splitlines():
                 try:
@@ -202,10 +216,11 @@ class GRPOTrainer:
                     continue  # torn line from the crash
             atomic_write_text(path, "".join(x + "\n" for x in keep))
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int) -> Path | None:
+        """Checkpoint (full, unsharded state, written by rank 0 only); None on the other ranks."""
         state = {
-            "model": self.trainer.state_dict(),
-            "optimizer": self.opt.state_dict(),
+            "model": distributed.full_model_state(self.trainer, self.dist),
+            "optimizer": distributed.full_optimizer_state(self.trainer, self.opt, self.dist),
             "opt_steps": self.opt_steps,
             "sampler": self.sampler.state_dict(),
             "rng": rng_state(),
@@ -214,14 +229,16 @@ class GRPOTrainer:
             "base_checkpoint": str(self.res.checkpoint),
             "eval_history": self.eval_history,
         }
-        return save_train_state(self.run_dir, step, state, to_dict(self.cfg))
+        path = save_train_state(self.run_dir, step, state, to_dict(self.cfg)) if self.dist.is_main else None
+        distributed.barrier(self.dist)  # the checkpoint is complete before any rank moves on
+        return path
 
     # ------------------------------------------------------------------ one step
 
     def _rollout(self, step: int) -> tuple[StepData, dict[str, float]]:
         cfg, r = self.cfg, self.cfg.rollout
         t0 = time.perf_counter()
-        exs = self.sampler.take(r.prompts_per_step)
+        exs = distributed.split_groups(self.sampler.take(r.prompts_per_step), self.dist)  # this rank's groups
         params = SamplingParams(n=r.n_samples, temperature=r.temperature, max_new_tokens=r.max_new_tokens,
                                 seed=cfg.seed * 1_000_003 + step, record_routing=True)
         batch = self.engine.generate([e.prompt for e in exs], params)
@@ -241,20 +258,28 @@ class GRPOTrainer:
         mask = seq.response_mask
         P = seq.prompt_len
         fed = mask & (batch.routing[0, :, P:, 0] >= 0) if batch.routing is not None else None
-        m = mismatch_metrics(
-            old.logprobs, batch.logprobs.to(old.logprobs.device), mask,
-            routing_train=old.routing[:, :, P:] if batch.routing is not None else None,
-            routing_rollout=batch.routing[:, :, P:] if batch.routing is not None else None,
-            routing_mask=fed, probe_tokens=cfg.log.probe_tokens)
         corr = is_correction(old.logprobs, batch.logprobs.to(old.logprobs.device), mask.float(), cfg.correction)
-        lengths = batch.response_lengths().float()
-        m.update(group_stats(rewards, r.n_samples))
-        m.update(corr.metrics)
+        # metrics over the rows of every rank (gather_rows is the identity in one process)
+        g = functools.partial(distributed.gather_rows, info=self.dist)
+        lp_t, lp_r, gmask = g(old.logprobs), g(batch.logprobs.to(old.logprobs.device)), g(mask)
+        has_r = batch.routing is not None
+        m = mismatch_metrics(
+            lp_t, lp_r, gmask,
+            routing_train=g(old.routing[:, :, P:], batch_dim=1, pad_dim=2) if has_r else None,
+            routing_rollout=g(batch.routing[:, :, P:], batch_dim=1, pad_dim=2, pad_value=-1) if has_r else None,
+            routing_mask=g(fed) if has_r else None, probe_tokens=cfg.log.probe_tokens)
+        m.update(is_correction(lp_t, lp_r, gmask.float(), cfg.correction).metrics if self.dist.enabled
+                 else corr.metrics)
+        per_sample = g(torch.tensor([[float(s.correct), float(f == "length"), float(n)] for s, f, n in
+                                     zip(scores, batch.finish_reasons, batch.response_lengths().tolist())],
+                                    dtype=torch.float64), pad_dim=None)  # [B_global, 3]
+        lengths = per_sample[:, 2]
+        m.update(group_stats(g(rewards, pad_dim=None), r.n_samples))
         m.update({
-            "reward/correct_frac": sum(s.correct for s in scores) / len(scores),
+            "reward/correct_frac": per_sample[:, 0].mean().item(),
             "response/len_mean": lengths.mean().item(),
             "response/len_max": lengths.max().item(),
-            "response/truncated_frac": sum(f == "length" for f in batch.finish_reasons) / len(scores),
+            "response/truncated_frac": per_sample[:, 1].mean().item(),
             "time/rollout_s": t_roll,
             "time/old_logprobs_s": time.perf_counter() - t1,
             "perf/rollout_tokens_per_s": batch.stats.n_response_tokens / max(t_roll, 1e-9),
@@ -286,7 +311,8 @@ class GRPOTrainer:
                                            cfg.rollout.temperature, return_entropy=True)
                 loss, m = grpo_loss(res.logprobs, d.logp_old[rows], d.advantages[rows], d.loss_mask[rows],
                                     cfg.grpo, is_weights=d.is_weights[rows],
-                                    logp_ref=None if d.logp_ref is None else d.logp_ref[rows], entropy=res.entropy)
+                                    logp_ref=None if d.logp_ref is None else d.logp_ref[rows], entropy=res.entropy,
+                                    denom=distributed.loss_denom(d.loss_mask[rows], cfg.grpo.agg, self.dist))
                 total = loss + res.aux_loss
                 self.opt.zero_grad(set_to_none=True)
                 total.backward()
@@ -297,8 +323,9 @@ class GRPOTrainer:
                     g["lr"] = lr
                 self.opt.step()
                 self.opt_steps += 1
-                m["optim/grad_norm"] = gn.item()
+                m["optim/grad_norm"] = distributed.scalar(gn)  # a DTensor under FSDP2
                 m["loss/aux"] = float(res.aux_loss)
+                m = distributed.reduce_loss_metrics(m, self.dist)  # global token means (identity in one process)
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
@@ -316,22 +343,26 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens,
                                 record_routing=False)
-        batch = self.engine.generate([e.prompt for e in self.eval_set], params)
-        correct = [self.task.score(e, t).correct for e, t in zip(self.eval_set, batch.texts)]
-        return {"eval/pass@1": sum(correct) / len(correct), "eval/n": float(len(correct)),
-                "eval/len_mean": batch.response_lengths().float().mean().item(),
-                "time/eval_s": time.perf_counter() - t0}
+        mine = self.eval_set[self.dist.rank::self.dist.world]  # under torchrun each rank scores a share
+        batch = self.engine.generate([e.prompt for e in mine], params)
+        correct = [self.task.score(e, t).correct for e, t in zip(mine, batch.texts)]
+        n = distributed.all_reduce(len(correct), self.dist)
+        return {"eval/pass@1": distributed.all_reduce(sum(correct), self.dist) / n, "eval/n": n,
+                "eval/len_mean": distributed.all_reduce(batch.response_lengths().sum(), self.dist) / n,
+                "time/eval_s": distributed.all_reduce(time.perf_counter() - t0, self.dist, "max")}
 
     def step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         data, metrics = self._rollout(step)
         metrics.update(self._update(data))
         metrics["time/step_s"] = time.perf_counter() - t0
-        return metrics
+        return distributed.reduce_timings(metrics, self.dist)  # slowest rank's times, summed throughput
 
     # ------------------------------------------------------------------ the run
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.dist.is_main:
+            return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.writer is not None:
@@ -341,7 +372,7 @@ class GRPOTrainer:
             self.writer.flush()
 
     def _say(self, msg: str) -> None:
-        if not self.quiet:
+        if not self.quiet and self.dist.is_main:
             from tqdm import tqdm
 
             tqdm.write(msg, file=sys.stderr)
@@ -362,11 +393,13 @@ class GRPOTrainer:
             self._log(0, ev)
             self._say(f"step 0: held-out pass@1 {ev['eval/pass@1']:.3f} (start of RL)")
         bar = tqdm(range(self.start_step + 1, cfg.steps + 1), initial=self.start_step, total=cfg.steps,
-                   disable=self.quiet or not cfg.log.progress, desc="quads train", dynamic_ncols=True)
+                   disable=self.quiet or not cfg.log.progress or not self.dist.is_main, desc="quads train",
+                   dynamic_ncols=True)
         metrics: dict[str, float] = {}
         try:
             for step in bar:
-                metrics = self.step(step)
+                with distributed.collective_guard(self.dist, f"step {step}", latest_checkpoint(self.run_dir)):
+                    metrics = self.step(step)
                 if self._eval_due(step):
                     metrics.update(self.evaluate())
                     self.eval_history.append(metrics["eval/pass@1"])
@@ -395,11 +428,15 @@ class GRPOTrainer:
 
     def _finish(self, step: int, last: dict[str, float] | None = None) -> TrainResult:
         policy_dir = self.run_dir / "policy"
-        export = MoEForCausalLM(self.res.model_config)
-        names = set(export.state_dict())
-        export.load_state_dict({k: v for k, v in self.trainer.state_dict().items() if k in names})
-        save_checkpoint(export, policy_dir, extra={"recipe": self.res.recipe.name, "step": step},
-                        tokenizer=self.tokenizer)
-        report = write_report(self.run_dir)
+        full = distributed.full_model_state(self.trainer, self.dist)  # collective under torchrun
+        report = None
+        if self.dist.is_main:
+            export = MoEForCausalLM(self.res.model_config)
+            names = set(export.state_dict())
+            export.load_state_dict({k: v for k, v in full.items() if k in names})
+            save_checkpoint(export, policy_dir, extra={"recipe": self.res.recipe.name, "step": step},
+                            tokenizer=self.tokenizer)
+            report = write_report(self.run_dir)
+        report = distributed.broadcast_object(report, self.dist)
         ev = self.eval_history or [math.nan]
         return TrainResult(self.run_dir, report, policy_dir, step, ev[0], ev[-1], last or {})
