@@ -192,10 +192,11 @@ class GRPOTrainer:
             self.writer = SummaryWriter(str(self.run_dir / "tb"), purge_step=self.start_step + 1)
 
     def _restore(self, state: dict[str, Any]) -> None:
-        self.trainer.load_state_dict(state["model"])
-        if self.dist.enabled:  # FSDP2 trainer: gather full tensors one by one into each rank's replica
-            return distributed.sync_weights_sharded(self.trainer, self.rollout_model, self.dist)
-        self.opt.load_state_dict(state["optimizer"])
+        if self.dist.enabled:
+            distributed.load_full_state(self.trainer, self.opt, state["model"], state["optimizer"], self.dist)
+        else:
+            self.trainer.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
         self.opt_steps = int(state["opt_steps"])
         self.sampler.load_state_dict(state["sampler"])
         sync_weights(self.trainer, self.rollout_model)
