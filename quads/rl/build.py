@@ -84,7 +84,8 @@ def warm_start_checkpoint(cfg: TrainConfig) -> Path:
     want = {"preset": cfg.model.preset, "model": cfg.model.preset, "task": cfg.task.name,
             "difficulty": cfg.task.difficulty, "dataset": cfg.task.dataset, "steps": cfg.warm_start.steps,
             "lr": cfg.warm_start.lr, "batch_size": cfg.warm_start.batch_size, "seed": cfg.seed,
-            "device": cfg.device, "cache_dir": cfg.warm_start.cache_dir, "threads": cfg.threads}
+            "device": cfg.device, "cache_dir": cfg.warm_start.cache_dir,
+            "max_new_tokens": cfg.rollout.max_new_tokens}
     names = {f.name for f in dataclasses.fields(PretrainConfig)}
     kwargs = {k: v for k, v in want.items() if k in names and v is not None}
     return Path(warm_start(PretrainConfig(**kwargs)))
@@ -101,6 +102,9 @@ def resolve(cfg: TrainConfig, *, allow_warm_start: bool = True) -> Resolved:
         if not ckpt.is_dir():
             raise ValueError(f"model.checkpoint: folder {str(ckpt)!r} does not exist; pass a checkpoint folder "
                              "(written by quads pretrain / quads train) or leave it unset to warm-start")
+    elif cfg.task.name == "dataset":
+        raise ValueError("model.checkpoint: the warm start trains on generated tasks only; pass --model.checkpoint "
+                         "<folder> to train on a dataset file")
     elif allow_warm_start:
         ckpt = warm_start_checkpoint(cfg)
     else:

@@ -46,7 +46,7 @@ class WarmStartSection:
     steps: int = 600  # SFT steps on the task's demonstrations (cached by config hash)
     lr: float = 3e-3  # SFT learning rate
     batch_size: int = 32  # SFT sequences per step
-    cache_dir: str = "runs/warm_start"  # where warm-start checkpoints are cached
+    cache_dir: str | None = None  # warm-start cache root; None = $QUADS_CACHE/pretrain or ~/.cache/quads/pretrain
 
     def __post_init__(self) -> None:
         _positive("warm_start", steps=self.steps, lr=self.lr, batch_size=self.batch_size)
@@ -182,6 +182,8 @@ class TrainConfig:
     threads: int = 0  # torch CPU threads; 0 = torch default
     out_dir: str | None = None  # run folder; None = runs/train-<task>-<recipe>-<timestamp>
     resume: bool = False  # continue the run in out_dir from its latest checkpoint
+    # rollout engine: quads' own, or an in-process vLLM with quads' recipes (pip install 'quads[vllm]', quads.vllm)
+    rollout_backend: Literal["quads", "vllm"] = "quads"
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -194,6 +196,10 @@ class TrainConfig:
             raise ValueError("resume needs out_dir: pass --out-dir <run folder> --resume true")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0; got {self.threads}")
+        if self.rollout_backend not in ("quads", "vllm"):
+            raise ValueError(f"rollout_backend must be quads or vllm; got {self.rollout_backend!r}")
+        if self.rollout_backend == "vllm" and self.dtype == "float64":
+            raise ValueError("rollout_backend=vllm needs dtype float32 or bfloat16 (vLLM has no float64)")
         b = self.rollout.prompts_per_step * self.rollout.n_samples
         if b % self.optim.mini_batches:
             raise ValueError(

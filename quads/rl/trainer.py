@@ -167,7 +167,13 @@ class GRPOTrainer:
             self.ref, _, _ = build.build_models(self.res, cfg)
             self.ref.requires_grad_(False)
             distributed.shard_model(self.ref, self.dist)
-        self.engine = RolloutEngine(self.rollout_model, self.tokenizer, device=cfg.device, recipe=self.res.recipe.name)
+        if cfg.rollout_backend == "vllm":  # rollout backend (quads.vllm): vLLM engine, weights pushed at each sync
+            from quads.vllm.engine import make_rollout_engine
+
+            self.engine = make_rollout_engine(cfg, self.trainer, self.tokenizer, self.res.recipe, self.run_dir)
+        else:
+            self.engine = RolloutEngine(self.rollout_model, self.tokenizer, device=cfg.device,
+                                        recipe=self.res.recipe.name)
         self.params = [p for p in self.trainer.parameters() if p.requires_grad]
         o = cfg.optim
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
@@ -182,7 +188,7 @@ class GRPOTrainer:
         if self.resume_state is not None:
             self._restore(self.resume_state)
         else:
-            sync_weights(self.trainer, self.rollout_model)
+            self._sync_weights()
         if self.dist.is_main:
             save_config(cfg, self.run_dir / "config.yaml")
         self.writer = None
@@ -190,6 +196,15 @@ class GRPOTrainer:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.run_dir / "tb"), purge_step=self.start_step + 1)
+
+    def _sync_weights(self):
+        """Trainer -> rollout weight sync (fingerprint-checked); with the vLLM backend also a push into vLLM."""
+        if self.dist.enabled:  # FSDP2 trainer: gather full tensors one by one into each rank's replica
+            return distributed.sync_weights_sharded(self.trainer, self.rollout_model, self.dist)
+        rep = sync_weights(self.trainer, self.rollout_model)
+        if self.cfg.rollout_backend == "vllm":  # rollout backend (quads.vllm)
+            rep.seconds += self.engine.push_weights(self.trainer).seconds
+        return rep
 
     def _restore(self, state: dict[str, Any]) -> None:
         if self.dist.enabled:
@@ -199,7 +214,7 @@ class GRPOTrainer:
             self.opt.load_state_dict(state["optimizer"])
         self.opt_steps = int(state["opt_steps"])
         self.sampler.load_state_dict(state["sampler"])
-        sync_weights(self.trainer, self.rollout_model)
+        self._sync_weights()
         bufs = dict(self.rollout_model.named_buffers())
         for name, value in state["rollout_buffers"].items():
             bufs[name].copy_(value)  # static RAC orders and statistics: rollout state, not weights
@@ -332,7 +347,7 @@ class GRPOTrainer:
                 count += 1
                 tokens += int(sub.attention_mask.sum())
         t_train = time.perf_counter() - t0
-        rep = sync_weights(self.trainer, self.rollout_model)
+        rep = self._sync_weights()
         out = {k: v / count for k, v in sums.items()}
         out.update({"optim/lr": self._lr(), "optim/steps": float(self.opt_steps), "time/train_s": t_train,
                     "time/sync_s": rep.seconds, "perf/train_tokens_per_s": tokens / max(t_train, 1e-9)})
