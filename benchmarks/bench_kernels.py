@@ -22,6 +22,7 @@ import sys
 import torch
 
 GB = 1e9
+MS: list[int] = []  # --ms: the W4A16 token counts (default: all)
 
 
 def _events_ms(fn, reps: int) -> list[float]:
@@ -137,6 +138,8 @@ def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
 
     shapes = [(8192, 8192), (28672, 4096)]
     ms = [1, 4, 16, 64, 256, 1024, 4096] if not quick else [1, 16, 64, 1024]
+    if MS:
+        ms = MS
     for n, k in shapes:
         nsets = max(4, int(3 * GB // (n * k * 2)))  # ~3 GB of BF16 weights, ~0.85 GB of NVFP4
         bf, fp4, fp8w = _weight_sets(n, k, nsets)
@@ -151,13 +154,18 @@ def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
             t_fused = (
                 time_graph([lambda q=q: gemm.w4a16_gemm(x, q) for q in fp4]) if m <= 1024 else float("nan")
             )
+            impls = {}
+            for impl in ("gemv", "dot", "tile") if m <= 64 else ():
+                if impl == "gemv" and m > 8:
+                    continue
+                impls[impl] = time_graph([lambda q=q: gemm.w4a16_gemm(x, q, impl=impl) for q in fp4]) * 1e6
             t_fb = (time_graph([lambda q=q: x @ nvfp4_quant.nvfp4_dequantize(q, torch.bfloat16).T for q in fp4])
                     if m >= 256 else float("nan"))  # fmt: skip
             best = min(t for t in (t_fused, t_fb) if t == t)
             wbytes = n * k // 2 + n * k // 16
             rows.append({"bench": "W4A16 GEMM", "shape": f"M={m} N={n} K={k}", "us": best * 1e6,
                          "fused_us": t_fused * 1e6, "dequant_mm_us": t_fb * 1e6, "bf16_us": t_bf * 1e6,
-                         "fp8_us": t_f8 * 1e6, "x_vs_bf16": t_bf / best, "x_vs_fp8": t_f8 / best,
+                         "fp8_us": t_f8 * 1e6, "impl_us": impls, "x_vs_bf16": t_bf / best, "x_vs_fp8": t_f8 / best,
                          "w_TBps": wbytes / best / 1e12, "frac_copy": wbytes / best / copy_bw,
                          "TFLOPs": 2 * m * n * k / best / 1e12})  # fmt: skip
         del bf, fp4, fp8w
@@ -165,31 +173,38 @@ def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
 
 
 def bench_w4a16_sweep(rows: list) -> None:
-    """Block-size / split-K sweep of the fused W4A16 kernel at decode (one shape) to pick defaults."""
+    """Config sweep of the word-decode W4A16 kernels at decode (8192x8192) to pick the defaults."""
     from quads.kernels import gemm
 
     n, k = 8192, 8192
     _, fp4, _ = _weight_sets(n, k, 16)
-    for m in (1, 16):
+    configs = {
+        1: [("gemv", bn, bk, sk, nw) for bn, bk, sk, nw in
+            [(64, 256, None, 4), (128, 256, None, 4), (64, 512, None, 4), (32, 256, None, 4), (32, 512, None, 4),
+             (128, 512, None, 8), (64, 256, 1, 4), (16, 512, 1, 4), (64, 256, None, 8)]]
+           + [("dot", 64, 256, None, 4), ("dot", 128, 256, None, 4)],
+        16: [("dot", bn, bk, sk, nw) for bn, bk, sk, nw in
+             [(64, 256, None, 4), (128, 256, None, 4), (64, 512, None, 4), (128, 128, None, 4), (64, 128, None, 4),
+              (128, 256, None, 8), (64, 256, 1, 4), (128, 512, None, 8)]],
+    }  # fmt: skip
+    for m, cfgs in configs.items():
         x = torch.randn(m, k, device="cuda").bfloat16()
-        for bn in (32, 64, 128):
-            for bk in (128, 256):
-                for sk in (None, 1):
-                    try:
-                        t = time_graph(
-                            [
-                                lambda q=q: gemm.w4a16_gemm(x, q, block_n=bn, block_k=bk, split_k=sk)
-                                for q in fp4
-                            ]
+        for impl, bn, bk, sk, nw in cfgs:
+            try:
+                t = time_graph(
+                    [
+                        lambda q=q: gemm.w4a16_gemm(
+                            x, q, impl=impl, block_n=bn, block_k=bk, split_k=sk, num_warps=nw
                         )
-                    except Exception as e:  # a config that does not compile is skipped, and said so
-                        print(
-                            f"sweep M={m} bn={bn} bk={bk} split={sk}: {type(e).__name__}: {e}",
-                            file=sys.stderr,
-                        )
-                        continue
-                    rows.append({"bench": "W4A16 sweep", "shape": f"M={m} N={n} K={k} bn={bn} bk={bk} split={sk}",
-                                 "us": t * 1e6})  # fmt: skip
+                        for q in fp4
+                    ]
+                )
+            except Exception as e:  # a config that does not compile is skipped, and said so
+                print(f"sweep M={m} {impl} bn={bn} bk={bk} split={sk} nw={nw}: {type(e).__name__}: {e}"[:300],
+                      file=sys.stderr)  # fmt: skip
+                continue
+            rows.append({"bench": "W4A16 sweep", "shape": f"M={m} N={n} K={k} {impl} bn={bn} bk={bk} split={sk} nw={nw}",
+                         "us": t * 1e6})  # fmt: skip
     del fp4
     torch.cuda.empty_cache()
 
@@ -211,6 +226,20 @@ def bench_moe(rows: list, quick: bool) -> None:
         offs = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), ends])
         x = torch.randn(ids.numel(), k, device="cuda").bfloat16()
         t_q = time_graph([lambda q=q: gemm.w4a16_grouped_gemm(x, q, offs) for _, q in sets])
+        impls = {}
+        for impl, bn in (("gemv", 64), ("gemv", 32), ("dot", 64), ("dot", 32), ("tile", 64)):
+            try:
+                impls[f"{impl} bn={bn}"] = (
+                    time_graph(
+                        [
+                            lambda q=q: gemm.w4a16_grouped_gemm(x, q, offs, impl=impl, block_n=bn)
+                            for _, q in sets
+                        ]
+                    )
+                    * 1e6
+                )
+            except Exception as ex:
+                print(f"moe {impl} bn={bn}: {type(ex).__name__}: {ex}"[:300], file=sys.stderr)
         try:
             t_bf = time_graph(
                 [lambda w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends) for w, _ in sets]
@@ -230,7 +259,7 @@ def bench_moe(rows: list, quick: bool) -> None:
         active = int((counts > 0).sum())
         wbytes = active * (n * k // 2 + n * k // 16)
         rows.append({"bench": "grouped MoE W4A16", "shape": f"T={tokens} top{topk} E={e} N={n} K={k} active={active}",
-                     "us": t_q * 1e6, "bf16_us": t_bf * 1e6, "x_vs_bf16": t_bf / t_q, "baseline": base,
+                     "us": t_q * 1e6, "impl_us": impls, "bf16_us": t_bf * 1e6, "x_vs_bf16": t_bf / t_q, "baseline": base,
                      "w_TBps": wbytes / t_q / 1e12})  # fmt: skip
         del sets
         torch.cuda.empty_cache()
@@ -275,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
     ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,sweep", help="comma list of suites")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--ms", default="", help="comma list of W4A16 token counts (default: all)")
     args = ap.parse_args(argv)
+    MS[:] = [int(v) for v in args.ms.split(",") if v]
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU; none found", file=sys.stderr)
         return 2

@@ -117,23 +117,38 @@ def _rel(a, b):
 GEMM_RTOL = 1e-5
 
 
+@pytest.mark.parametrize("impl", ["gemv", "dot", "tile"])
 @pytest.mark.parametrize("m,n,k,split", [(1, 64, 256, 1), (5, 80, 160, 2), (33, 64, 384, 1)], ids=str)
-def test_w4a16_gemm(m, n, k, split):
+def test_w4a16_gemm(m, n, k, split, impl):
+    if impl == "gemv" and m > 8:
+        pytest.skip("the GEMV path is for M <= 8")
     x = torch.randn(m, k).bfloat16().to(DEV)
-    w = nvfp4.quantize(torch.randn(n, k).to(DEV))
-    a = gemm.w4a16_gemm(x, w, out_dtype=torch.float32, split_k=split)
+    # scales over 5 decades (subnormal E4M3 scales included) and every E2M1 code
+    w = nvfp4.quantize((torch.randn(n, k) * torch.logspace(-3, 2, k)).to(DEV))
+    a = gemm.w4a16_gemm(x, w, out_dtype=torch.float32, split_k=split, impl=impl)
     b = gemm.w4a16_gemm_reference(x, w, out_dtype=torch.float32)
-    assert _rel(a, b) < GEMM_RTOL, f"W4A16 M={m} N={n} K={k} split={split}: rel err {_rel(a, b):.2e}"
+    assert _rel(a, b) < GEMM_RTOL, f"W4A16 {impl} M={m} N={n} K={k} split={split}: rel err {_rel(a, b):.2e}"
 
 
-def test_w4a16_grouped_gemm():
+def test_w4a16_word_decode_nan_scale():
+    """A NaN block scale (0x7F) must reach the output through the word decode (both paths)."""
+    x = torch.randn(2, 128).bfloat16().to(DEV)
+    w = nvfp4.quantize(torch.randn(64, 128).to(DEV))
+    w.scales.view(torch.uint8)[3, 2] = 0x7F
+    for impl in ("gemv", "dot"):
+        y = gemm.w4a16_gemm(x, w, out_dtype=torch.float32, impl=impl)
+        assert y[:, 3].isnan().all() and not y[:, :3].isnan().any(), impl
+
+
+@pytest.mark.parametrize("impl", ["gemv", "dot", "tile"])
+def test_w4a16_grouped_gemm(impl):
     e, n, k = 4, 48, 128
     w = nvfp4.quantize(torch.randn(e, n, k).to(DEV), amax=torch.rand(e, 1, 1).to(DEV) * 4)
     offs = torch.tensor([0, 3, 3, 20, 21], dtype=torch.int32, device=DEV)  # expert 1 gets no tokens
     x = torch.randn(21, k).bfloat16().to(DEV)
-    a = gemm.w4a16_grouped_gemm(x, w, offs, out_dtype=torch.float32)
+    a = gemm.w4a16_grouped_gemm(x, w, offs, out_dtype=torch.float32, impl=impl)
     b = gemm.w4a16_grouped_gemm_reference(x, w, offs, out_dtype=torch.float32)
-    assert _rel(a, b) < GEMM_RTOL, f"grouped W4A16 E={e} N={n} K={k}: rel err {_rel(a, b):.2e}"
+    assert _rel(a, b) < GEMM_RTOL, f"grouped W4A16 {impl} E={e} N={n} K={k}: rel err {_rel(a, b):.2e}"
 
 
 @pytest.mark.parametrize("act_scale", ["tensor", "token"])
@@ -201,9 +216,10 @@ def test_gpu_rac_real_size(act_scale):
 def test_gpu_gemms_real_size(m, n, k):
     x = torch.randn(m, k, device="cuda").bfloat16()
     w = nvfp4.quantize(torch.randn(n, k, device="cuda").bfloat16())
-    a = gemm.w4a16_gemm(x, w, out_dtype=torch.float32)
     b = gemm.w4a16_gemm_reference(x, w, out_dtype=torch.float32)
-    assert _rel(a, b) < GEMM_RTOL, f"W4A16 M={m} N={n} K={k}: {_rel(a, b):.2e}"
+    for impl in ("gemv", "dot") if m <= 4 else ("auto",):
+        a = gemm.w4a16_gemm(x, w, out_dtype=torch.float32, impl=impl)
+        assert _rel(a, b) < GEMM_RTOL, f"W4A16 {impl} M={m} N={n} K={k}: {_rel(a, b):.2e}"
     xa = nvfp4.quantize(x, per_token=True)
     a = gemm.w4a4_gemm(xa, w, out_dtype=torch.float32)
     b = gemm.w4a4_gemm_reference(xa, w, out_dtype=torch.float32)

@@ -96,6 +96,141 @@ if HAS_TRITON:
             tl.atomic_add(out_ptr + rm[:, None] * N + rn[None, :], out, mask=om)
 
     @triton.jit
+    def _nibble_pair(w, Q: tl.constexpr):
+        """int32 words of 8 packed codes (nibble q = element q of the word) -> fp32 ``e2m1 * 2**-14`` of
+        elements Q and Q + 4 (Q in 0..3), exact.
+
+        One int32 holds both fp16 bit patterns (element Q in the low half, Q + 4 in the high half):
+        magnitude bits to 9..11 / 25..27, sign bits to 15 / 31, i.e. 2 shifts and 2 masks per pair of
+        elements (``_common.e2m1_times_scale`` explains why these fp16s are e2m1 * 2**-14)."""
+        if Q * 4 <= 9:
+            a = w << (9 - 4 * Q)
+        else:
+            a = w >> (4 * Q - 9)
+        b = w << (12 - 4 * Q)
+        p = (a & 0x0E000E00) | (b & -2147450880)  # 0x80008000 as int32
+        lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def _load_words(wc_ptr, ws_ptr, rows, kw, R, KW, INTERP: tl.constexpr):
+        """Packed codes as int32 words ``[rows, kw]`` and the fp32 scale of each word, times 2**14."""
+        m = (rows[:, None] < R) & (kw[None, :] < KW)
+        w = tl.load(wc_ptr + rows[:, None] * KW + kw[None, :], mask=m, other=0)
+        sb = tl.load(ws_ptr + rows[:, None] * (KW // 2) + (kw // 2)[None, :], mask=m, other=0)
+        if INTERP:  # interpreter fallback: its float8 -> fp32 cast gives no NaN for 0x7F (_common)
+            s = e4m3_to_f32(sb)
+        else:  # sm_90: cvt.rn.f16x2.e4m3x2 (exact, NaN kept), 2 scales per instruction
+            s = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return w, s * 16384.0
+
+    @triton.jit
+    def _w4a16_words_step(
+        acc, x_ptr, stride_xm, rm, m_hi, w, s16, kw, KW,
+        USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        """One K step of the word-decode W4A16 over words ``kw`` (elements 8 kw + q). The K order is
+        permuted (element q of every word at once), which a sum over K does not see.
+
+        USE_DOT=False (GEMV, tiny M): acc [BM, BN, BKW] += x * e2m1 * 2**-14 summed over the word,
+        times the word's scale (once per 8 elements): fp32 FMAs, no layout change. USE_DOT=True (swap-AB): acc [BN, BM] +=
+        (e2m1 * s as BF16, exact) @ x^T, the decoded weight as the MMA's A operand, 8 dots of K=BKW."""
+        xm = rm < m_hi
+        for q in tl.static_range(4):
+            lo, hi = _nibble_pair(w, q)
+            km = kw < KW
+            if USE_DOT:
+                xl = tl.load(
+                    x_ptr + rm[None, :] * stride_xm + (kw * 8 + q)[:, None],
+                    mask=km[:, None] & xm[None, :],
+                    other=0.0,
+                )
+                xh = tl.load(
+                    x_ptr + rm[None, :] * stride_xm + (kw * 8 + q + 4)[:, None],
+                    mask=km[:, None] & xm[None, :],
+                    other=0.0,
+                )
+                acc = _dot((lo * s16).to(tl.bfloat16), xl.to(tl.bfloat16), acc, DOT_F32)
+                acc = _dot((hi * s16).to(tl.bfloat16), xh.to(tl.bfloat16), acc, DOT_F32)
+            else:
+                xl = tl.load(
+                    x_ptr + rm[:, None] * stride_xm + (kw * 8 + q)[None, :],
+                    mask=xm[:, None] & km[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                xh = tl.load(
+                    x_ptr + rm[:, None] * stride_xm + (kw * 8 + q + 4)[None, :],
+                    mask=xm[:, None] & km[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                if q == 0:
+                    part = lo[None, :, :] * xl[:, None, :]
+                else:
+                    part += lo[None, :, :] * xl[:, None, :]
+                part += hi[None, :, :] * xh[:, None, :]
+        if not USE_DOT:
+            acc += part * s16[None, :, :]  # [BM, BN, BKW]; summed over words once, after the K loop
+        return acc
+
+    @triton.jit
+    def _w4a16_words_kernel(
+        x_ptr, wc_ptr, ws_ptr, gw_ptr, out_ptr, M, N, KW, stride_xm,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        """W4A16 with the packed codes read as int32 words (``KW = K / 8``): see ``_w4a16_words_step``."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if USE_DOT:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_KW), tl.float32)
+        for kw0 in range(pid_k * BLOCK_KW, KW, BLOCK_KW * SPLIT_K):
+            kw = kw0 + tl.arange(0, BLOCK_KW)
+            w, s16 = _load_words(wc_ptr, ws_ptr, rn, kw, N, KW, DOT_F32)
+            acc = _w4a16_words_step(acc, x_ptr, stride_xm, rm, M, w, s16, kw, KW, USE_DOT, DOT_F32)
+        g = tl.load(gw_ptr)
+        out = (tl.trans(acc) if USE_DOT else tl.sum(acc, axis=2)) * g
+        om = (rm[:, None] < M) & (rn[None, :] < N)
+        if SPLIT_K == 1:
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(out, out_ptr), mask=om)
+        else:
+            tl.atomic_add(out_ptr + rm[:, None] * N + rn[None, :], out, mask=om)
+
+    @triton.jit
+    def _w4a16_grouped_words_kernel(
+        x_ptr, wc_ptr, ws_ptr, gw_ptr, offs_ptr, out_ptr, N, KW, stride_xm,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        """Grouped twin of ``_w4a16_words_kernel``: rows offs[e]:offs[e+1] of x use expert e; grid (N tiles, E)."""
+        pid_n = tl.program_id(0)
+        e = tl.program_id(1)
+        start = tl.load(offs_ptr + e)
+        end = tl.load(offs_ptr + e + 1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        wc_e = wc_ptr + e.to(tl.int64) * N * KW
+        ws_e = ws_ptr + e.to(tl.int64) * N * (KW // 2)
+        g = tl.load(gw_ptr + e)
+        for m0 in range(start, end, BLOCK_M):  # experts without tokens read no weights
+            rm = m0 + tl.arange(0, BLOCK_M)
+            if USE_DOT:
+                acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_KW), tl.float32)
+            for kw0 in range(0, KW, BLOCK_KW):
+                kw = kw0 + tl.arange(0, BLOCK_KW)
+                w, s16 = _load_words(wc_e, ws_e, rn, kw, N, KW, DOT_F32)
+                acc = _w4a16_words_step(acc, x_ptr, stride_xm, rm, end, w, s16, kw, KW, USE_DOT, DOT_F32)
+            out = (tl.trans(acc) if USE_DOT else tl.sum(acc, axis=2)) * g
+            om = (rm[:, None] < end) & (rn[None, :] < N)
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(out, out_ptr), mask=om)
+
+    @triton.jit
     def _w4a16_grouped_gemm_kernel(
         x_ptr, wc_ptr, ws_ptr, gw_ptr, offs_ptr, out_ptr, N, K, stride_xm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
@@ -214,32 +349,74 @@ def _grid_split(m: int, n: int, k: int, block_n: int, block_k: int, split_k: int
 # ------------------------------------------------------------------------------------------ W4A16
 
 
+# Word-decode W4A16 defaults (impl "gemv" for M <= GEMV_MAX_M, else "dot"); "tile" is the first
+# kernel (join/reshape decode, kept for comparison). docs/PERF.md has the measurements behind them.
+GEMV_MAX_M = 4
+W4A16_DEFAULTS = {
+    "gemv": dict(block_n=64, block_k=256, num_warps=4),
+    "dot": dict(block_n=64, block_k=256, num_warps=4),
+    "tile": dict(block_n=64, block_k=128, num_warps=4),
+}
+
+
+def _words(codes: torch.Tensor) -> torch.Tensor:
+    """Packed codes ``[..., K/2]`` uint8 viewed as int32 words (8 codes each; K % 16 == 0)."""
+    c = codes if codes.is_contiguous() else codes.contiguous()
+    return c.view(torch.int32)
+
+
 def w4a16_gemm(
     x: torch.Tensor,
     w: nvfp4.NVFP4Tensor,
     *,
     out_dtype: torch.dtype | None = None,
-    block_n: int = 64,
-    block_k: int = 128,
+    impl: str = "auto",
+    block_n: int | None = None,
+    block_k: int | None = None,
     split_k: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
-    """``x`` ``[M, K]`` BF16 x NVFP4 ``w`` ``[N, K]`` -> ``[M, N]`` = ``(x @ We.T) * gw`` (fp32 accumulate)."""
+    """``x`` ``[M, K]`` BF16 x NVFP4 ``w`` ``[N, K]`` -> ``[M, N]`` = ``(x @ We.T) * gw`` (fp32 accumulate).
+
+    ``impl``: "gemv" (FMA, M <= 8), "dot" (swap-AB MMA), "tile" (first kernel); "auto" picks by M."""
     _require_triton()
     m, k = x.shape
     _check_weight(w, k, "w4a16_gemm")
     n = w.codes.shape[0]
     out_dtype = out_dtype or x.dtype
+    if impl == "auto":
+        impl = "gemv" if m <= GEMV_MAX_M else "dot"
+    if impl not in W4A16_DEFAULTS:
+        raise ValueError(f"impl must be auto, gemv, dot or tile, got {impl!r}")
+    d = W4A16_DEFAULTS[impl]
+    block_n = block_n or d["block_n"]
+    block_k = min(block_k or d["block_k"], max(16 if impl == "tile" else 128, triton.next_power_of_2(k)))
+    num_warps = num_warps or d["num_warps"]
+    if impl == "gemv":
+        if m > 8:
+            raise ValueError(f"impl='gemv' is for M <= 8 rows, got M={m}")
+        block_m = triton.next_power_of_2(m)
+    else:
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     split = _grid_split(m, n, k, block_n, block_k, split_k)
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     if split > 1:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
-    _w4a16_gemm_kernel[grid](
-        x, w.codes, w.scales.view(torch.uint8), w.global_scale.float().reshape(1), out, m, n, k, x.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, DOT_F32=interpreting(),
-    )  # fmt: skip
+    gw = w.global_scale.float().reshape(1)
+    if impl == "tile":
+        _w4a16_gemm_kernel[grid](
+            x, w.codes, w.scales.view(torch.uint8), gw, out, m, n, k, x.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, DOT_F32=interpreting(),
+            num_warps=num_warps,
+        )  # fmt: skip
+    else:
+        _w4a16_words_kernel[grid](
+            x, _words(w.codes), w.scales.view(torch.uint8), gw, out, m, n, k // 8, x.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_k // 8, SPLIT_K=split,
+            USE_DOT=impl == "dot", DOT_F32=interpreting(), num_warps=num_warps,
+        )  # fmt: skip
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
@@ -255,25 +432,45 @@ def w4a16_grouped_gemm(
     offsets: torch.Tensor,
     *,
     out_dtype: torch.dtype | None = None,
-    block_m: int = 16,
+    impl: str = "auto",
+    block_m: int | None = None,
     block_n: int = 64,
-    block_k: int = 128,
+    block_k: int = 256,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Grouped MoE W4A16: ``x`` ``[T, K]`` sorted by expert, ``w`` ``[E, N, K]``, ``offsets`` ``[E+1]``
-    int32 (rows ``offsets[e]:offsets[e+1]`` use expert e) -> ``[T, N]``."""
+    int32 (rows ``offsets[e]:offsets[e+1]`` use expert e) -> ``[T, N]``.
+
+    ``impl``: "gemv" (FMA, BLOCK_M rows of an expert at a time, default 1), "dot" (swap-AB MMA,
+    BLOCK_M = 16), "tile" (first kernel); "auto": gemv when there are at most 2 rows per expert on
+    average (decode), else dot."""
     _require_triton()
     t, k = x.shape
     _check_weight(w, k, "w4a16_grouped_gemm")
     e, n = w.codes.shape[0], w.codes.shape[1]
     if offsets.numel() != e + 1:
         raise ValueError(f"offsets must have E+1 = {e + 1} entries, got {offsets.numel()}")
+    if impl == "auto":
+        impl = "gemv" if t <= 2 * e else "dot"
     out = torch.empty(t, n, dtype=out_dtype or x.dtype, device=x.device)
     gw = w.global_scale.float().reshape(-1).expand(e).contiguous()
     grid = (triton.cdiv(n, block_n), e)
-    _w4a16_grouped_gemm_kernel[grid](
-        x, w.codes, w.scales.view(torch.uint8), gw, offsets.to(torch.int32), out, n, k, x.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=interpreting(),
-    )  # fmt: skip
+    offs = offsets.to(torch.int32)
+    if impl == "tile":
+        _w4a16_grouped_gemm_kernel[grid](
+            x, w.codes, w.scales.view(torch.uint8), gw, offs, out, n, k, x.stride(0),
+            BLOCK_M=block_m or 16, BLOCK_N=block_n, BLOCK_K=min(block_k, 128), DOT_F32=interpreting(),
+            num_warps=num_warps,
+        )  # fmt: skip
+    elif impl in ("gemv", "dot"):
+        block_k = min(block_k, max(128, triton.next_power_of_2(k)))
+        _w4a16_grouped_words_kernel[grid](
+            x, _words(w.codes), w.scales.view(torch.uint8), gw, offs, out, n, k // 8, x.stride(0),
+            BLOCK_M=block_m or (1 if impl == "gemv" else 16), BLOCK_N=block_n, BLOCK_KW=block_k // 8,
+            USE_DOT=impl == "dot", DOT_F32=interpreting(), num_warps=num_warps,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"impl must be auto, gemv, dot or tile, got {impl!r}")
     return out
 
 
