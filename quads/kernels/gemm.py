@@ -349,13 +349,16 @@ def _grid_split(m: int, n: int, k: int, block_n: int, block_k: int, split_k: int
 # ------------------------------------------------------------------------------------------ W4A16
 
 
-# Word-decode W4A16 defaults (impl "gemv" for M <= GEMV_MAX_M, else "dot"); "tile" is the first
-# kernel (join/reshape decode, kept for comparison). docs/PERF.md has the measurements behind them.
-GEMV_MAX_M = 4
+# W4A16 paths: "tile" (join/reshape decode + tl.dot), "gemv" (int32 word decode + fp32 FMAs) and
+# "dot" (word decode + swap-AB tl.dot). Defaults from the H200 run of 2026-11-30 (docs/PERF.md, run 3):
+# at M=1 (8192x8192) gemv with BLOCK_N=16, BLOCK_K=512, no split-K took 39.0 us against 45.7 us for
+# tile; everywhere else tile was the fastest (the word-decode kernels ran 1.7-2.3x slower than tile
+# at their first defaults), so "auto" is gemv only at M == GEMV_MAX_M = 1.
+GEMV_MAX_M = 1
 W4A16_DEFAULTS = {
-    "gemv": dict(block_n=64, block_k=256, num_warps=4),
-    "dot": dict(block_n=64, block_k=256, num_warps=4),
-    "tile": dict(block_n=64, block_k=128, num_warps=4),
+    "gemv": dict(block_n=16, block_k=512, num_warps=4, split_k=1),
+    "dot": dict(block_n=128, block_k=128, num_warps=4, split_k=None),
+    "tile": dict(block_n=64, block_k=128, num_warps=4, split_k=None),
 }
 
 
@@ -378,20 +381,22 @@ def w4a16_gemm(
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` BF16 x NVFP4 ``w`` ``[N, K]`` -> ``[M, N]`` = ``(x @ We.T) * gw`` (fp32 accumulate).
 
-    ``impl``: "gemv" (FMA, M <= 8), "dot" (swap-AB MMA), "tile" (first kernel); "auto" picks by M."""
+    ``impl``: "gemv" (FMA, M <= 8), "dot" (swap-AB MMA), "tile" (first kernel); "auto" picks by M
+    (``GEMV_MAX_M``). ``split_k=None`` picks a split from the grid size (path defaults aside)."""
     _require_triton()
     m, k = x.shape
     _check_weight(w, k, "w4a16_gemm")
     n = w.codes.shape[0]
     out_dtype = out_dtype or x.dtype
     if impl == "auto":
-        impl = "gemv" if m <= GEMV_MAX_M else "dot"
+        impl = "gemv" if m <= GEMV_MAX_M else "tile"
     if impl not in W4A16_DEFAULTS:
         raise ValueError(f"impl must be auto, gemv, dot or tile, got {impl!r}")
     d = W4A16_DEFAULTS[impl]
     block_n = block_n or d["block_n"]
     block_k = min(block_k or d["block_k"], max(16 if impl == "tile" else 128, triton.next_power_of_2(k)))
     num_warps = num_warps or d["num_warps"]
+    split_k = split_k if split_k is not None else d["split_k"]
     if impl == "gemv":
         if m > 8:
             raise ValueError(f"impl='gemv' is for M <= 8 rows, got M={m}")
@@ -442,8 +447,8 @@ def w4a16_grouped_gemm(
     int32 (rows ``offsets[e]:offsets[e+1]`` use expert e) -> ``[T, N]``.
 
     ``impl``: "gemv" (FMA, BLOCK_M rows of an expert at a time, default 1), "dot" (swap-AB MMA,
-    BLOCK_M = 16), "tile" (first kernel); "auto": gemv when there are at most 2 rows per expert on
-    average (decode), else dot."""
+    BLOCK_M = 16), "tile" (first kernel); "auto" is tile, the fastest of the three at T = 1, 16 and 64
+    tokens (top-8 of 128 experts) on the H200 (docs/PERF.md, run 3)."""
     _require_triton()
     t, k = x.shape
     _check_weight(w, k, "w4a16_grouped_gemm")
@@ -451,7 +456,7 @@ def w4a16_grouped_gemm(
     if offsets.numel() != e + 1:
         raise ValueError(f"offsets must have E+1 = {e + 1} entries, got {offsets.numel()}")
     if impl == "auto":
-        impl = "gemv" if t <= 2 * e else "dot"
+        impl = "tile"
     out = torch.empty(t, n, dtype=out_dtype or x.dtype, device=x.device)
     gw = w.global_scale.float().reshape(-1).expand(e).contiguous()
     grid = (triton.cdiv(n, block_n), e)
