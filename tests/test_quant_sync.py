@@ -62,8 +62,9 @@ def test_sync_is_bit_exact_for_every_recipe(recipe):
         assert torch.isfinite(rollout(ids).logits).all()
 
 
-def test_bf16_rollout_of_fp32_trainer_is_bit_exact():
-    trainer, rollout = _pair("quads", rollout_dtype=torch.bfloat16)
+@pytest.mark.parametrize("recipe", ["quads", "bf16", "fp8"])
+def test_bf16_rollout_of_fp32_trainer_is_bit_exact(recipe):
+    trainer, rollout = _pair(recipe, rollout_dtype=torch.bfloat16)
     _train_step(trainer)
     assert sync_weights(trainer, rollout).ok  # both quantize master.to(bfloat16)
 

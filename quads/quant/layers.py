@@ -116,9 +116,13 @@ class _QuantizedBase(nn.Module):
         """``{param_name: (master parameter, weight operand)}`` (what weight sync fingerprints)."""
         return {name: (getattr(self, name), store.get()) for name, store in self.stores.items()}
 
-    def _gemm(self, name: str, group: int | None, x: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
-        p = getattr(self, name)
-        w = p if group is None else p[group]
+    def _gemm(
+        self, name: str, group: int | None, x: torch.Tensor, w_q: torch.Tensor, w: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One GEMM of ``x`` with weight ``name`` (expert ``group`` of a stack); ``w``: that master slice."""
+        if w is None:
+            p = getattr(self, name)
+            w = p if group is None else p[group]
         wq = w_q if group is None else w_q[group]
         static = observe = None
         sel = self.selectors[name] if name in self.selectors else None
@@ -194,14 +198,17 @@ class QuantizedExperts(_QuantizedBase):
         tok = order // k  # [T*k] token of each slot
         wts = top_k_weights.reshape(-1)[order]
         gu_q, dn_q = self.stores["gate_up_proj"].get(), self.stores["down_proj"].get()
+        # unbind once: its backward stacks the per-expert grads in one allocation, where indexing
+        # p[e] per expert would allocate and add a full-size [E, N, K] gradient per expert hit
+        gu_w, dn_w = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
             idx, w_route = tok[start : start + c], wts[start : start + c]
             start += c
-            gate, up = self._gemm("gate_up_proj", e, hidden_states[idx], gu_q).chunk(2, dim=-1)
-            y = self._gemm("down_proj", e, self.act_fn(gate) * up, dn_q)
+            gate, up = self._gemm("gate_up_proj", e, hidden_states[idx], gu_q, gu_w[e]).chunk(2, dim=-1)
+            y = self._gemm("down_proj", e, self.act_fn(gate) * up, dn_q, dn_w[e])
             # idx is unique within one expert: same sums as index_add_, which is ~100x slower in BF16 on CPU
             out.index_put_((idx,), (y * w_route[:, None]).to(out.dtype), accumulate=True)
         return out

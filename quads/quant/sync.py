@@ -74,6 +74,9 @@ def _reference_operand(
     trainer_model: nn.Module, name: str, pname: str, module: _QuantizedBase
 ) -> torch.Tensor:
     """The trainer's version of the rollout operand ``name.pname``."""
+    if module.spec.weight == "none":  # unquantized: the trainer's master weight as the copy casts it
+        p = trainer_model.get_parameter(f"{name}.{pname}")
+        return p.detach().to(getattr(module, pname).dtype)
     tm = dict(trainer_model.named_modules()).get(name)
     if (
         isinstance(tm, _QuantizedBase)
