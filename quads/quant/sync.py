@@ -70,22 +70,34 @@ class SyncReport:
         return not self.mismatches
 
 
-def _reference_operand(
-    trainer_model: nn.Module, name: str, pname: str, module: _QuantizedBase
+def trainer_operand(
+    master: torch.Tensor, trainer_module: nn.Module | None, rollout_module: _QuantizedBase, pname: str
 ) -> torch.Tensor:
-    """The trainer's version of the rollout operand ``name.pname``."""
-    if module.spec.weight == "none":  # unquantized: the trainer's master weight as the copy casts it
-        p = trainer_model.get_parameter(f"{name}.{pname}")
-        return p.detach().to(getattr(module, pname).dtype)
-    tm = dict(trainer_model.named_modules()).get(name)
+    """What the rollout operand ``rollout_module.<pname>`` must equal, given the trainer's master weight.
+
+    Unquantized weights: the master cast to the rollout parameter's dtype (what the copy produces).
+    Quantized: the trainer module's cached ``QDQ(W)`` when it quantizes with the same weight spec and
+    dtype, else the rollout spec's ``ops.quantize_weight`` of the master. (Distributed sync, which
+    gathers ``master`` itself, should call this too.)
+    """
+    spec = rollout_module.spec
+    if spec.weight == "none":
+        return master.detach().to(getattr(rollout_module, pname).dtype)
+    tm = trainer_module
     if (
         isinstance(tm, _QuantizedBase)
-        and tm.spec.weight_key() == module.spec.weight_key()
-        and tm.weight_dtype == module.weight_dtype
+        and tm.spec.weight_key() == spec.weight_key()
+        and tm.weight_dtype == rollout_module.weight_dtype
+        and getattr(tm, pname) is master
     ):
         return tm.stores[pname].get()  # the trainer's cached QDQ(W)
-    p = trainer_model.get_parameter(f"{name}.{pname}")
-    return ops.quantize_weight(p, module.spec, module.weight_dtype)[0]
+    return ops.quantize_weight(master, spec, rollout_module.weight_dtype)[0]
+
+
+def _reference_operand(trainer_model: nn.Module, name: str, pname: str, module: _QuantizedBase) -> torch.Tensor:
+    """The trainer's version of the rollout operand ``name.pname``."""
+    tm = dict(trainer_model.named_modules()).get(name)
+    return trainer_operand(trainer_model.get_parameter(f"{name}.{pname}"), tm, module, pname)
 
 
 def verify_sync(
