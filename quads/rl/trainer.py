@@ -170,7 +170,8 @@ class GRPOTrainer:
         if cfg.rollout_backend == "vllm":  # rollout backend (quads.vllm): vLLM engine, weights pushed at each sync
             from quads.vllm.engine import make_rollout_engine
 
-            self.engine = make_rollout_engine(cfg, self.trainer, self.tokenizer, self.res.recipe, self.run_dir)
+            # the full (never sharded) rollout replica gives the architecture; weights come with the first push
+            self.engine = make_rollout_engine(cfg, self.rollout_model, self.tokenizer, self.res.recipe, self.run_dir)
         else:
             self.engine = RolloutEngine(self.rollout_model, self.tokenizer, device=cfg.device,
                                         recipe=self.res.recipe.name)
@@ -200,10 +201,13 @@ class GRPOTrainer:
     def _sync_weights(self):
         """Trainer -> rollout weight sync (fingerprint-checked); with the vLLM backend also a push into vLLM."""
         if self.dist.enabled:  # FSDP2 trainer: gather full tensors one by one into each rank's replica
-            return distributed.sync_weights_sharded(self.trainer, self.rollout_model, self.dist)
-        rep = sync_weights(self.trainer, self.rollout_model)
-        if self.cfg.rollout_backend == "vllm":  # rollout backend (quads.vllm)
-            rep.seconds += self.engine.push_weights(self.trainer).seconds
+            rep = distributed.sync_weights_sharded(self.trainer, self.rollout_model, self.dist)
+            source = self.rollout_model  # rollout backend (quads.vllm): the full, verified replica
+        else:
+            rep = sync_weights(self.trainer, self.rollout_model)
+            source = self.trainer
+        if self.cfg.rollout_backend == "vllm":  # rollout backend (quads.vllm): push + fingerprint check in vLLM
+            rep.seconds += self.engine.push_weights(source).seconds
         return rep
 
     def _restore(self, state: dict[str, Any]) -> None:

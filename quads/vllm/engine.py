@@ -352,20 +352,20 @@ class VLLMRolloutEngine:
                 shutdown()
 
 
-def make_rollout_engine(cfg, trainer: nn.Module, tokenizer: Tokenizer, recipe: Recipe, run_dir: str | Path,
+def make_rollout_engine(cfg, model: nn.Module, tokenizer: Tokenizer, recipe: Recipe, run_dir: str | Path,
                         engine_config: VLLMEngineConfig | None = None) -> VLLMRolloutEngine:
     """The vLLM rollout engine of ``quads train --rollout-backend vllm`` (``cfg``: a ``TrainConfig``).
 
-    Saves the trainer's policy once as a Hugging Face folder under ``run_dir/vllm_policy`` (what vLLM
-    loads its architecture and tokenizer from) and starts the engine with the run's recipe, dtype and
-    seed. The caller pushes the trainer's weights (``push_weights``, fingerprint-verified) at every
+    Saves ``model`` (a full, unsharded ``MoEForCausalLM`` of the policy's architecture) once as a
+    Hugging Face folder under ``run_dir/vllm_policy`` (what vLLM loads its architecture and tokenizer
+    from) and starts the engine with the run's recipe, dtype and seed. The caller pushes the trainer's weights (``push_weights``, fingerprint-verified) at every
     sync, the first one included (``GRPOTrainer._sync_weights``).
     """
     from quads.model.hf import ARCHITECTURES, save_hf_model
 
-    arch = getattr(trainer.config, "architecture", "qwen3_moe")
+    arch = getattr(model.config, "architecture", "qwen3_moe")
     arch = arch if arch in ARCHITECTURES else "qwen3_moe"
-    folder = save_hf_model(trainer, tokenizer, Path(run_dir) / "vllm_policy", architecture=arch)
+    folder = save_hf_model(model, tokenizer, Path(run_dir) / "vllm_policy", architecture=arch)
     r = cfg.rollout
     ec = engine_config or VLLMEngineConfig(
         dtype=cfg.dtype, seed=cfg.seed, max_num_seqs=max(1, min(256, r.prompts_per_step * r.n_samples)),
