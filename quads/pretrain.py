@@ -50,6 +50,7 @@ class PretrainConfig:
     device: str = "cpu"
     cache_dir: str | None = None  # cache root; None = $QUADS_CACHE/pretrain or ~/.cache/quads/pretrain
     progress: bool = True  # tqdm progress bar
+    threads: int | None = None  # torch.set_num_threads for the run; None = leave torch's setting
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "train_size", "max_new_tokens"):
@@ -57,12 +58,20 @@ class PretrainConfig:
                 raise ValueError(f"PretrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0 or self.warmup_steps < 0 or self.weight_decay < 0 or self.eval_size < 0:
             raise ValueError("PretrainConfig: lr must be > 0; warmup_steps, weight_decay, eval_size >= 0")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"PretrainConfig.threads must be >= 1 or None, got {self.threads}")
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"PretrainConfig.dtype must be float32, bfloat16 or float64, got {self.dtype!r}")
 
     def cache_key(self) -> str:
-        """Hash of every field that changes the checkpoint (not where it is cached or the progress bar)."""
-        fields = {k: v for k, v in to_dict(self).items() if k not in ("cache_dir", "progress", "device")}
+        """Hash of every field that changes the weights.
+
+        Not hashed: where the cache is, the device, threads, the progress bar, and the final
+        evaluation's settings (``eval_size``, ``max_new_tokens``): a cached checkpoint keeps the pass@1
+        measured by the run that trained it.
+        """
+        skip = ("cache_dir", "progress", "device", "threads", "eval_size", "max_new_tokens")
+        fields = {k: v for k, v in to_dict(self).items() if k not in skip}
         blob = json.dumps({"v": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -131,6 +140,8 @@ def train_sft(cfg: PretrainConfig, log_every: int = 50):
     from quads.model import ModelConfig, MoEForCausalLM
     from quads.model.tokenizer import CharTokenizer
 
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     tok = CharTokenizer()
     task = _task(cfg)

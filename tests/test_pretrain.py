@@ -32,6 +32,7 @@ def test_cache_key_ignores_location_only(tmp_path):
     assert a.cache_key() == _tiny_cfg(tmp_path / "elsewhere", progress=True).cache_key()
     assert a.cache_key() != _tiny_cfg(tmp_path, seed=1).cache_key()
     assert a.cache_key() != _tiny_cfg(tmp_path, steps=31).cache_key()
+    assert a.cache_key() == _tiny_cfg(tmp_path, eval_size=99, threads=1).cache_key()
 
 
 def test_short_warm_start_lowers_loss_and_reloads_identically(tmp_path):
