@@ -61,9 +61,10 @@ def tiny_checkpoint(path: Path) -> Path:
     return save_checkpoint(MoEForCausalLM(cfg), path, tokenizer=tok)
 
 
-def worker(out: Path, ckpt: Path) -> None:
+def worker(out: Path, ckpt: Path, die_at: int = 0, resume: bool = False) -> None:
     """One rank of a run: 2 steps of the quads recipe (W4A16 QAT trainer, W4A4+RAC rollout), then dump
-    this rank's rollout weight operands."""
+    this rank's rollout weight operands. ``die_at``: 3 steps, checkpoint every step, and rank 1 exits
+    hard right after step ``die_at`` (a dead peer); ``resume``: continue that run."""
     from quads import tasks
     from quads.quant.apply import quantized_modules
     from quads.rl.config import (
@@ -84,14 +85,21 @@ def worker(out: Path, ckpt: Path) -> None:
         recipe=RecipeSection(name="quads"),
         rollout=RolloutSection(prompts_per_step=4, n_samples=4, max_new_tokens=6),
         optim=OptimSection(lr=2e-2), log=LogSection(tensorboard=False, probe_tokens=16, progress=False),
-        steps=2, eval_every=0, eval_n=4, dtype="float32", out_dir=str(out / "run"))
+        steps=3 if die_at or resume else 2, eval_every=0, eval_n=4, dtype="float32", out_dir=str(out / "run"),
+        resume=resume)
+    if die_at or resume:
+        cfg.log.save_every = 1
+
+    def die(step: int, _: dict) -> None:
+        if step == die_at and int(os.environ.get("RANK", "0")) == 1:
+            os._exit(7)
 
     class Trainer(GRPOTrainer):
         def setup(self) -> None:
             super().setup()
             self.engine = distributed.GroupSeededEngine(self.engine, self.dist, self.tokenizer.pad_id)
 
-    t = Trainer(cfg, quiet=True)
+    t = Trainer(cfg, quiet=True, on_step_end=die if die_at else None)
     t.run()
     ops = {f"{n}.{p}": w.detach().clone() for n, m in quantized_modules(t.rollout_model).items()
            for p, (_, w) in m.weight_operands().items()}
@@ -104,19 +112,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(out: Path, ckpt: Path, nproc: int) -> subprocess.Popen:
+def launch(out: Path, ckpt: Path, nproc: int, *extra: str) -> subprocess.Popen:
     """Start a run of ``nproc`` processes (torchrun for more than one); returns the process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "QUADS_DIST_TIMEOUT_S": "120"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    script = [str(Path(__file__).resolve()), "--worker", str(out), str(ckpt)]
+    script = [str(Path(__file__).resolve()), "--worker", str(out), str(ckpt), *extra]
     if nproc == 1:
         cmd = [sys.executable, *script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *script]
     out.mkdir(parents=True, exist_ok=True)
-    log = open(out / "log.txt", "w")
+    log = open(out / "log.txt", "a")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     proc.cmd = " ".join(cmd)  # type: ignore[attr-defined]
     return proc
@@ -230,5 +238,29 @@ def test_split_groups_and_config_errors():
     assert distributed.loss_denom(torch.ones(2, 3), "token_mean", one) is None
 
 
+def test_dead_peer_names_rank_step_and_checkpoint_then_resumes(tmp_path):
+    """Two ranks started by hand (no torchrun agent to kill the survivor): rank 1 dies after step 2; rank 0's
+    next collective fails with PeerFailureError naming its rank, the step and the checkpoint; the run
+    then resumes from that checkpoint under torchrun and finishes."""
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "QUADS_DIST_TIMEOUT_S": "60",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    script = [sys.executable, str(Path(__file__).resolve()), "--worker", str(tmp_path), str(ckpt), "--die-at", "2"]
+    procs = [subprocess.Popen(script, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert procs[1].returncode == 7, logs[1][-3000:]
+    assert procs[0].returncode != 0, logs[0][-3000:]
+    assert "PeerFailureError: rank 0/2: a collective failed during step 3" in logs[0], logs[0][-3000:]
+    assert "step_000002" in logs[0] and "--resume true" in logs[0]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000002"
+
+    p = launch(tmp_path, ckpt, 2, "--resume")
+    wait(p, tmp_path)
+    assert sorted(read_metrics(tmp_path / "run")) == [0, 1, 2, 3]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000003"
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    worker(Path(sys.argv[2]), Path(sys.argv[3]))
+    worker(Path(sys.argv[2]), Path(sys.argv[3]), die_at=int(sys.argv[5]) if "--die-at" in sys.argv else 0,
+           resume="--resume" in sys.argv)
