@@ -259,7 +259,7 @@ def recipe_table(cfg: CompareConfig, outcomes: list[RunOutcome], per_run: dict[s
         coll = [(o.seed, per_run[o.name]["collapse_step"]) for o in mine
                 if o.name in per_run and per_run[o.name]["collapse"]]
         rows.append({
-            "recipe": recipe, "seeds": len(mine), "finished": len(done),
+            "recipe": recipe, "seeds": len(mine), "finished": sum(o.ok for o in mine),
             "crashed": [o.name for o in mine if not o.ok],
             "reward_final": _mean([s["reward_final"] for s in done]),
             "eval_start": _mean([s["eval_start"] for s in done]),
@@ -340,12 +340,15 @@ def write_report(cfg: CompareConfig, base, outcomes: list[RunOutcome]) -> Path:
 
     out = Path(cfg.out_dir)
     per_run = {}
-    for o in outcomes:
-        if o.ok:
-            try:
-                per_run[o.name] = run_summary(o.run_dir)
-            except ValueError as e:  # finished with no metrics: report it as a failure
+    for o in outcomes:  # failed runs (e.g. killed at timeout_s) still show what they logged
+        try:
+            recs = run_summary(o.run_dir)
+        except ValueError as e:
+            if o.ok:  # finished with no metrics: report it as a failure
                 o.returncode, o.log_tail = -1, f"no readable metrics: {e}"
+            continue
+        if recs["steps"] > 0:
+            per_run[o.name] = recs
     rows = recipe_table(cfg, outcomes, per_run)
     finished = {o.name: o.run_dir for o in outcomes if o.name in per_run}
     by_recipe: dict[str, list[str]] = {}
@@ -365,7 +368,7 @@ def write_report(cfg: CompareConfig, base, outcomes: list[RunOutcome]) -> Path:
         f"{b.dtype}, device {b.device}, eval every {b.eval_every} steps on {b.eval_n} held-out prompts. "
         f"Every run's config: `configs/<recipe>-s<seed>.yaml`.",
         markdown_table(rows),
-        "Columns over the finished seeds of a recipe: final reward = smoothed last reward (mean over seeds); "
+        "Columns over the seeds of a recipe that logged steps (a failed run, e.g. one killed at `timeout_s`, counts with what it logged; runs ok counts clean exits): final reward = smoothed last reward (mean over seeds); "
         "held-out pass@1 = greedy on the rollout engine, at step 0 and at the end; spread = max - min over "
         "seeds; gap max = max over steps and seeds of the per-step max |logp_rollout - logp_train|; gap mean, "
         "k3 = mean over steps and seeds; collapse rule in `quads/metrics/report.py`; rollout tok/s = sampled "

@@ -281,11 +281,11 @@ def rac_table(rows: list[dict[str, Any]], trainer: str) -> str:
     """Gap against RAC ratio for one trainer, plus the BF16-engine floor row."""
     rac = sorted((r for r in rows if r["trainer"] == trainer and r["rac_ratio"] is not None
                   and r["rollout_spec"].startswith("W4A4")), key=lambda r: r["rac_ratio"])
-    floor = [r for r in rows if r["trainer"] == trainer and r["rollout"] == "bf16"]
+    floor = [r for r in rows if r["trainer"] == trainer and r["rollout_spec"] == r["trainer_spec"]]
     head = f"| RAC ratio (trainer {trainer}) | gap max | gap mean | k3 | routing diff |\n|---|---|---|---|---|"
     body = [f"| {r['rac_ratio'] * 100:g}% | {r['gap_max']:.3f} | {r['gap_mean']:.4f} | {r['k3']:.2e} | "
             f"{r['routing_diff']:.3f} |" for r in rac]
-    body += [f"| BF16 engine (floor) | {r['gap_max']:.3f} | {r['gap_mean']:.4f} | {r['k3']:.2e} | "
+    body += [f"| {r['rollout']} rollout, same spec as the trainer (engine-drift floor) | {r['gap_max']:.3f} | {r['gap_mean']:.4f} | {r['k3']:.2e} | "
              f"{r['routing_diff']:.3f} |" for r in floor]
     return "\n".join([head, *body])
 
@@ -319,14 +319,14 @@ def plots(result: dict[str, Any], out: Path) -> list[str]:
     for tname in trainers:
         rac = sorted((r for r in rows if r["trainer"] == tname and r["rac_ratio"] is not None
                       and r["rollout_spec"].startswith("W4A4")), key=lambda r: r["rac_ratio"])
-        floor = [r for r in rows if r["trainer"] == tname and r["rollout"] == "bf16"]
+        floor = [r for r in rows if r["trainer"] == tname and r["rollout_spec"] == r["trainer_spec"]]
         for ax, key in zip(axes, ("gap_max", "gap_mean")):
             if rac:
                 line = ax.plot([r["rac_ratio"] * 100 for r in rac], [r[key] for r in rac], marker="o",
                                label=f"W4A4+RAC vs trainer {tname}")[0]
                 for f in floor:
                     ax.axhline(f[key], ls="--", color=line.get_color(), alpha=0.6,
-                               label=f"BF16 engine vs trainer {tname}")
+                               label=f"floor: {f['rollout']} rollout vs trainer {tname}")
     for ax, key in zip(axes, ("max", "mean")):
         ax.set_xlabel("RAC ratio (% of K)")
         ax.set_title(f"{key} |logp_rollout - logp_train|")

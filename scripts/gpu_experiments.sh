@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU experiment of docs/RESULTS.md in one call, on one H200 (or any CUDA GPU):
+#   1. warm start the 100m preset on arithmetic (SFT, cached under $OUT/warm_start);
+#   2. quads diagnose on that checkpoint (the decomposition and the RAC-ratio table);
+#   3. a probe: all six recipes for 2 steps in parallel, to measure the wall time of a step;
+#   4. quads compare: all six recipes in parallel processes on the one GPU, steps sized from the probe
+#      so that everything ends before BUDGET_S seconds after the start.
+# Raw metrics (metrics.jsonl), reports and plots land under $OUT (default runs/gpu).
+# Run from the repository root: PYTHONPATH=. bash scripts/gpu_experiments.sh
+# Knobs (env): OUT, BUDGET_S (default 540), PRESET (100m), DEVICE (cuda), PY (python3),
+#   DIAG_PROMPTS (64), CKPT (skip the warm start: use this checkpoint), SFT_STEPS (400), MAX_STEPS (400), SEEDS (0), PARALLEL (6), EXTRA_SET (more TrainConfig overrides,
+#   "k=v,k=v"; e.g. a CPU dry run: PRESET=tiny DEVICE=cpu SFT_STEPS=2 EXTRA_SET=rollout.n_samples=2).
+set -uo pipefail
+T0=$(date +%s)
+OUT=${OUT:-runs/gpu}
+BUDGET_S=${BUDGET_S:-540}
+PRESET=${PRESET:-100m}
+DEVICE=${DEVICE:-cuda}
+PY=${PY:-python3}
+SFT_STEPS=${SFT_STEPS:-400}
+MAX_STEPS=${MAX_STEPS:-400}
+SEEDS=${SEEDS:-0}
+PARALLEL=${PARALLEL:-6}
+EXTRA_SET=${EXTRA_SET:-}
+SET_COMMON="device=$DEVICE${EXTRA_SET:+,$EXTRA_SET}"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p "$OUT"
+elapsed() { echo $(( $(date +%s) - T0 )); }
+{
+  echo "date: $(date -u)"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  $PY -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
+} | tee "$OUT/env.txt"
+
+if [ -z "${CKPT:-}" ]; then
+  echo "== 1. warm start ($PRESET, $SFT_STEPS SFT steps) at $(elapsed)s"
+  $PY -m quads.cli pretrain --preset "$PRESET" --task arithmetic --steps "$SFT_STEPS" --batch-size 64 --lr 1e-3 \
+    --device "$DEVICE" --cache-dir "$OUT/warm_start" --progress false --eval-size 200 2>&1 | tail -3 | tee "$OUT/pretrain.txt"
+  CKPT=$(ls -d "$OUT"/warm_start/*/ | head -1)
+fi
+[ -f "$CKPT/config.json" ] || { echo "no warm-start checkpoint at '$CKPT'"; exit 1; }
+
+echo "== 2. diagnose at $(elapsed)s"
+$PY -m quads.cli diagnose --checkpoint "$CKPT" --device "$DEVICE" --prompts "${DIAG_PROMPTS:-64}" --n-samples 4 \
+  --max-new-tokens 48 --out-dir "$OUT/diagnose" > "$OUT/diagnose.log" 2>&1 || echo "diagnose failed (see diagnose.log)"
+tail -25 "$OUT/diagnose.log"
+
+echo "== 3. probe: six recipes x 2 steps in parallel at $(elapsed)s"
+P0=$(date +%s)
+$PY -m quads.cli compare --train-config configs/experiments/gpu.yaml --set "$SET_COMMON,model.checkpoint=$CKPT,steps=2,eval_every=0,eval_n=32" \
+  --seeds 0 --parallel "$PARALLEL" --out-dir "$OUT/probe" > "$OUT/probe.log" 2>&1
+P1=$(date +%s)
+STEP_S=$($PY - "$OUT/probe" <<'PY'
+import json, sys, pathlib
+ts = []
+for f in pathlib.Path(sys.argv[1]).glob("runs/*/metrics.jsonl"):
+    recs = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+    ts += [r["time/step_s"] for r in recs if "time/step_s" in r]
+print(max(ts) if ts else 5.0)
+PY
+)
+LEFT=$(( BUDGET_S - $(elapsed) - (P1 - P0) / 2 - 30 ))  # startup + evals ~ half the probe, 30 s margin for reports
+STEPS=$($PY -c "print(max(10, min($MAX_STEPS, int(0.85 * $LEFT / max($STEP_S, 1e-3)))))")
+echo "probe: $((P1 - P0))s, slowest parallel step ${STEP_S}s; ${LEFT}s left -> $STEPS steps" | tee "$OUT/plan.txt"
+
+echo "== 4. compare ($STEPS steps) at $(elapsed)s"
+EVAL_EVERY=$(( STEPS / 5 > 0 ? STEPS / 5 : 1 ))
+$PY -m quads.cli compare --train-config configs/experiments/gpu.yaml \
+  --set "$SET_COMMON,model.checkpoint=$CKPT,steps=$STEPS,eval_every=$EVAL_EVERY" --seeds "$SEEDS" --parallel "$PARALLEL" \
+  --timeout-s $(( BUDGET_S - $(elapsed) + 20 )) --out-dir "$OUT/compare" 2>&1 | tail -15
+echo "== done at $(elapsed)s"
+# keep what comes back small: drop checkpoints, policies and warm-start weights
+rm -rf "$OUT"/warm_start/*/model.safetensors "$OUT"/*/runs/*/checkpoints "$OUT"/*/runs/*/policy "$OUT"/*/runs/*/tb
+du -sh "$OUT"
