@@ -23,6 +23,8 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=4)
     ap.add_argument("--len", type=int, default=24)
     ap.add_argument("--recipes", default="bf16,fp8,nvfp4,w4a16-qat,quads")
+    ap.add_argument("--init-std", type=float, default=0.02)
+    ap.add_argument("--diagnose", action="store_true", help="also the diagnose hook: gap vs the trainer per variant")
     args = ap.parse_args()
 
     import torch
@@ -37,7 +39,7 @@ def main() -> None:
     from quads.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
 
     torch.manual_seed(0)
-    cfg = ModelConfig.preset("tiny", n_layers=2, dtype=args.dtype, vocab_size=128)
+    cfg = ModelConfig.preset("tiny", n_layers=2, dtype=args.dtype, vocab_size=128, init_std=args.init_std)
     policy = MoEForCausalLM(cfg)
     tok = CharTokenizer()
     folder = tempfile.mkdtemp(prefix="quads-vllm-smoke-") + "/policy"
@@ -65,7 +67,42 @@ def main() -> None:
     print(f"push: {rep.n_tensors} tensors, {rep.n_checked} operands fingerprinted, ok={rep.ok}, {rep.seconds:.2f}s")
     batch = eng.generate(["12+3="] * 2, SamplingParams(n=2, max_new_tokens=8, seed=0))
     print("sample:", batch.texts, batch.logprobs[0].tolist())
-    print(json.dumps({"engine_start_s": round(start_s, 1), "dtype": args.dtype, "gaps": gaps, "push_ok": rep.ok}))
+    diag = diagnose(folder, tok, args.dtype) if args.diagnose else None
+    print(json.dumps({"engine_start_s": round(start_s, 1), "dtype": args.dtype, "init_std": args.init_std,
+                      "gaps": gaps, "push_ok": rep.ok, "diagnose": diag}))
+
+
+def diagnose(folder: str, tok, dtype: str) -> dict:
+    """vLLM rollout variants vs quads' trainer forward (BF16 and W4A16-QAT) on one sampled batch."""
+    import copy
+
+    import torch
+
+    from quads.model.hf import load_hf_model
+    from quads.quant import LinearSpec, Recipe, quantize_model
+    from quads.rl.logprobs import forward_logprobs
+    from quads.rollout.engine import RolloutEngine, SamplingParams
+    from quads.vllm.diagnose import vllm_rollout_logprobs
+
+    policy, _ = load_hf_model(folder, dtype=dtype)
+    batch = RolloutEngine(policy, tok).generate(["12+3=", "7*8=", "(4+5)*2=", "9-7="],
+                                                SamplingParams(n=4, max_new_tokens=24, seed=0))
+    specs = {"bf16": LinearSpec(), "w4a16": LinearSpec(weight="nvfp4"), "w16a4": LinearSpec(act="nvfp4"),
+             "w4a4": LinearSpec(weight="nvfp4", act="nvfp4"),
+             "w4a4+rac0.5": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5)}
+    roll = vllm_rollout_logprobs(policy, tok, batch, specs, dtype=dtype)
+    mask = batch.response_mask
+    out = {}
+    for tname, tspec in {"bf16": LinearSpec(), "w4a16-qat": LinearSpec(weight="nvfp4")}.items():
+        trainer = copy.deepcopy(policy)
+        quantize_model(trainer, Recipe(tname, trainer=tspec), side="trainer", verbose=False)
+        with torch.no_grad():
+            t = forward_logprobs(trainer, batch).logprobs.float()
+        for rname, r in roll.items():
+            d = (r - t).abs()[mask]
+            out[f"{rname}|{tname}"] = {"max": float(d.max()), "mean": float(d.mean())}
+            print(f"diagnose: vLLM {rname:<12} vs trainer {tname:<10} max {d.max():.3e} mean {d.mean():.3e}")
+    return out
 
 
 if __name__ == "__main__":
