@@ -84,8 +84,9 @@ def warm_start_checkpoint(cfg: TrainConfig) -> Path:
     want = {"preset": cfg.model.preset, "model": cfg.model.preset, "task": cfg.task.name,
             "difficulty": cfg.task.difficulty, "dataset": cfg.task.dataset, "steps": cfg.warm_start.steps,
             "lr": cfg.warm_start.lr, "batch_size": cfg.warm_start.batch_size, "seed": cfg.seed,
-            "device": cfg.device, "cache_dir": cfg.warm_start.cache_dir,
-            "max_new_tokens": cfg.rollout.max_new_tokens}
+            "device": cfg.device, "cache_dir": cfg.warm_start.cache_dir, "threads": cfg.threads or None,
+            "progress": cfg.log.progress,
+            "eval_size": 0}  # quads train measures held-out pass@1 itself, through the rollout recipe
     names = {f.name for f in dataclasses.fields(PretrainConfig)}
     kwargs = {k: v for k, v in want.items() if k in names and v is not None}
     return Path(warm_start(PretrainConfig(**kwargs)))

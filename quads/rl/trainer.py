@@ -106,14 +106,24 @@ def check_run_dir(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
     if ckpt is None:
         raise ValueError(f"resume: no checkpoint in {str(run_dir / 'checkpoints')!r}; start the run without "
                          "--resume (or check --out-dir)")
-    state = load_train_state(ckpt)
+    return load_train_state(ckpt)
+
+
+def check_resume(cfg: TrainConfig, state: dict[str, Any], model_config: dict[str, Any], run_dir: Path) -> None:
+    """The model must be the run's architecture and the config the run's (fields that change no result aside)."""
+    have = state["model_config"]
+    diff = [f"{k}: run {have.get(k)!r}, checkpoint {v!r}" for k, v in model_config.items()
+            if k != "dtype" and have.get(k) != v]
+    if diff:
+        raise ValueError(f"resume: model.checkpoint {cfg.model.checkpoint or '(warm start)'!r} is another "
+                         f"architecture than the run's ({'; '.join(diff)}); resume with the run's original "
+                         "model.checkpoint or start a new run in another --out-dir")
     old, new = state["config"], to_dict(cfg)
     diff = [f"{k}: run {old.get(k)!r}, now {new[k]!r}" for k in new
             if k not in RESUMABLE_CHANGES and old.get(k) != new[k]]
     if diff:
         raise ValueError(f"resume: the config differs from the run's in {'; '.join(diff)}; resume with the run's "
                          f"config ({run_dir / 'config.yaml'}) or start a new run in another --out-dir")
-    return state
 
 
 def check_guard(metrics: dict[str, float], cfg: TrainConfig) -> list[str]:
@@ -142,14 +152,7 @@ class GRPOTrainer:
         with distributed.rank0_first(self.dist):  # rank 0 warm-starts into the cache, the others reuse it
             self.res = build.resolve(cfg)  # every input checked before the run folder is written
         if self.resume_state is not None:
-            want = self.res.model_config.to_dict()
-            have = self.resume_state["model_config"]
-            diff = [f"{k}: run {have.get(k)!r}, checkpoint {want[k]!r}" for k in want
-                    if k != "dtype" and have.get(k) != want[k]]
-            if diff:
-                raise ValueError(f"resume: model.checkpoint {str(self.res.checkpoint)!r} is another architecture "
-                                 f"than the run's ({'; '.join(diff)}); resume with the run's original "
-                                 "model.checkpoint or start a new run in another --out-dir")
+            check_resume(cfg, self.resume_state, self.res.model_config.to_dict(), self.run_dir)
 
     # ------------------------------------------------------------------ setup
 
