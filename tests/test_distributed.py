@@ -101,6 +101,9 @@ def worker(out: Path, ckpt: Path, die_at: int = 0, resume: bool = False) -> None
 
     t = Trainer(cfg, quiet=True, on_step_end=die if die_at else None)
     t.run()
+    if t.dist.enabled:  # the last optimizer step dropped the trainer's QDQ caches (FSDP2 keeps _version)
+        stores = [s for m in quantized_modules(t.trainer).values() for s in m.stores.values()]
+        assert stores and all(s.key is None for s in stores), "QAT cache not invalidated after opt.step"
     ops = {f"{n}.{p}": w.detach().clone() for n, m in quantized_modules(t.rollout_model).items()
            for p, (_, w) in m.weight_operands().items()}
     torch.save(ops, out / f"rollout_rank{t.dist.rank}.pt")
