@@ -312,18 +312,6 @@ def scalar(x: torch.Tensor | float) -> float:
 # --------------------------------------------------------------------------- weight sync
 
 
-def _trainer_operand(full: torch.Tensor, tm: nn.Module | None, rm: nn.Module) -> torch.Tensor:
-    """What ``quads.quant.sync._reference_operand`` compares with, from the gathered master weight:
-    the trainer's own QDQ when it quantizes with the rollout's weight spec, else the rollout spec's."""
-    from quads.quant import ops
-    from quads.quant.layers import _QuantizedBase
-
-    if (isinstance(tm, _QuantizedBase) and tm.spec.weight_key() == rm.spec.weight_key()
-            and tm.weight_dtype == rm.weight_dtype):
-        return ops.quantize_weight(full, tm.spec, tm.weight_dtype)[0]
-    return ops.quantize_weight(full, rm.spec, rm.weight_dtype)[0]
-
-
 @torch.no_grad()
 def _all_reduce_rac_statistics(rollout_model: nn.Module, info: DistInfo) -> None:
     """Sum the static-RAC activation statistics of all replicas, so every replica sorts the same order."""
@@ -341,8 +329,8 @@ def sync_weights_sharded(trainer_model: nn.Module, rollout_model: nn.Module, inf
 
     1. for each state-dict tensor in order (the same on every rank): all-gather the full tensor
        (``DTensor.full_tensor``, one tensor in memory at a time), copy it into the replica, and for a
-       quantized weight fingerprint the trainer's ``QDQ`` of it (the function its QAT applies to the
-       unsharded parameter, which is this tensor bit for bit);
+       quantized weight fingerprint ``quant.sync.trainer_operand`` of it (the QDQ function the trainer's
+       QAT applies to the unsharded parameter, which is this tensor bit for bit);
     2. sum the replicas' static RAC statistics, re-quantize every rollout module (``refresh``);
     3. compare each rollout operand with the trainer's fingerprint, then all ranks' fingerprints with
        each other. Any difference raises ``WeightSyncError``. Returns a ``SyncReport``.
@@ -350,7 +338,7 @@ def sync_weights_sharded(trainer_model: nn.Module, rollout_model: nn.Module, inf
     import time
 
     from quads.quant.apply import quantized_modules
-    from quads.quant.sync import SyncReport, WeightSyncError, fingerprint
+    from quads.quant.sync import SyncReport, WeightSyncError, fingerprint, trainer_operand
 
     t0 = time.perf_counter()
     src = trainer_model.state_dict()
@@ -372,7 +360,7 @@ def sync_weights_sharded(trainer_model: nn.Module, rollout_model: nn.Module, inf
         report.n_bytes += full.numel() * full.element_size()
         mod, _, pname = k.rpartition(".")
         if mod in rq and pname in rq[mod].stores:
-            want[k] = fingerprint(_trainer_operand(full, tq.get(mod), rq[mod]))
+            want[k] = fingerprint(trainer_operand(full, tq.get(mod), rq[mod], pname))
         del full
     if info.enabled:
         _all_reduce_rac_statistics(rollout_model, info)
