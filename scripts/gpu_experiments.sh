@@ -63,11 +63,12 @@ STEPS=$($PY -c "print(max(10, min($MAX_STEPS, int(0.85 * $LEFT / max($STEP_S, 1e
 echo "probe: $((P1 - P0))s, slowest parallel step ${STEP_S}s; ${LEFT}s left -> $STEPS steps" | tee "$OUT/plan.txt"
 
 echo "== 4. compare ($STEPS steps) at $(elapsed)s"
-EVAL_EVERY=$(( STEPS / 5 > 0 ? STEPS / 5 : 1 ))
+EVAL_EVERY=$(( STEPS / 4 > 5 ? STEPS / 4 : 5 ))  # held-out evals cost about a step each: keep them few
 $PY -m quads.cli compare --train-config configs/experiments/gpu.yaml \
   --set "$SET_COMMON,model.checkpoint=$CKPT,steps=$STEPS,eval_every=$EVAL_EVERY" --seeds "$SEEDS" --parallel "$PARALLEL" \
   --timeout-s $(( BUDGET_S - $(elapsed) + 20 )) --out-dir "$OUT/compare" 2>&1 | tail -15
 echo "== done at $(elapsed)s"
-# keep what comes back small: drop checkpoints, policies and warm-start weights
+# keep what comes back small and flat (the device tool returns few files and shallow folders):
+# drop checkpoints, policies and weights, then pack metrics, configs, logs and reports in one tarball
 rm -rf "$OUT"/warm_start/*/model.safetensors "$OUT"/*/runs/*/checkpoints "$OUT"/*/runs/*/policy "$OUT"/*/runs/*/tb
-du -sh "$OUT"
+tar -czf "$OUT/results.tar.gz" -C "$OUT" --exclude=results.tar.gz . && du -sh "$OUT/results.tar.gz"

@@ -415,6 +415,15 @@ def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
     return out
 
 
+def load_result(out_dir: str | Path) -> dict[str, Any]:
+    """The result dict of an earlier run from its files (to rewrite the report with ``write_report``)."""
+    out = Path(out_dir)
+    rows = [json.loads(line) for line in (out / "decomposition.jsonl").read_text().splitlines() if line.strip()]
+    b = json.loads((out / "batch.json").read_text())
+    return {"rows": rows, "layer_errors": json.loads((out / "layer_errors.json").read_text()),
+            "self_check": b["self_check_max_abs"], "meta": b["meta"], "texts": b["first_texts"]}
+
+
 # ---------------------------------------------------------------------- CLI
 
 def register(parser: argparse.ArgumentParser) -> None:
