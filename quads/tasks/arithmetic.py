@@ -38,9 +38,10 @@ LEVELS: dict[int, Level] = {
     3: Level((3, 3), 1, "+-*", False, False),
     4: Level((3, 4), 1, "+-*", True, False),
     5: Level((4, 4), 1, "+-*", True, False),
-    6: Level((4, 5), 2, "+-*", True, True),
+    6: Level((5, 5), 1, "+-*", True, False),
+    7: Level((4, 5), 2, "+-*", True, True),
 }
-DEFAULT_DIFFICULTY = 4
+DEFAULT_DIFFICULTY = 6
 
 
 def _apply(a: int, op: str, b: int) -> int:
