@@ -33,14 +33,14 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 
 if [ -z "${CKPT:-}" ]; then
   echo "== 1. warm start ($PRESET, $SFT_STEPS SFT steps) at $(elapsed)s"
-  $PY -m quads.cli pretrain --preset "$PRESET" --task arithmetic --steps "$SFT_STEPS" --batch-size 64 --lr 1e-3 \
+  $PY -m quads.cli pretrain --preset "$PRESET" --task arithmetic --difficulty 4 --steps "$SFT_STEPS" --batch-size 64 --lr 1e-3 \
     --device "$DEVICE" --cache-dir "$OUT/warm_start" --progress false --eval-size 200 2>&1 | tail -3 | tee "$OUT/pretrain.txt"
   CKPT=$(ls -d "$OUT"/warm_start/*/ | head -1)
 fi
 [ -f "$CKPT/config.json" ] || { echo "no warm-start checkpoint at '$CKPT'"; exit 1; }
 
 echo "== 2. diagnose at $(elapsed)s"
-$PY -m quads.cli diagnose --checkpoint "$CKPT" --device "$DEVICE" --prompts "${DIAG_PROMPTS:-64}" --n-samples 4 \
+$PY -m quads.cli diagnose --checkpoint "$CKPT" --device "$DEVICE" --difficulty 4 --prompts "${DIAG_PROMPTS:-64}" --n-samples 4 \
   --max-new-tokens 48 --out-dir "$OUT/diagnose" > "$OUT/diagnose.log" 2>&1 || echo "diagnose failed (see diagnose.log)"
 tail -25 "$OUT/diagnose.log"
 

@@ -48,6 +48,7 @@ def test_plan_same_config_but_recipe_seed_out_dir(checkpoint, tmp_path):
     assert all(s == strip[0] for s in strip)  # identical data, hyperparameters and starting checkpoint
     assert len({tc.out_dir for _, tc in runs}) == 4
     assert base.steps == 2 and base.optim.lr == 1e-3 and base.model.checkpoint == str(checkpoint)
+    assert isinstance(base.task.difficulty, int)  # the default level is pinned once for every run
 
 
 def test_bad_inputs():

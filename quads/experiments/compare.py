@@ -131,6 +131,13 @@ def base_train_config(cfg: CompareConfig):
     data = _merge(data, _parse_set(cfg.set))
     data.setdefault("threads", cfg.threads)
     base = from_dict(TrainConfig, data, "train config")
+    if base.task.difficulty is None and base.task.dataset is None:
+        # pin the task's current default level: every run (and a rerun later) must see the same prompts
+        from quads.rl.build import build_task
+
+        level = getattr(build_task(base), "difficulty", None)
+        if isinstance(level, int):
+            base = dataclasses.replace(base, task=dataclasses.replace(base.task, difficulty=level))
     if base.model.checkpoint is None:
         from quads.rl.build import warm_start_checkpoint
 
