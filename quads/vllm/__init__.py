@@ -14,8 +14,12 @@ either; the submodules below do.
 - ``worker``: functions run inside the vLLM worker (``collective_rpc``): re-quantize, fingerprint,
   verify, switch recipe, probe one layer.
 - ``engine``: ``VLLMRolloutEngine`` (``generate(prompts, SamplingParams) -> RolloutBatch``, weight
-  push with the fingerprint check, prompt log-probs for ``quads diagnose``) and
-  ``make_rollout_engine``.
+  push with the fingerprint check, prompt log-probs at any temperature) and ``make_rollout_engine``
+  (what ``quads train --rollout-backend vllm`` uses).
+- ``diagnose``: ``vllm_rollout_logprobs``, vLLM log-probs of a fixed batch per rollout variant.
+- ``compare``: quads' side of the comparisons (``quads_prompt_logprobs``, ``logprob_gap``).
+
+See docs/VLLM.md for the guarantees, the limits and the environment.
 """
 
 from __future__ import annotations
