@@ -1,13 +1,13 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    create .venv when missing, install, run the main job (`quads train` on the built-in default)
-#   make test   same set-up, then lint + the whole test suite
+#   make test   same set-up, then lint + the whole test suite (+ the vLLM backend tests in .venv-vllm)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.quads-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test lint setup clean
+.PHONY: run test test-main test-vllm lint setup clean
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup_env.sh
@@ -21,8 +21,21 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check quads tests benchmarks scripts
 
-test: $(STAMP) lint
+# QUADS_TEST_VLLM=0 skips the vLLM backend tests (they need their own venv, see scripts/setup_vllm_env.sh)
+QUADS_TEST_VLLM ?= 1
+VLLM_STAMP := .venv-vllm/.quads-installed
+
+test: test-main $(if $(filter 1,$(QUADS_TEST_VLLM)),test-vllm)
+
+test-main: $(STAMP) lint
 	$(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS)
 
+$(VLLM_STAMP): pyproject.toml scripts/setup_vllm_env.sh
+	PYTHON=$(PYTHON) bash scripts/setup_vllm_env.sh
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py tests/test_vllm_train.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache
+	rm -rf $(VENV) .venv-vllm .pytest_cache .hypothesis .ruff_cache

