@@ -134,9 +134,9 @@ def _task_and_examples(cfg: EvalConfig, extra: dict) -> tuple[Task, list[Example
     if cfg.task is None:
         raise ValueError("give --task NAME or --dataset FILE")
     kwargs = {}
-    pre = extra.get("pretrain", {})
-    difficulty = cfg.difficulty if cfg.difficulty is not None else (
-        pre.get("difficulty") if pre.get("task") == cfg.task else None)
+    difficulty = cfg.difficulty  # else the level the checkpoint was warm-started on (extra of quads pretrain)
+    if difficulty is None and extra.get("task") == cfg.task:
+        difficulty = extra.get("difficulty")
     if difficulty is not None:
         kwargs["difficulty"] = difficulty
     task = get_task(cfg.task, **kwargs)

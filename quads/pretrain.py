@@ -135,13 +135,21 @@ def _lr_at(step: int, cfg: PretrainConfig) -> float:
 
 def train_sft(cfg: PretrainConfig, log_every: int = 50):
     """Train a fresh model; returns (model, tokenizer, task, history of (step, ce) every log_every)."""
+    threads = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg, log_every)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: PretrainConfig, log_every: int):
     from tqdm.auto import tqdm
 
     from quads.model import ModelConfig, MoEForCausalLM
     from quads.model.tokenizer import CharTokenizer
 
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     tok = CharTokenizer()
     task = _task(cfg)
@@ -173,27 +181,31 @@ def train_sft(cfg: PretrainConfig, log_every: int = 50):
 
 def warm_start(cfg: PretrainConfig) -> Path:
     """The checkpoint folder of ``cfg``'s SFT run, training it first unless it is cached."""
-    from quads.model.checkpoint import save_checkpoint
-
     folder = cfg.folder()
     if (folder / "config.json").is_file():
         return folder
     start = time.monotonic()
     model, tok, task, history = train_sft(cfg)
-    train_s = time.monotonic() - start
-    result: dict[str, Any] = {"train_seconds": round(train_s, 1), "loss_history": history,
+    return save_warm_start(cfg, model, tok, task, history, train_seconds=time.monotonic() - start)
+
+
+def save_warm_start(cfg: PretrainConfig, model, tokenizer, task, history: list[tuple[int, float]],
+                    train_seconds: float = 0.0) -> Path:
+    """Measure the held-out greedy pass@1 of a trained model and write it to ``cfg.folder()``."""
+    from quads.model.checkpoint import save_checkpoint
+
+    result: dict[str, Any] = {"train_seconds": round(train_seconds, 1), "loss_history": history,
                               "final_ce": history[-1][1]}
     if cfg.eval_size > 0:
         from quads.evaluate import evaluate_model
 
-        res = evaluate_model(model.eval(), tok, task, task.examples("test", cfg.eval_size),
+        res = evaluate_model(model.eval(), tokenizer, task, task.examples("test", cfg.eval_size),
                              max_new_tokens=cfg.max_new_tokens)
         result["heldout_pass@1"] = res.pass_at[1]
         result["heldout_mean_response_chars"] = res.mean_response_chars
     extra = {"pretrain": to_dict(cfg), "pretrain_result": result, "task": cfg.task,
              "difficulty": getattr(task, "difficulty", None)}
-    save_checkpoint(model, folder, extra, tokenizer=tok)
-    return folder
+    return save_checkpoint(model, cfg.folder(), extra, tokenizer=tokenizer)
 
 
 def register(parser: argparse.ArgumentParser) -> None:

@@ -4,12 +4,12 @@ import torch
 
 from quads.model.checkpoint import load_checkpoint
 from quads.model.tokenizer import CharTokenizer, load_tokenizer
-from quads.pretrain import PretrainConfig, collate, encode_sft, train_sft, warm_start
+from quads.pretrain import PretrainConfig, collate, encode_sft, save_warm_start, train_sft, warm_start
 
 
 def _tiny_cfg(tmp_path, **kw):
-    base = dict(difficulty=1, steps=30, batch_size=8, lr=3e-3, warmup_steps=3, train_size=100, eval_size=8,
-                max_new_tokens=12, cache_dir=str(tmp_path), progress=False)
+    base = dict(difficulty=1, steps=25, batch_size=8, lr=3e-3, warmup_steps=3, train_size=100, eval_size=8,
+                max_new_tokens=12, cache_dir=str(tmp_path), progress=False, threads=1)
     return PretrainConfig(**{**base, **kw})
 
 
@@ -37,21 +37,27 @@ def test_cache_key_ignores_location_only(tmp_path):
 
 def test_short_warm_start_lowers_loss_and_reloads_identically(tmp_path):
     cfg = _tiny_cfg(tmp_path)
-    folder = warm_start(cfg)
-    assert folder == tmp_path / cfg.cache_key() and (folder / "config.json").is_file()
-    model, extra = load_checkpoint(folder)
-    hist = extra["pretrain_result"]["loss_history"]
+    model, tok, task, hist = train_sft(cfg)
     assert hist[-1][1] < 0.6 * hist[0][1], hist  # cross-entropy fell
-    assert 0.0 <= extra["pretrain_result"]["heldout_pass@1"] <= 1.0
-    assert extra["pretrain"]["steps"] == cfg.steps
-    assert isinstance(load_tokenizer(folder), CharTokenizer)
-    # the same config trains the same weights (seeded), so the checkpoint is exactly the retrained model
-    again, _, _, _ = train_sft(cfg)
-    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+    folder = save_warm_start(cfg, model, tok, task, hist)
+    assert folder == tmp_path / cfg.cache_key() and (folder / "config.json").is_file()
+    loaded, extra = load_checkpoint(folder)
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    assert 0.0 <= extra["pretrain_result"]["heldout_pass@1"] <= 1.0
+    assert extra["pretrain"]["steps"] == cfg.steps and extra["difficulty"] == 1
+    assert isinstance(load_tokenizer(folder), CharTokenizer)
     mtime = (folder / "model.safetensors").stat().st_mtime_ns
-    assert warm_start(cfg) == folder  # cached: not retrained
+    assert warm_start(cfg) == folder  # cached: returned without training again
     assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_training_is_seeded(tmp_path):
+    cfg = _tiny_cfg(tmp_path, steps=3, train_size=20)
+    a, b = train_sft(cfg)[0], train_sft(cfg)[0]
+    c = train_sft(_tiny_cfg(tmp_path, steps=3, train_size=20, seed=1))[0]
+    wa, wb, wc = (m.lm_head.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
 
 
 def test_config_validation():
