@@ -85,6 +85,38 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+def field_comments(cls: type) -> dict[str, str]:
+    """``{field: trailing comment}`` read from the dataclass source (``x: int = 1  # what x is``).
+
+    Configs document each field with a trailing comment (STYLE.md item 10); the CLI help reuses it so
+    ``--help`` and the code cannot disagree. Returns ``{}`` when the source is unavailable.
+    """
+    import inspect
+    import re
+
+    try:
+        src = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    out = {}
+    for m in re.finditer(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", src, flags=re.MULTILINE):
+        if m.group(1) in names and m.group(1) not in out:
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
+def _metavar(base: Any, choices: list | None) -> str:
+    if choices:
+        return "|".join(map(str, choices))
+    origin = typing.get_origin(base)
+    if origin in (list, tuple):
+        args = typing.get_args(base)
+        elem = getattr(args[0], "__name__", "V").upper() if args else "V"
+        return f"{elem},{elem},..."
+    return getattr(base, "__name__", "V").upper()
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -92,12 +124,13 @@ def _flag(name: str) -> str:
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
     """Add one flag per field; defaults are left unset so YAML values are not overridden by them."""
     hints = typing.get_type_hints(cls)
+    comments = field_comments(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(_base_type(tp)):
             add_dataclass_args(parser, _base_type(tp), prefix=f"{prefix}{f.name}.")
             continue
-        help_ = f.metadata.get("help", "")
+        help_ = f.metadata.get("help", comments.get(f.name, ""))
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None
         )
@@ -109,8 +142,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
             _flag(prefix + f.name),
             dest=prefix + f.name,
             default=argparse.SUPPRESS,
-            metavar=f.metadata.get("metavar", getattr(base, "__name__", "V").upper()),
-            help=f"{help_} (default: {default!r})" + (f" choices: {', '.join(map(str, choices))}" if choices else ""),
+            metavar=f.metadata.get("metavar", _metavar(base, choices)),
+            help=(f"{help_} " if help_ else "") + f"(default: {default!r})"
+            + (f"; choices: {', '.join(map(str, choices))}" if choices else ""),
         )
 
 
