@@ -163,6 +163,7 @@ def _plot(runs: Mapping[str, list[dict[str, Any]]], keys: tuple[str, ...], title
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     drawn = False
+    positive = True
     for name, recs in runs.items():
         for key in keys:
             xs, ys = _series(recs, key)
@@ -171,7 +172,10 @@ def _plot(runs: Mapping[str, list[dict[str, Any]]], keys: tuple[str, ...], title
             label = name if len(keys) == 1 else f"{name} {key.split('/')[-1]}"
             ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label)
             drawn = True
+            positive = positive and all(y > 0 for y in ys if math.isfinite(y))
     if drawn:
+        if keys[0].startswith("mismatch/") and positive:
+            ax.set_yscale("log")  # gaps and k3 span decades (max vs mean, recipe vs recipe)
         ax.set_xlabel("step")
         ax.set_title(title)
         ax.grid(alpha=0.3)

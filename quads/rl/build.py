@@ -77,12 +77,17 @@ def build_recipe(cfg: TrainConfig) -> Recipe:
         raise ValueError(f"recipe: {e}") from None
 
 
-def warm_start_checkpoint(cfg: TrainConfig) -> Path:
-    """The cached supervised warm start of the built-in ``model.preset`` on the task."""
+def warm_start_checkpoint(cfg: TrainConfig, task: Task | None = None) -> Path:
+    """The cached supervised warm start of the built-in ``model.preset`` on the task.
+
+    The task's resolved difficulty is passed explicitly, so a change of a task's default level can
+    never return a cached warm start of another level.
+    """
     from quads.pretrain import PretrainConfig, warm_start
 
+    difficulty = cfg.task.difficulty if cfg.task.difficulty is not None else getattr(task, "difficulty", None)
     want = {"preset": cfg.model.preset, "model": cfg.model.preset, "task": cfg.task.name,
-            "difficulty": cfg.task.difficulty, "dataset": cfg.task.dataset, "steps": cfg.warm_start.steps,
+            "difficulty": difficulty, "dataset": cfg.task.dataset, "steps": cfg.warm_start.steps,
             "lr": cfg.warm_start.lr, "batch_size": cfg.warm_start.batch_size, "seed": cfg.seed,
             "device": cfg.device, "cache_dir": cfg.warm_start.cache_dir, "threads": cfg.threads or None,
             "progress": cfg.log.progress,
@@ -107,7 +112,7 @@ def resolve(cfg: TrainConfig, *, allow_warm_start: bool = True) -> Resolved:
         raise ValueError("model.checkpoint: the warm start trains on generated tasks only; pass --model.checkpoint "
                          "<folder> to train on a dataset file")
     elif allow_warm_start:
-        ckpt = warm_start_checkpoint(cfg)
+        ckpt = warm_start_checkpoint(cfg, task)
     else:
         raise ValueError("model.checkpoint is unset and warm start is disabled")
     try:

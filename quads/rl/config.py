@@ -99,7 +99,7 @@ class RolloutSection:
     prompts_per_step: int = 16  # prompts per RL step (P)
     n_samples: int = 8  # samples per prompt (the GRPO group size n); batch B = P * n
     temperature: float = 1.0  # sampling temperature; trainer log-probs use the same one
-    max_new_tokens: int = 40  # response length cap
+    max_new_tokens: int = 48  # response length cap (arithmetic level 6 answers take up to 46 characters + eos)
 
     def __post_init__(self) -> None:
         _positive("rollout", prompts_per_step=self.prompts_per_step, temperature=self.temperature,
