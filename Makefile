@@ -35,7 +35,7 @@ $(VLLM_STAMP): pyproject.toml scripts/setup_vllm_env.sh
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py tests/test_vllm_train.py
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py tests/test_vllm_train.py tests/test_vllm_diagnose.py
 
 clean:
 	rm -rf $(VENV) .venv-vllm .pytest_cache .hypothesis .ruff_cache

@@ -45,7 +45,7 @@ import torch
 import yaml
 
 from quads.config import add_dataclass_args, build_config, save_config
-from quads.experiments.score import score_rollout
+from quads.experiments.score import ScoreResult, score_rollout
 from quads.io import atomic_write_text
 from quads.metrics.mismatch import mismatch_metrics
 from quads.quant import LinearSpec, Recipe, dequantize_model, quantize_model
@@ -78,6 +78,7 @@ class DiagnoseConfig:
     probe_tokens: int = 1024  # fixed-size probe for mismatch/logp_gap_max_probe
     device: str = "cpu"
     threads: int = 0  # torch CPU threads; 0 = default
+    rollout_backend: str = "quads"  # quads (own KV-cache engine) | vllm (vLLM prefill scoring; pip install quads[vllm])
     warm_start_dir: str = "runs/warm_start"  # warm-start cache (the one quads train uses by default)
     out_dir: str = "runs/diagnose"  # report folder
 
@@ -90,6 +91,8 @@ class DiagnoseConfig:
         for name in ("dtype", "master_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name} must be one of {sorted(_DTYPES)}; got {getattr(self, name)!r}")
+        if self.rollout_backend not in ("quads", "vllm"):
+            raise ValueError(f"rollout_backend must be quads or vllm; got {self.rollout_backend!r}")
         self.ratios()  # validates
 
     def ratios(self) -> list[float]:
@@ -205,11 +208,15 @@ def decompose(cfg: DiagnoseConfig, grid: Grid | None = None, say=print) -> dict[
         f"(mean length {batch.response_lengths().float().mean():.1f}), sampled with {cfg.sample_with}")
 
     roll: dict[str, Any] = {}
-    for name, spec in grid.rollout.items():
-        quantize_model(rollout, _recipe(name, spec, "rollout"), "rollout", verbose=False)
-        roll[name] = score_rollout(rollout, batch, cfg.temperature)
-    own = roll[cfg.sample_with].logprobs
-    self_check = (own - batch.logprobs.to(own.device)).abs().max().item()
+    if cfg.rollout_backend == "vllm":
+        roll = _vllm_scores(cfg, rollout, tok, batch, grid)
+        self_check = math.nan  # the batch was sampled by quads' engine, scored by vLLM: no self-check
+    else:
+        for name, spec in grid.rollout.items():
+            quantize_model(rollout, _recipe(name, spec, "rollout"), "rollout", verbose=False)
+            roll[name] = score_rollout(rollout, batch, cfg.temperature)
+        own = roll[cfg.sample_with].logprobs
+        self_check = (own - batch.logprobs.to(own.device)).abs().max().item()
 
     seq = to_sequence_batch(batch, device=cfg.device)
     train: dict[str, Any] = {}
@@ -224,12 +231,12 @@ def decompose(cfg: DiagnoseConfig, grid: Grid | None = None, say=print) -> dict[
     rows, per_layer = [], {}
     for rname, rspec in grid.rollout.items():
         r = roll[rname]
-        fed = mask & (r.routing[0, :, P:, 0] >= 0)
+        fed = mask & (r.routing[0, :, P:, 0] >= 0) if r.routing is not None else mask
         for tname, tspec in grid.trainer.items():
             t = train[tname]
             m = mismatch_metrics(t.logprobs, r.logprobs, mask, routing_train=t.routing[:, :, P:],
-                                 routing_rollout=r.routing[:, :, P:], routing_mask=fed,
-                                 probe_tokens=cfg.probe_tokens)
+                                 routing_rollout=r.routing[:, :, P:] if r.routing is not None else None,
+                                 routing_mask=fed, probe_tokens=cfg.probe_tokens)
             errs: dict[str, float] = {}
             if cfg.layer_errors:
                 errs = layer_errors(rollout, lambda mdl: mdl(ids, attention_mask=amask, position_ids=pos),
@@ -240,7 +247,7 @@ def decompose(cfg: DiagnoseConfig, grid: Grid | None = None, say=print) -> dict[
                          "gap_max": m["mismatch/logp_gap_max"], "gap_mean": m["mismatch/logp_gap_mean"],
                          "gap_max_probe": m["mismatch/logp_gap_max_probe"], "k1": m["mismatch/k1"],
                          "k3": m["mismatch/k3"], "chi2": m["mismatch/chi2"],
-                         "routing_diff": m["mismatch/routing_diff"],
+                         "routing_diff": m.get("mismatch/routing_diff", math.nan),
                          "layer_err_mean": (sum(errs.values()) / len(errs)) if errs else math.nan,
                          "tokens": int(m["mismatch/tokens"])})
         say(f"  rollout {rname:<16} " + "  ".join(
@@ -254,6 +261,23 @@ def decompose(cfg: DiagnoseConfig, grid: Grid | None = None, say=print) -> dict[
             "torch": torch.__version__, "device_name": _device_name(cfg.device)}
     return {"rows": rows, "layer_errors": per_layer, "self_check": self_check, "meta": meta,
             "texts": batch.texts[: min(8, len(batch.texts))], "grid": grid}
+
+
+def _vllm_scores(cfg: DiagnoseConfig, model, tok, batch, grid: Grid) -> dict[str, Any]:
+    """Rollout log-probs of the fixed batch from vLLM, one per rollout variant (``quads.vllm.diagnose``).
+
+    BF16 variants run on vLLM's own layers, so the ``bf16`` row is a real inference engine's drift
+    floor; quantized variants run through the ``"quads"`` vLLM method. vLLM returns no expert ids on
+    the CPU, so these rows have no routing difference (NaN).
+    """
+    try:
+        from quads.vllm.diagnose import vllm_rollout_logprobs
+    except ImportError as e:
+        raise ValueError(f"rollout_backend=vllm needs vLLM ({e}); install it with `pip install quads[vllm]` "
+                         "(see docs/VLLM.md) or use rollout_backend=quads") from None
+    dequantize_model(model)
+    lps = vllm_rollout_logprobs(model, tok, batch, grid.rollout, temperature=cfg.temperature, dtype=cfg.dtype)
+    return {name: ScoreResult(logprobs=lp.to(cfg.device), routing=None) for name, lp in lps.items()}
 
 
 def _device_name(device: str) -> str:

@@ -29,7 +29,7 @@ from quads.rollout.engine import _DECODE_BACKENDS, RolloutBatch
 @dataclass
 class ScoreResult:
     logprobs: torch.Tensor  # [B, R] log-probs of the batch's response tokens at `temperature`, 0 on padding
-    routing: torch.Tensor  # [n_layers, B, P + R, k] expert ids of every fed token; -1 where not fed
+    routing: torch.Tensor | None  # [n_layers, B, P + R, k] expert ids of every fed token; -1 where not fed; None: not recorded (vLLM)
 
 
 @torch.no_grad()
