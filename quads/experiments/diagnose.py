@@ -419,9 +419,13 @@ def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
         f"temperature {c['temperature']}) sampled with the `{c['sample_with']}` engine: "
         f"{meta['response_tokens']} response tokens, mean length {meta['mean_response_len']:.1f}, mean reward "
         f"{meta['reward_mean']:.3f}. Compute dtype {c['dtype']}, device {meta['device_name']}, torch {meta['torch']}.",
-        f"Engine self-check: teacher-forced scoring with the sampling variant reproduces the engine's own "
-        f"log-probs to max |diff| = {result['self_check']:.3g} (0 = bit for bit).",
-        "Each row: rollout log-probs (engine KV-cache path, teacher-forced) vs trainer log-probs (one full "
+        (f"Engine self-check: teacher-forced scoring with the sampling variant reproduces the engine's own "
+         f"log-probs to max |diff| = {result['self_check']:.3g} (0 = bit for bit)."
+         if c.get("rollout_backend", "quads") == "quads" else
+         "Rollout backend: vLLM. The fixed batch was sampled by quads' engine; each rollout variant's log-probs "
+         "of those tokens come from vLLM prefills (BF16 variants on vLLM's own layers, quantized ones through "
+         "the `quads` vLLM method). vLLM returns no expert ids on the CPU, so routing diff is n/a."),
+        f"Each row: rollout log-probs ({'engine KV-cache path, teacher-forced' if c.get('rollout_backend', 'quads') == 'quads' else 'vLLM'}) vs trainer log-probs (one full "
         "forward) on the same tokens. gap = |logp_rollout - logp_train| over response tokens; k3 = "
         "mean(rho - log rho - 1); routing diff = fraction of (token, layer) expert sets that differ; layer err "
         "= mean over quantized layers of ||Y_rollout - Y_trainer|| / ||Y_trainer|| on identical inputs.",
