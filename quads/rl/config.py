@@ -96,7 +96,7 @@ class RecipeSection:
 class RolloutSection:
     """Sampling on the rollout engine."""
 
-    prompts_per_step: int = 16  # prompts per RL step (P)
+    prompts_per_step: int = 64  # prompts per RL step (P); large, as the tiny model needs low-noise gradients
     n_samples: int = 8  # samples per prompt (the GRPO group size n); batch B = P * n
     temperature: float = 1.0  # sampling temperature; trainer log-probs use the same one
     max_new_tokens: int = 48  # response length cap (arithmetic level 6 answers take up to 46 characters + eos)
@@ -112,7 +112,7 @@ class RolloutSection:
 class OptimSection:
     """AdamW on the trainer's master weights."""
 
-    lr: float = 2e-4  # learning rate (constant after warmup)
+    lr: float = 3e-5  # learning rate (constant after warmup); AdamW moves every weight ~lr per step
     warmup_steps: int = 0  # linear warmup optimizer steps
     betas: tuple[float, float] = (0.9, 0.99)  # AdamW betas
     eps: float = 1e-8  # AdamW eps
@@ -173,7 +173,7 @@ class TrainConfig:
     guard: GuardSection = field(default_factory=GuardSection)
     log: LogSection = field(default_factory=LogSection)
     routing_replay: bool = False  # trainer forward reuses the rollout's expert ids (R3 routing replay)
-    steps: int = 40  # RL steps (one rollout batch each)
+    steps: int = 20  # RL steps (one rollout batch each)
     eval_every: int = 10  # held-out pass@1 every N steps (and at step 0 and the end); 0 = start and end only
     eval_n: int = 200  # held-out prompts (a fixed subset of the test split), greedy decoding
     seed: int = 0  # seeds python, torch, the prompt sampler and the engine's generator
