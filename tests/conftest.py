@@ -11,3 +11,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under pytest-xdist every worker is one process per core: one torch thread each, so that two
+# workers' OpenMP pools do not oversubscribe the cores (spin-waiting pools slow each other down
+# by far more than the lost intra-op parallelism).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
