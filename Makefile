@@ -34,8 +34,11 @@ $(VLLM_STAMP): pyproject.toml scripts/setup_vllm_env.sh
 	PYTHON=$(PYTHON) bash scripts/setup_vllm_env.sh
 	touch $(VLLM_STAMP)
 
+# one process per group of engine starts: an in-process vLLM engine that is garbage-collected late
+# tears down the parallel groups of the next one (seen with the diagnose test after the train test)
 test-vllm: $(VLLM_STAMP)
-	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py tests/test_vllm_train.py tests/test_vllm_diagnose.py
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py tests/test_vllm_train.py
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_diagnose.py
 
 clean:
 	rm -rf $(VENV) .venv-vllm .pytest_cache .hypothesis .ruff_cache
