@@ -130,6 +130,20 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 
+def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
+    """A prompt as token ids: strings get ``<bos>`` (when the tokenizer has one) + their encoding;
+    token-id prompts are used as given. Shared by every rollout backend so they see the same ids."""
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_id
+        ids = ([bos] if bos is not None else []) + tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("empty prompt: give at least one token (string prompts get <bos> when the "
+                         "tokenizer has one)")
+    return ids
+
+
 class RolloutEngine:
     """Generates from ``model`` (used as given: the quantization helper may have swapped its layers)."""
 
@@ -148,23 +162,12 @@ class RolloutEngine:
         self.max_batch_tokens = max_batch_tokens
         self.recipe = recipe
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            bos = self.tokenizer.bos_id
-            ids = ([bos] if bos is not None else []) + self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("empty prompt: give at least one token (string prompts get <bos> when the "
-                             "tokenizer has one)")
-        return ids
-
     @torch.no_grad()
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None
                  ) -> RolloutBatch:
         params = params or SamplingParams()
         cfg = self.model.config
-        ids = [self._encode(p) for p in prompts]
+        ids = [encode_prompt(self.tokenizer, p) for p in prompts]
         samples = [p for p in ids for _ in range(params.n)]
         group = torch.arange(len(ids)).repeat_interleave(params.n)
         P = max(len(p) for p in samples)

@@ -37,7 +37,7 @@ from quads.quant import ops
 from quads.quant.layers import _QuantizedBase
 from quads.quant.recipe import Recipe, get_recipe
 from quads.quant.sync import Fingerprint, WeightSyncError, fingerprint
-from quads.rollout.engine import RolloutBatch, RolloutStats, SamplingParams
+from quads.rollout.engine import RolloutBatch, RolloutStats, SamplingParams, encode_prompt
 
 
 @dataclass
@@ -220,16 +220,6 @@ class VLLMRolloutEngine:
 
     # -------------------------------------------------------------------------------------- rollouts
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            bos = self.tokenizer.bos_id
-            ids = ([bos] if bos is not None else []) + self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("empty prompt: give at least one token (string prompts get <bos> when the tokenizer has one)")
-        return ids
-
     def _vllm_params(self, params: SamplingParams):
         from vllm import SamplingParams as VSP
 
@@ -248,7 +238,7 @@ class VLLMRolloutEngine:
         """Sample ``params.n`` responses per prompt; the ``RolloutBatch`` layout of quads' engine."""
         params = params or SamplingParams()
         self._check_synced()
-        ids = [self._encode(p) for p in prompts]
+        ids = [encode_prompt(self.tokenizer, p) for p in prompts]
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], self._vllm_params(params), use_tqdm=False)
         wall = time.perf_counter() - t0
