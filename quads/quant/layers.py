@@ -153,6 +153,33 @@ class QuantizedLinear(_QuantizedBase):
         return self._gemm("weight", None, x, self.stores["weight"].get())
 
 
+def expert_groups(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_experts: int):
+    """Yield ``(e, idx [c], w_route [c])`` for every expert ``e`` hit by ``top_k_index`` [T, k].
+
+    Slots are grouped by expert with a stable sort, so ``idx`` (token rows routed to ``e``) is in token
+    order and unique within one expert; ``w_route`` are their router weights. Shared by every
+    experts loop (quads' layers and the vLLM fused-MoE method) so they visit tokens identically.
+    """
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
+    counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts].tolist()
+    tok = order // k  # [T*k] token of each slot
+    wts = top_k_weights.reshape(-1)[order]
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        yield e, tok[start : start + c], wts[start : start + c]
+        start += c
+
+
+def scatter_expert_output(out: torch.Tensor, idx: torch.Tensor, y: torch.Tensor, w_route: torch.Tensor) -> None:
+    """``out[idx] += y * w_route`` in place. ``idx`` is unique within one expert, so this equals
+    ``index_add_`` bit for bit, and ``index_put_(accumulate=True)`` is ~100x faster in BF16 on CPU."""
+    out.index_put_((idx,), (y * w_route[:, None]).to(out.dtype), accumulate=True)
+
+
 class QuantizedExperts(_QuantizedBase):
     """Drop-in for 3-D expert stacks (transformers 5 ``Qwen3MoeExperts`` / ``OlmoeExperts`` /
     ``MixtralExperts``, ``quads.model.MoEExperts``): ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I].
@@ -189,26 +216,13 @@ class QuantizedExperts(_QuantizedBase):
         self._setup(experts, spec, side, weight_dtype, groups=self.num_experts)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        e_total = self.num_experts
-        k = top_k_index.shape[-1]
         out = torch.zeros_like(hidden_states)
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
-        counts = torch.bincount(flat, minlength=e_total + 1)[:e_total].tolist()
-        tok = order // k  # [T*k] token of each slot
-        wts = top_k_weights.reshape(-1)[order]
         gu_q, dn_q = self.stores["gate_up_proj"].get(), self.stores["down_proj"].get()
         # unbind once: its backward stacks the per-expert grads in one allocation, where indexing
         # p[e] per expert would allocate and add a full-size [E, N, K] gradient per expert hit
         gu_w, dn_w = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            idx, w_route = tok[start : start + c], wts[start : start + c]
-            start += c
+        for e, idx, w_route in expert_groups(top_k_index, top_k_weights, self.num_experts):
             gate, up = self._gemm("gate_up_proj", e, hidden_states[idx], gu_q, gu_w[e]).chunk(2, dim=-1)
             y = self._gemm("down_proj", e, self.act_fn(gate) * up, dn_q, dn_w[e])
-            # idx is unique within one expert: same sums as index_add_, which is ~100x slower in BF16 on CPU
-            out.index_put_((idx,), (y * w_route[:, None]).to(out.dtype), accumulate=True)
+            scatter_expert_output(out, idx, y, w_route)
         return out

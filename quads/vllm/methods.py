@@ -34,6 +34,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from quads.quant import ops
+from quads.quant.layers import expert_groups, scatter_expert_output
 from quads.quant.linear import spec_linear
 from quads.quant.rac import StaticChannelSelector, rac_channels
 from quads.quant.recipe import LinearSpec
@@ -83,24 +84,12 @@ def experts_forward(
     w2: torch.Tensor, w13_q: torch.Tensor, w2_q: torch.Tensor, spec: LinearSpec, act_fn, selectors: dict,
 ) -> torch.Tensor:
     """``x`` [T, H], ``top_k_index`` / ``top_k_weights`` [T, k] -> [T, H] (``QuantizedExperts.forward``)."""
-    e_total = w13.shape[0]
-    k = top_k_index.shape[-1]
     out = torch.zeros_like(x)
-    flat = top_k_index.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
-    counts = torch.bincount(flat, minlength=e_total + 1)[:e_total].tolist()
-    tok = order // k  # [T*k] token of each slot
-    wts = top_k_weights.reshape(-1)[order]
     sel13, sel2 = selectors.get("w13"), selectors.get("w2")
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        idx, w_route = tok[start : start + c], wts[start : start + c]
-        start += c
+    for e, idx, w_route in expert_groups(top_k_index, top_k_weights, w13.shape[0]):
         gate, up = _gemm(x[idx], w13[e], w13_q[e], spec, sel13, e).chunk(2, dim=-1)
         y = _gemm(act_fn(gate) * up, w2[e], w2_q[e], spec, sel2, e)
-        out.index_add_(0, idx, (y * w_route[:, None]).to(out.dtype))
+        scatter_expert_output(out, idx, y, w_route)
     return out
 
 
