@@ -9,7 +9,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,3 +52,19 @@ def atomic_replace_dir(src_tmp: Path, dst: Path) -> None:
         shutil.rmtree(old)
     else:
         os.replace(src_tmp, dst)
+
+
+@contextmanager
+def atomic_dir(folder: str | Path) -> Iterator[Path]:
+    """Yield an empty temp folder ``.<name>.<random>.tmp`` beside ``folder``; when the block finishes it
+    replaces ``folder`` (``atomic_replace_dir``), and on any error it is removed, so ``folder`` is
+    either the old one or the complete new one, never half-written."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    try:
+        yield tmp
+        atomic_replace_dir(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)

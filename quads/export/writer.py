@@ -8,8 +8,6 @@ Shards follow the Hugging Face layout: ``model.safetensors`` when everything fit
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from quads.io import atomic_replace_dir
+from quads.io import atomic_dir
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -57,14 +55,8 @@ def staging_dir(out: Path, force: bool) -> Iterator[Path]:
     out = Path(out)
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} already exists and is not empty; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         yield tmp
-        atomic_replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_files(files: dict[str, bytes], folder: Path) -> None:

@@ -8,14 +8,13 @@ crash never leaves a half-written checkpoint. Tied ``lm_head.weight`` is stored 
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from quads.io import atomic_replace_dir
+from quads.io import atomic_dir
 from quads.model.config import ModelConfig
 from quads.model.transformer import MoEForCausalLM
 
@@ -30,9 +29,7 @@ def save_checkpoint(model: MoEForCausalLM, folder: str | Path, extra: dict[str, 
                     tokenizer: Any | None = None) -> Path:
     """Write ``model`` (and ``tokenizer`` if it has ``save(folder)``) to ``folder`` atomically."""
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
-    try:
+    with atomic_dir(folder) as tmp:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -42,12 +39,6 @@ def save_checkpoint(model: MoEForCausalLM, folder: str | Path, extra: dict[str, 
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if tokenizer is not None and hasattr(tokenizer, "save"):
             tokenizer.save(tmp)
-        atomic_replace_dir(tmp, folder)
-    finally:
-        if tmp.exists():
-            import shutil
-
-            shutil.rmtree(tmp)
     return folder
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from quads.io import atomic_replace_dir
+from quads.io import atomic_dir
 from quads.model.config import ModelConfig
 from quads.model.tokenizer import TOKENIZER_FILE, CharTokenizer, HFTokenizer
 from quads.model.transformer import MoEForCausalLM
@@ -217,21 +216,13 @@ def save_hf_model(model: MoEForCausalLM, tokenizer: Any | None, folder: str | Pa
         raise ValueError(f"architecture must be one of {list(ARCHITECTURES)}, got {architecture!r}")
     folder = Path(folder)
     hf_cfg = _hf_config(model.config, architecture, tokenizer)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
-    try:
+    with atomic_dir(folder) as tmp:
         hf_cfg.save_pretrained(tmp)
         save_file(hf_state(model, architecture), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if isinstance(tokenizer, CharTokenizer):
             save_char_tokenizer_as_hf(tokenizer, tmp)
         elif tokenizer is not None:
             tokenizer.save(tmp)
-        atomic_replace_dir(tmp, folder)
-    finally:
-        if tmp.exists():
-            import shutil
-
-            shutil.rmtree(tmp)
     return folder
 
 

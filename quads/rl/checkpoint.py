@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from quads.io import atomic_replace_dir, atomic_write_text
+from quads.io import atomic_dir, atomic_write_text
 
 CKPT_DIR = "checkpoints"
 LATEST = "latest"
@@ -53,14 +52,9 @@ def save_train_state(run_dir: str | Path, step: int, state: dict[str, Any], conf
     for stale in root.glob(".step_*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
-    try:
+    with atomic_dir(final) as tmp:
         torch.save({**state, "step": step, "config": config}, tmp / STATE_FILE)
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        atomic_replace_dir(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     atomic_write_text(root / LATEST, final.name + "\n")
     done = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in done[:-KEEP]:
