@@ -1,8 +1,10 @@
-"""``quads bench``: GPU benchmarks (kernels now; engine and trainer later).
+"""``quads bench``: GPU benchmarks of the kernels and of the rollout engine and trainer step.
 
 ``quads bench kernels [--quick] [--only quantize,w4a16,sweep,moe,w4a4] [--json FILE]`` runs
 ``benchmarks/bench_kernels.py`` (NVFP4 quantize / RAC quantize / W4A16 / grouped MoE / W4A4 against
-cuBLAS BF16 and FP8 in the same run; docs/PERF.md has the method and the numbers).
+cuBLAS BF16 and FP8 in the same run). ``quads bench e2e [--quick] [--only rollout,trainer] [--preset
+100m] [--device cuda] [--json FILE]`` runs ``benchmarks/bench_e2e.py`` (rollout tokens/s per rollout
+precision; W4A16-QAT trainer step against BF16). docs/PERF.md has the method and the numbers.
 """
 
 from __future__ import annotations
@@ -11,18 +13,22 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-SUITES = ("kernels",)
+SUITES = ("kernels", "e2e")
+E2E_QUICK = ["--prompts", "4", "--n", "2", "--new-tokens", "8", "--batch", "4", "--seq-len", "32", "--reps", "2"]
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("suite", nargs="?", default="kernels", choices=SUITES, help="what to benchmark")
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
-    parser.add_argument("--only", default="quantize,w4a16,moe,w4a4,sweep", help="comma list of kernel suites")
+    parser.add_argument("--only", default=None,
+                        help="comma list of sub-suites (kernels: quantize,w4a16,moe,w4a4,sweep; e2e: rollout,trainer)")
+    parser.add_argument("--preset", default="100m", help="e2e: model preset")
+    parser.add_argument("--device", default=None, help="e2e: torch device (default cuda when available)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
-def _load_bench_kernels():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernels.py"
+def _load_bench(name: str = "bench_kernels"):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: `quads bench` runs from a source checkout of quads")
     spec = importlib.util.spec_from_file_location("quads_bench_kernels", path)
@@ -32,9 +38,13 @@ def _load_bench_kernels():
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite == "e2e":
+        argv = ["--preset", args.preset] + (["--suites", args.only] if args.only else [])
+        argv += (["--device", args.device] if args.device else []) + (E2E_QUICK if args.quick else [])
+        return _load_bench("bench_e2e").main(argv + (["--json", args.json] if args.json else []))
     argv = (
-        ["--only", args.only]
+        ["--only", args.only or "quantize,w4a16,moe,w4a4,sweep"]
         + (["--quick"] if args.quick else [])
         + (["--json", args.json] if args.json else [])
     )
-    return _load_bench_kernels().main(argv)
+    return _load_bench().main(argv)

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The GPU experiment of docs/RESULTS.md in one call, on one H200 (or any CUDA GPU):
+# The GPU experiment of docs/RESULTS.md in one call, on one or more CUDA GPUs of one host (H200s here):
 #   1. warm start the 100m preset on arithmetic (SFT, cached under $OUT/warm_start);
-#   2. quads diagnose on that checkpoint (the decomposition and the RAC-ratio table);
+#   2. quads diagnose on that checkpoint (the decomposition and the RAC-ratio table), in the background
+#      on GPU 0 while steps 3-4 run;
 #   3. a probe: all six recipes for 2 steps in parallel, to measure the wall time of a step;
-#   4. quads compare: all six recipes in parallel processes on the one GPU, steps sized from the probe
-#      so that everything ends before BUDGET_S seconds after the start.
+#   4. quads compare: all six recipes (x seeds) in parallel processes, spread over the visible GPUs
+#      (quads compare --gpus auto), steps sized from the probe so that everything ends before BUDGET_S
+#      seconds after the start. SEEDS=auto runs seeds 0,1 when the probe says that two seeds still
+#      get MIN_STEPS steps, else seed 0.
 # Raw metrics (metrics.jsonl), reports and plots land under $OUT (default runs/gpu).
 # Run from the repository root: PYTHONPATH=. bash scripts/gpu_experiments.sh
 # Knobs (env): OUT, BUDGET_S (default 540), PRESET (100m), DEVICE (cuda), PY (python3),
-#   DIAG_PROMPTS (64), CKPT (skip the warm start: use this checkpoint), SFT_STEPS (400), MAX_STEPS (400), SEEDS (0), PARALLEL (6), EXTRA_SET (more TrainConfig overrides,
+#   DIAG_PROMPTS (64), CKPT (skip the warm start: use this checkpoint), SFT_STEPS (400), MAX_STEPS (400),
+#   MIN_STEPS (200), SEEDS (auto, or e.g. 0 / 0,1), EXTRA_SET (more TrainConfig overrides,
 #   "k=v,k=v"; e.g. a CPU dry run: PRESET=tiny DEVICE=cpu SFT_STEPS=2 EXTRA_SET=rollout.n_samples=2).
 set -uo pipefail
 T0=$(date +%s)
@@ -19,8 +23,8 @@ DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
 SFT_STEPS=${SFT_STEPS:-400}
 MAX_STEPS=${MAX_STEPS:-400}
-SEEDS=${SEEDS:-0}
-PARALLEL=${PARALLEL:-6}
+SEEDS=${SEEDS:-auto}
+MIN_STEPS=${MIN_STEPS:-200}
 EXTRA_SET=${EXTRA_SET:-}
 SET_COMMON="device=$DEVICE${EXTRA_SET:+,$EXTRA_SET}"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -31,6 +35,13 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
   $PY -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
 } | tee "$OUT/env.txt"
 
+# the rollout's batched expert path (quads.quant.grouped) must match the experts loop on this GPU; if it
+# does not, the runs fall back to the loop (slower) rather than produce wrong numbers
+if [ "$DEVICE" = cuda ]; then
+  $PY -m pytest tests/test_quant_grouped.py -q -k cuda -p no:cacheprovider > "$OUT/grouped_check.log" 2>&1 \
+    || { echo "grouped expert check FAILED: QUADS_GROUPED_EXPERTS=0"; export QUADS_GROUPED_EXPERTS=0; }
+  tail -1 "$OUT/grouped_check.log"
+fi
 if [ -z "${CKPT:-}" ]; then
   echo "== 1. warm start ($PRESET, $SFT_STEPS SFT steps) at $(elapsed)s"
   $PY -m quads.cli pretrain --preset "$PRESET" --task arithmetic --difficulty 4 --steps "$SFT_STEPS" --batch-size 64 --lr 1e-3 \
@@ -39,15 +50,16 @@ if [ -z "${CKPT:-}" ]; then
 fi
 [ -f "$CKPT/config.json" ] || { echo "no warm-start checkpoint at '$CKPT'"; exit 1; }
 
-echo "== 2. diagnose at $(elapsed)s"
-$PY -m quads.cli diagnose --checkpoint "$CKPT" --device "$DEVICE" --difficulty 4 --prompts "${DIAG_PROMPTS:-64}" --n-samples 4 \
-  --max-new-tokens 48 --out-dir "$OUT/diagnose" > "$OUT/diagnose.log" 2>&1 || echo "diagnose failed (see diagnose.log)"
-tail -25 "$OUT/diagnose.log"
+echo "== 2. diagnose (background) at $(elapsed)s"
+( CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $PY -m quads.cli diagnose --checkpoint "$CKPT" --device "$DEVICE" --difficulty 4 \
+  --prompts "${DIAG_PROMPTS:-64}" --n-samples 4 --max-new-tokens 48 --out-dir "$OUT/diagnose" > "$OUT/diagnose.log" 2>&1 \
+  || echo "diagnose failed (see diagnose.log)" ) &
+DIAG_PID=$!
 
 echo "== 3. probe: six recipes x 2 steps in parallel at $(elapsed)s"
 P0=$(date +%s)
 $PY -m quads.cli compare --train-config configs/experiments/gpu.yaml --set "$SET_COMMON,model.checkpoint=$CKPT,steps=2,eval_every=0,eval_n=32" \
-  --seeds 0 --parallel "$PARALLEL" --out-dir "$OUT/probe" > "$OUT/probe.log" 2>&1
+  --seeds 0 --parallel 6 --out-dir "$OUT/probe" > "$OUT/probe.log" 2>&1
 P1=$(date +%s)
 STEP_S=$($PY - "$OUT/probe" <<'PY'
 import json, sys, pathlib
@@ -60,13 +72,19 @@ PY
 )
 LEFT=$(( BUDGET_S - $(elapsed) - (P1 - P0) / 2 - 30 ))  # startup + evals ~ half the probe, 30 s margin for reports
 STEPS=$($PY -c "print(max(10, min($MAX_STEPS, int(0.85 * $LEFT / max($STEP_S, 1e-3)))))")
-echo "probe: $((P1 - P0))s, slowest parallel step ${STEP_S}s; ${LEFT}s left -> $STEPS steps" | tee "$OUT/plan.txt"
+if [ "$SEEDS" = auto ]; then  # twice the runs: assume a step 1.8x slower (shared GPUs and cores)
+  STEPS2=$($PY -c "print(min($MAX_STEPS, int(0.85 * $LEFT / max(1.8 * $STEP_S, 1e-3))))")
+  if [ "$STEPS2" -ge "$MIN_STEPS" ]; then SEEDS=0,1; STEPS=$STEPS2; else SEEDS=0; fi
+fi
+NRUNS=$(( 6 * $(echo "$SEEDS" | tr ',' '\n' | wc -l) ))
+echo "probe: $((P1 - P0))s, slowest parallel step ${STEP_S}s; ${LEFT}s left -> seeds $SEEDS, $STEPS steps" | tee "$OUT/plan.txt"
 
 echo "== 4. compare ($STEPS steps) at $(elapsed)s"
 EVAL_EVERY=$(( STEPS / 4 > 5 ? STEPS / 4 : 5 ))  # held-out evals cost about a step each: keep them few
 $PY -m quads.cli compare --train-config configs/experiments/gpu.yaml \
-  --set "$SET_COMMON,model.checkpoint=$CKPT,steps=$STEPS,eval_every=$EVAL_EVERY" --seeds "$SEEDS" --parallel "$PARALLEL" \
+  --set "$SET_COMMON,model.checkpoint=$CKPT,steps=$STEPS,eval_every=$EVAL_EVERY" --seeds "$SEEDS" --parallel "$NRUNS" \
   --timeout-s $(( BUDGET_S - $(elapsed) + 20 )) --out-dir "$OUT/compare" 2>&1 | tail -15
+wait $DIAG_PID; tail -25 "$OUT/diagnose.log"
 echo "== done at $(elapsed)s"
 # keep what comes back small and flat (the device tool returns few files and shallow folders):
 # drop checkpoints, policies and weights, then pack metrics, configs, logs and reports in one tarball

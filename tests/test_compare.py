@@ -99,3 +99,32 @@ def test_cli(checkpoint, tmp_path, capsys):
     assert rc == 0
     assert "| w4a16-qat | 1/1 |" in capsys.readouterr().out
     assert (out / "runs" / "w4a16-qat-s3" / "metrics.jsonl").is_file()
+
+
+def test_cuda_runs_spread_over_gpus(checkpoint, tmp_path, monkeypatch):
+    """Each CUDA run sees one device, the least busy one; explicit cuda:N and CPU runs are left alone."""
+    from quads.experiments import compare as cmp
+
+    cfg = CompareConfig(recipes="bf16,fp8,nvfp4", seeds="0", set=_set(checkpoint) + ",device=cuda",
+                        out_dir=str(tmp_path), parallel=3, gpus="0,1")
+    runs = plan_runs(cfg, base_train_config(cfg))
+    seen = {}
+
+    class FakeProc:
+        pid = 1
+
+        def __init__(self, cmd, env, **kw):
+            seen[Path(cmd[-1]).stem] = env.get("CUDA_VISIBLE_DEVICES")
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(cmp.subprocess, "Popen", FakeProc)
+    outcomes = launch(cfg, runs, say=lambda *_: None)
+    assert all(o.ok for o in outcomes)
+    assert seen == {"bf16-s0": "0", "fp8-s0": "1", "nvfp4-s0": "0"}
+    assert cmp.gpu_list(dataclasses.replace(cfg, gpus="none"), runs) == []
+    cpu_runs = [(n, dataclasses.replace(tc, device="cpu")) for n, tc in runs]
+    assert cmp.gpu_list(cfg, cpu_runs) == []
+    with pytest.raises(ValueError, match="device ids"):
+        cmp.gpu_list(dataclasses.replace(cfg, gpus="a,b"), runs)

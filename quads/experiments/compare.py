@@ -54,6 +54,7 @@ class CompareConfig:
     set: str = ""  # extra shared TrainConfig overrides: "steps=50,optim.lr=1e-3,rollout.max_new_tokens=48"
     parallel: int = 2  # runs at once (processes)
     threads: int = 1  # torch CPU threads per run (train.threads), unless the config sets it
+    gpus: str = "auto"  # CUDA devices to spread runs over, e.g. "0,1" (each run sees one); auto: all visible, none: off
     timeout_s: float = 0  # kill a run after this many seconds (0: no limit); it is reported as crashed
     reuse: bool = True  # skip runs whose folder already holds a finished run (policy/ and metrics.jsonl)
     out_dir: str = "runs/compare"  # report folder; runs go to <out_dir>/runs/<recipe>-s<seed>
@@ -179,8 +180,33 @@ def _tail(path: Path, lines: int = 25) -> str:
         return ""
 
 
+def _spreadable(tc) -> bool:
+    """A run on the default CUDA device (an explicit ``cuda:N`` is left where the user put it)."""
+    return str(tc.device) in ("cuda", "cuda:0")
+
+
+def gpu_list(cfg: CompareConfig, runs: list[tuple[str, Any]]) -> list[str]:
+    """The CUDA device ids to spread CUDA runs over (``[]``: leave ``CUDA_VISIBLE_DEVICES`` alone)."""
+    if cfg.gpus == "none" or not any(_spreadable(tc) for _, tc in runs):
+        return []
+    if cfg.gpus != "auto":
+        ids = [g.strip() for g in cfg.gpus.split(",") if g.strip()]
+        if not ids or not all(g.isdigit() for g in ids):
+            raise ValueError(f"gpus must be 'auto', 'none' or comma-separated device ids like '0,1'; got {cfg.gpus!r}")
+        return ids
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g.strip() for g in visible.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
 def launch(cfg: CompareConfig, runs: list[tuple[str, Any]], say=print) -> list[RunOutcome]:
-    """Run every planned job, ``cfg.parallel`` at a time; never raises for a failing run."""
+    """Run every planned job, ``cfg.parallel`` at a time; never raises for a failing run.
+
+    CUDA runs are spread over ``gpu_list``: each new run gets the device with the fewest active runs
+    (through ``CUDA_VISIBLE_DEVICES``, so it sees that one GPU as ``cuda:0``)."""
     out = Path(cfg.out_dir)
     (out / "configs").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -188,6 +214,8 @@ def launch(cfg: CompareConfig, runs: list[tuple[str, Any]], say=print) -> list[R
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     pending = list(runs)
+    gpus = gpu_list(cfg, runs)
+    on_gpu: dict[str, str] = {}  # active run -> its device id
     active: dict[str, tuple[subprocess.Popen, float, Any, Path, Any]] = {}
     outcomes: dict[str, RunOutcome] = {}
     while pending or active:
@@ -205,10 +233,15 @@ def launch(cfg: CompareConfig, runs: list[tuple[str, Any]], say=print) -> list[R
             cpath = out / "configs" / f"{name}.yaml"
             save_config(tc, cpath)
             log = open(out / "logs" / f"{name}.log", "w")
+            run_env, where = env, ""
+            if gpus and _spreadable(tc):
+                gpu = min(gpus, key=lambda g: sum(v == g for v in on_gpu.values()))
+                on_gpu[name] = gpu
+                run_env, where = {**env, "CUDA_VISIBLE_DEVICES": gpu}, f" on GPU {gpu}"
             proc = subprocess.Popen(_train_command(cfg.python, cpath), stdout=log, stderr=subprocess.STDOUT,
-                                    env=env)
+                                    env=run_env)
             active[name] = (proc, time.monotonic(), tc, out / "logs" / f"{name}.log", log)
-            say(f"compare: started {name} (pid {proc.pid})")
+            say(f"compare: started {name} (pid {proc.pid}){where}")
         time.sleep(0.5)
         for name in list(active):
             proc, t0, tc, log_path, log = active[name]
@@ -223,6 +256,7 @@ def launch(cfg: CompareConfig, runs: list[tuple[str, Any]], say=print) -> list[R
                 continue
             log.close()
             del active[name]
+            on_gpu.pop(name, None)
             tail = "" if rc == 0 else _tail(log_path)
             outcomes[name] = RunOutcome(name, tc.recipe.name, tc.seed, tc.out_dir, rc, elapsed, tail)
             say(f"compare: {name} {'finished' if rc == 0 else f'FAILED (exit {rc})'} in {elapsed:.0f}s")

@@ -16,11 +16,12 @@ Weight operands (``WeightStore``):
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
 
-from quads.quant import ops
+from quads.quant import grouped, ops
 from quads.quant.linear import spec_linear
 from quads.quant.rac import StaticChannelSelector, rac_channels
 from quads.quant.recipe import LinearSpec
@@ -189,6 +190,12 @@ class QuantizedExperts(_QuantizedBase):
     global scales per expert; activation scales over the expert's tokens), weighted by the routing
     weights and summed per token in ascending expert order (as the transformers loop does).
     Index ``E`` in ``top_k_index`` (a masked slot) contributes nothing.
+
+    On the rollout side (no gradients) all experts run at once in a padded batched layout
+    (``quads.quant.grouped``: same quantized operands, ~30x fewer kernel launches per layer at decode)
+    when ``grouped`` allows it (None: ``$QUADS_GROUPED_EXPERTS``, default ``auto`` = on CUDA tensors
+    only, where launches dominate; on the CPU the padding costs more than the loop) and the padding stays under ``pad_limit`` times the real rows;
+    otherwise, and always on the trainer side, the experts loop runs.
     """
 
     weight_names = ("gate_up_proj", "down_proj")
@@ -215,7 +222,24 @@ class QuantizedExperts(_QuantizedBase):
         self.act_fn = getattr(experts, "act_fn", None) or nn.SiLU()
         self._setup(experts, spec, side, weight_dtype, groups=self.num_experts)
 
+    grouped: bool | None = None  # rollout side: batched expert GEMMs; None = $QUADS_GROUPED_EXPERTS (auto|1|0)
+    pad_limit: float = 8.0  # ... while E * C <= pad_limit * routed slots
+
+    def _use_grouped(self, hidden_states: torch.Tensor) -> bool:
+        on = self.grouped
+        if on is None:
+            env = os.environ.get("QUADS_GROUPED_EXPERTS", "auto")
+            if env not in ("auto", "0", "1"):
+                raise ValueError(f"QUADS_GROUPED_EXPERTS={env!r}; valid: auto (CUDA only), 1 (always), 0 (never)")
+            on = hidden_states.is_cuda if env == "auto" else env == "1"
+        return (on and self.side == "rollout" and grouped.supports(self.spec)
+                and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.gate_up_proj.requires_grad)))
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if hidden_states.shape[0] and self._use_grouped(hidden_states):
+            layout = grouped.expert_layout(top_k_index, top_k_weights, self.num_experts)
+            if grouped.worth_padding(layout, self.num_experts, self.pad_limit):
+                return self._forward_grouped(hidden_states, layout)
         out = torch.zeros_like(hidden_states)
         gu_q, dn_q = self.stores["gate_up_proj"].get(), self.stores["down_proj"].get()
         # unbind once: its backward stacks the per-expert grads in one allocation, where indexing
@@ -226,3 +250,23 @@ class QuantizedExperts(_QuantizedBase):
             y = self._gemm("down_proj", e, self.act_fn(gate) * up, dn_q, dn_w[e])
             scatter_expert_output(out, idx, y, w_route)
         return out
+
+    def _forward_grouped(self, hidden_states: torch.Tensor, layout: grouped.ExpertLayout) -> torch.Tensor:
+        """The batched expert path (``quads.quant.grouped``); same result as the loop up to GEMM order."""
+        E, T = self.num_experts, hidden_states.shape[0]
+        if layout.capacity == 0:
+            return torch.zeros_like(hidden_states)
+        x = grouped.pad_rows(hidden_states, layout, E)  # [E, C, H]
+
+        def gemm(name: str, a: torch.Tensor) -> torch.Tensor:
+            store, sel = self.stores[name], self.selectors[name] if name in self.selectors else None
+            order = observe = None
+            if sel is not None:
+                order = sel.order
+                observe = lambda r: sel.observe_all(r, layout.counts)  # noqa: E731
+            return grouped.grouped_linear(a, getattr(self, name), store.get(), self.spec,
+                                          static_order=order, observe=observe)
+
+        gate, up = gemm("gate_up_proj", x).chunk(2, dim=-1)
+        y = gemm("down_proj", self.act_fn(gate) * up)  # [E, C, H]
+        return grouped.combine(y, layout, T, hidden_states.dtype)

@@ -128,6 +128,14 @@ class StaticChannelSelector(nn.Module):
             self.count[group] += r.shape[0]
 
     @torch.no_grad()
+    def observe_all(self, r: torch.Tensor, counts: torch.Tensor) -> None:
+        """Accumulate the residuals ``r`` ``[groups, C, K]`` of every group at once (zero-padded rows;
+        ``counts`` ``[groups]`` real rows per group), as ``observe`` per group would."""
+        if self.observing:
+            self.sq_sum += r.double().square().sum(dim=1).to(self.sq_sum.device)
+            self.count += counts.to(self.count.device)
+
+    @torch.no_grad()
     def refresh(self, prior: torch.Tensor | None = None) -> int:
         """Recompute the orders from the statistics, reset them; returns the number of groups updated."""
         seen = self.count > 0

@@ -1,0 +1,174 @@
+"""All experts of a MoE layer in one batched GEMM per projection (the rollout side's expert path).
+
+The experts loop (``QuantizedExperts`` on the trainer side, the vLLM method) runs one GEMM pair per
+expert hit, with every quantizer called once per expert: at decode, with 32 experts and a few tokens
+each, that is thousands of tiny kernel launches per layer, and the launches, not the math, set the
+rollout's speed. Here the tokens routed to each expert are gathered into a zero-padded block
+
+    X_pad [E, C, K]   (C = the largest number of tokens routed to one expert; rows past an expert's
+                       count are zero)
+
+and each projection is one batched operation over E: the activation quantizer runs once with a
+per-expert amax ``[E, 1, 1]`` (or per token), RAC selects ``S_e`` per expert from the per-expert
+residual norms ``[E, K]``, and the GEMM is one ``bmm`` over ``[E, C, K + |S|] x [E, K + |S|, N]``.
+
+What stays identical to the loop, bit for bit: every quantized operand (codes, E4M3 block scales and
+FP32 global scales: zero rows change neither an amax nor a residual norm), the channel sets S_e (up
+to fp64 summation order of the norms, which can only matter for exact ties), and the order in which a
+token's k expert outputs are summed (ascending expert id, in the compute dtype). What differs: the
+fp32 accumulation order inside the GEMM (``bmm`` vs ``mm``), so outputs agree to accumulation-order
+tolerance, as the kernel backends do (``quads.kernels.dispatch``).
+
+Used when the padding is cheap (``E * C <= pad_limit * slots``) and the spec is one this module
+implements (canonical NVFP4 mode; FP8 with per-token or 1x128-block activation scales); otherwise
+the caller keeps its loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from quads.quant import ops
+from quads.quant.rac import rac_channels
+from quads.quant.recipe import LinearSpec
+
+
+@dataclass
+class ExpertLayout:
+    """Where each routing slot sits in the padded block.
+
+    ``expert`` / ``pos`` / ``tok``: ``[S]`` long over the valid slots, grouped by expert (token order
+    within an expert), so ``X_pad[expert, pos] = x[tok]``; ``counts`` ``[E]`` long; ``capacity`` = C;
+    ``slot_rank`` ``[T, k]``: for token t and its j-th expert in ascending id order, the index of that
+    slot in the grouped order (``-1`` for a masked slot, expert id ``E``).
+    """
+
+    expert: torch.Tensor
+    pos: torch.Tensor
+    tok: torch.Tensor
+    counts: torch.Tensor
+    capacity: int
+    slot_rank: torch.Tensor
+    weights: torch.Tensor  # [S] router weight of each grouped slot
+
+
+def expert_layout(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_experts: int) -> ExpertLayout:
+    """The padded layout of the routing ``top_k_index`` ``[T, k]`` (ids in ``[0, E]``, ``E`` = masked)."""
+    T, k = top_k_index.shape
+    flat = top_k_index.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
+    counts_all = torch.bincount(flat, minlength=n_experts + 1)
+    counts = counts_all[:n_experts]
+    n_valid = int(counts.sum())  # one host sync: sizes the padded block below
+    starts = torch.cumsum(counts, 0) - counts
+    valid = order[:n_valid]  # masked slots (id E) sort last
+    expert = flat[valid]
+    pos = torch.arange(n_valid, device=flat.device) - starts[expert]
+    capacity = int(counts.max()) if n_valid else 0
+    rank_of_flat = torch.full((T * k,), -1, dtype=torch.long, device=flat.device)
+    rank_of_flat[valid] = torch.arange(n_valid, device=flat.device)
+    perm = torch.argsort(top_k_index.long(), dim=-1, stable=True)  # each token's slots by expert id
+    slot_rank = rank_of_flat.view(T, k).gather(1, perm)
+    return ExpertLayout(expert=expert, pos=pos, tok=valid // k, counts=counts, capacity=capacity,
+                        slot_rank=slot_rank, weights=top_k_weights.reshape(-1)[valid])
+
+
+def worth_padding(layout: ExpertLayout, n_experts: int, pad_limit: float) -> bool:
+    """Whether the padded block holds at most ``pad_limit`` times the real rows (or is tiny anyway)."""
+    rows = n_experts * layout.capacity
+    return rows <= max(pad_limit * layout.expert.numel(), 4 * n_experts)
+
+
+def supports(spec: LinearSpec) -> bool:
+    """Whether ``grouped_linear`` implements ``spec`` (else the caller loops over experts)."""
+    if spec.act == "nvfp4" or spec.weight == "nvfp4":
+        if spec.nvfp4_mode != "te":
+            return False
+    if spec.act == "fp8" and spec.fp8_scheme == "tensor":
+        return False  # one scale per expert's activation tensor: not implemented batched
+    return True
+
+
+def pad_rows(x: torch.Tensor, layout: ExpertLayout, n_experts: int) -> torch.Tensor:
+    """``x`` ``[T, K]`` -> ``X_pad`` ``[E, C, K]`` (zero rows past each expert's count)."""
+    out = x.new_zeros(n_experts, layout.capacity, x.shape[-1])
+    out[layout.expert, layout.pos] = x[layout.tok]
+    return out
+
+
+def combine(y_pad: torch.Tensor, layout: ExpertLayout, T: int, dtype: torch.dtype) -> torch.Tensor:
+    """``y_pad`` ``[E, C, H]`` -> ``out`` ``[T, H]``: each token's weighted expert outputs summed in
+    ascending expert order in ``dtype`` (the loop's ``out[idx] += y * w`` order, bit for bit)."""
+    y = y_pad[layout.expert, layout.pos]  # [S, H]
+    contrib = (y * layout.weights[:, None].to(y.dtype)).to(dtype)
+    contrib = torch.cat([contrib, contrib.new_zeros(1, contrib.shape[1])])  # row S: a masked slot's zero
+    rank = torch.where(layout.slot_rank >= 0, layout.slot_rank, contrib.shape[0] - 1)
+    parts = contrib[rank]  # [T, k, H]
+    out = torch.zeros(T, y_pad.shape[-1], dtype=dtype, device=y_pad.device)
+    for j in range(parts.shape[1]):
+        out = out + parts[:, j]
+    return out
+
+
+def _expert_amax(x: torch.Tensor) -> torch.Tensor:
+    """max|x| per expert of ``x`` ``[E, C, K]`` with NaN as 0 (what ``nvfp4.quantize`` measures): ``[E, 1, 1]``."""
+    a = x.abs()
+    return torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(dim=(1, 2), keepdim=True)
+
+
+def _nvfp4_qdq(x: torch.Tensor, per_token: bool) -> torch.Tensor:
+    """QDQ of ``x`` ``[E, C, K]`` fp32: global scale per expert (or per row), as the loop quantizes each
+    expert's ``[c_e, K]`` block on its own."""
+    if per_token:
+        return ops.nvfp4_qdq(x, per_token=True)
+    return ops.nvfp4_qdq(x, amax=_expert_amax(x))
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_q: torch.Tensor,
+    spec: LinearSpec,
+    *,
+    static_order: torch.Tensor | None = None,
+    observe: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """``x`` ``[E, C, K]`` times each expert's weight -> ``[E, C, N]`` in ``x.dtype``, under ``spec``.
+
+    ``w``: the master stack ``[E, N, K]``; ``w_q``: its operand (``quantize_weight``). ``static_order``
+    ``[E, >= |S|]``: calibrated RAC orders (``selection="static"``); ``observe(R [E, C, K])``: RAC
+    calibration statistics. Numerics: see the module docstring.
+    """
+    if spec.is_identity:
+        return torch.bmm(x, w.to(x.dtype).mT)
+    if spec.act == "none":
+        return torch.bmm(x, w_q.to(x.dtype).mT)
+    xf = x.float()
+    if spec.act == "fp8":
+        x_op = ops.fp8_act_qdq(xf.reshape(-1, xf.shape[-1]), spec.fp8_scheme).reshape(xf.shape)
+        return torch.bmm(x_op, w_q.float().mT).to(x.dtype)
+    E, C, K = xf.shape
+    per_token = spec.act_scale == "token"
+    ops.check_k(K, "NVFP4 activation")
+    xq = _nvfp4_qdq(xf, per_token)
+    n = rac_channels(K, spec.rac_ratio)
+    a, b = xq, w_q.float()
+    if n or observe is not None:
+        r = xf - xq
+        if observe is not None:
+            observe(r)
+        if n:
+            if spec.rac_selection == "dynamic":
+                norms = r.double().square().sum(dim=1)  # [E, K], fp64 as rac.residual_norms
+                s = torch.argsort(norms, dim=-1, descending=True, stable=True)[:, :n]
+            else:
+                if static_order is None or static_order.shape[-1] < n:
+                    raise ValueError(f"static RAC selection needs orders of at least {n} channels per expert")
+                s = static_order[:, :n].to(device=x.device, dtype=torch.long)
+            rq = _nvfp4_qdq(r.gather(2, s[:, None, :].expand(E, C, n)), per_token)  # own global scale
+            a = torch.cat([xq, rq], dim=2)
+            b = torch.cat([w_q, w_q.gather(2, s[:, None, :].expand(E, w_q.shape[1], n))], dim=2).float()
+    return torch.bmm(a, b.mT).to(x.dtype)

@@ -1,0 +1,20 @@
+"""quads bench e2e on the CPU at a tiny size: every recipe row filled, ratios computed in one run."""
+
+import json
+
+from quads.cli import main
+
+
+def test_bench_e2e_quick(tmp_path, capsys):
+    out = tmp_path / "e2e.json"
+    assert main(["bench", "e2e", "--quick", "--preset", "tiny", "--device", "cpu", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    roll = {r["recipe"]: r for r in rows if r["suite"] == "rollout"}
+    assert set(roll) == {"bf16", "fp8", "w4a16", "w4a4", "w4a4+rac50"}
+    assert all(r["tokens_per_s"] > 0 and r["decode_ms_per_step"] > 0 for r in roll.values())
+    assert roll["bf16"]["vs_bf16"] == 1.0
+    tr = [r for r in rows if r["suite"] == "trainer"]
+    assert [r["recipe"] for r in tr] == ["bf16", "w4a16-qat"] and tr[-1]["vs_bf16"] > 0
+    assert data["info"]["device"] == "cpu"
+    assert "rollout" in capsys.readouterr().out

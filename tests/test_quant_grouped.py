@@ -1,0 +1,168 @@
+"""The rollout side's batched expert path (quads.quant.grouped) against the experts loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quads.kernels import dispatch
+from quads.kernels._common import HAS_TRITON
+from quads.model.moe import MoEExperts
+from quads.quant import grouped, ops
+from quads.quant.layers import QuantizedExperts
+from quads.quant.recipe import LinearSpec
+
+E, H, INTER, T, K_TOP = 8, 64, 32, 40, 2
+
+SPECS = {
+    "bf16": LinearSpec(),
+    "w4a16": LinearSpec(weight="nvfp4"),
+    "w4a4": LinearSpec(weight="nvfp4", act="nvfp4"),
+    "rac50": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
+    "rac25-token": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.25, act_scale="token"),
+    "rac50-static": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5, rac_selection="static"),
+    "fp8-row": LinearSpec(weight="fp8", act="fp8"),
+}
+
+
+def _experts(spec: LinearSpec, dtype: torch.dtype, seed: int = 0) -> QuantizedExperts:
+    torch.manual_seed(seed)
+    ex = MoEExperts(E, H, INTER)
+    torch.nn.init.normal_(ex.gate_up_proj, std=0.1)
+    torch.nn.init.normal_(ex.down_proj, std=0.1)
+    ex = ex.to(dtype).requires_grad_(False)
+    return QuantizedExperts(ex, spec, side="rollout", weight_dtype=torch.bfloat16)
+
+
+def _inputs(dtype: torch.dtype, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    x[:, 3] *= 20  # an outlier channel: RAC selects it
+    w, idx = torch.softmax(torch.randn(T, E, generator=g), -1).topk(K_TOP)
+    idx[5, 1] = E  # a masked slot contributes nothing
+    return x, idx, w.to(dtype)
+
+
+def _run(q: QuantizedExperts, x, idx, w, use_grouped: bool):
+    q.grouped = use_grouped
+    for s in q.selectors.values():
+        s.sq_sum.zero_()
+        s.count.zero_()
+    with torch.no_grad():
+        y = q(x, idx, w)
+    return y, [(s.sq_sum.clone(), s.count.clone()) for s in q.selectors.values()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_grouped_matches_loop(name, dtype):
+    q = _experts(SPECS[name], dtype)
+    x, idx, w = _inputs(dtype)
+    y_loop, st_loop = _run(q, x, idx, w, False)
+    y_grp, st_grp = _run(q, x, idx, w, True)
+    assert y_grp.dtype == y_loop.dtype and y_grp.shape == y_loop.shape
+    # same quantized operands; only the GEMM's fp32 accumulation order may differ (bmm vs mm)
+    scale = y_loop.float().abs().max().item()
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one output ulp
+    err = (y_grp.float() - y_loop.float()).abs().max().item()
+    assert err <= tol * scale, f"{name}: grouped differs from the loop by {err} (scale {scale})"
+    assert y_loop.abs().sum() > 0
+    for (sq0, c0), (sq1, c1) in zip(st_loop, st_grp, strict=True):  # static RAC statistics
+        assert torch.equal(c0, c1)
+        torch.testing.assert_close(sq0, sq1, rtol=1e-12, atol=0)
+
+
+def test_grouped_masked_token_gets_only_its_valid_experts():
+    q = _experts(SPECS["w4a4"], torch.float32)
+    x, idx, w = _inputs(torch.float32)
+    idx[7] = E  # every slot of token 7 masked
+    y, _ = _run(q, x, idx, w, True)
+    assert torch.equal(y[7], torch.zeros_like(y[7]))
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_padded_quantizer_is_bit_exact_per_expert(per_token):
+    """The padded block's QDQ equals each expert's own [c_e, K] QDQ bit for bit (zero rows change no amax)."""
+    x, idx, w = _inputs(torch.float32)
+    layout = grouped.expert_layout(idx, w, E)
+    xp = grouped.pad_rows(x, layout, E)
+    got = grouped._nvfp4_qdq(xp, per_token)
+    for e in range(E):
+        c = int(layout.counts[e])
+        if c:
+            want = ops.nvfp4_qdq(x[layout.tok[layout.expert == e]], per_token=per_token)
+            assert torch.equal(got[e, :c], want), f"expert {e}"
+        assert torch.equal(got[e, c:], torch.zeros_like(got[e, c:]))
+
+
+def test_layout_and_padding_policy():
+    idx = torch.tensor([[0, 2], [2, 0], [1, 3], [3, 3]])  # token 3 hits expert 3 twice (slot-level view)
+    w = torch.full(idx.shape, 0.5)
+    lay = grouped.expert_layout(idx, w, 4)
+    assert lay.counts.tolist() == [2, 1, 2, 3] and lay.capacity == 3
+    assert lay.tok.tolist() == [0, 1, 2, 0, 1, 2, 3, 3]
+    assert lay.pos.tolist() == [0, 1, 0, 0, 1, 0, 1, 2]
+    # imbalanced routing (every token on one expert) is not worth padding with many experts
+    many = grouped.expert_layout(torch.zeros(64, 1, dtype=torch.long), torch.ones(64, 1), 32)
+    assert not grouped.worth_padding(many, 32, pad_limit=8.0)
+    assert grouped.worth_padding(lay, 4, pad_limit=8.0)
+
+
+def test_grouped_never_on_the_trainer_side_or_with_grad():
+    spec = SPECS["w4a4"]
+    torch.manual_seed(0)
+    ex = MoEExperts(E, H, INTER)
+    torch.nn.init.normal_(ex.gate_up_proj, std=0.1)
+    tr = QuantizedExperts(ex, spec, side="trainer", weight_dtype=torch.bfloat16)
+    tr.grouped = True
+    x = torch.randn(T, H, requires_grad=True)
+    assert not tr._use_grouped(x)
+    ro = _experts(spec, torch.float32)
+    ro.grouped = True
+    assert ro._use_grouped(x.detach())
+    assert not ro._use_grouped(x)  # a grad-requiring input keeps the differentiable loop
+    ro.grouped = None
+    assert not ro._use_grouped(x.detach())  # auto: CUDA only
+    assert not grouped.supports(LinearSpec(weight="nvfp4", act="nvfp4", nvfp4_mode="torchao"))
+    assert not grouped.supports(LinearSpec(weight="fp8", act="fp8", fp8_scheme="tensor"))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+def test_grouped_triton_quantizer_matches_reference():
+    """The padded 3-D QDQ with a per-expert amax through the Triton kernel (interpreter on the CPU)."""
+    x, idx, w = _inputs(torch.float32)
+    xp = grouped.pad_rows(x, grouped.expert_layout(idx, w, E), E)
+    with dispatch.kernels("reference"):
+        want = grouped._nvfp4_qdq(xp, False)
+    with dispatch.kernels("triton"):
+        got = grouped._nvfp4_qdq(xp, False)
+    assert torch.equal(got, want)
+
+
+def test_env_switch(monkeypatch):
+    ro = _experts(SPECS["w4a4"], torch.float32)
+    x = torch.randn(3, H)
+    monkeypatch.setenv("QUADS_GROUPED_EXPERTS", "1")
+    assert ro._use_grouped(x)
+    monkeypatch.setenv("QUADS_GROUPED_EXPERTS", "0")
+    assert not ro._use_grouped(x)
+    monkeypatch.setenv("QUADS_GROUPED_EXPERTS", "yes")
+    with pytest.raises(ValueError, match="QUADS_GROUPED_EXPERTS"):
+        ro._use_grouped(x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU runs the same checks above)")
+@pytest.mark.parametrize("name", ["bf16", "w4a4", "rac50", "rac25-token", "rac50-static", "fp8-row"])
+def test_grouped_matches_loop_cuda(name):
+    """On CUDA (Triton quantizers, cuBLAS bmm) the default path is the grouped one; it matches the loop."""
+    q = _experts(SPECS[name], torch.bfloat16).cuda()
+    x, idx, w = (t.cuda() for t in _inputs(torch.bfloat16))
+    q.grouped = None
+    assert q._use_grouped(x)
+    y_grp, st_grp = _run(q, x, idx, w, None)
+    y_loop, st_loop = _run(q, x, idx, w, False)
+    scale = y_loop.float().abs().max().item()
+    assert (y_grp.float() - y_loop.float()).abs().max().item() <= 8e-3 * scale
+    for (sq0, c0), (sq1, c1) in zip(st_loop, st_grp, strict=True):
+        assert torch.equal(c0, c1)
+        torch.testing.assert_close(sq0, sq1, rtol=1e-12, atol=0)
