@@ -12,7 +12,8 @@
 # Run from the repository root: PYTHONPATH=. bash scripts/gpu_experiments.sh
 # Knobs (env): OUT, BUDGET_S (default 540), PRESET (100m), DEVICE (cuda), PY (python3),
 #   DIAG_PROMPTS (64), CKPT (skip the warm start: use this checkpoint), SFT_STEPS (400), MAX_STEPS (400),
-#   MIN_STEPS (200), SEEDS (auto, or e.g. 0 / 0,1), EXTRA_SET (more TrainConfig overrides,
+#   MIN_STEPS (200), SEEDS (auto, or e.g. 0 / 0,1), STEPS (skip the probe: run this many steps), EVAL_EVERY,
+#   DIAG (1: run diagnose), E2E (1: quads bench e2e on the last GPU when there are two), EXTRA_SET (more TrainConfig overrides,
 #   "k=v,k=v"; e.g. a CPU dry run: PRESET=tiny DEVICE=cpu SFT_STEPS=2 EXTRA_SET=rollout.n_samples=2).
 set -uo pipefail
 T0=$(date +%s)
@@ -36,11 +37,20 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 } | tee "$OUT/env.txt"
 
 # the rollout's batched expert path (quads.quant.grouped) must match the experts loop on this GPU; if it
-# does not, the runs fall back to the loop (slower) rather than produce wrong numbers
+# does not, the runs fall back to the loop (slower) rather than produce wrong numbers (checked in the
+# background while the warm start trains; the verdict is read before the first RL run)
+CHECK_PID=
 if [ "$DEVICE" = cuda ]; then
-  $PY -m pytest tests/test_quant_grouped.py -q -k cuda -p no:cacheprovider > "$OUT/grouped_check.log" 2>&1 \
-    || { echo "grouped expert check FAILED: QUADS_GROUPED_EXPERTS=0"; export QUADS_GROUPED_EXPERTS=0; }
-  tail -1 "$OUT/grouped_check.log"
+  $PY -m pytest tests/test_quant_grouped.py -q -k cuda -p no:cacheprovider > "$OUT/grouped_check.log" 2>&1 &
+  CHECK_PID=$!
+fi
+# quads bench e2e (rollout tok/s per precision, QAT trainer step vs BF16) on the last GPU while the warm
+# start trains on the first (E2E=0 skips; only with two or more GPUs, so the two do not share one)
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+E2E_PID=
+if [ "${E2E:-1}" = 1 ] && [ "$NGPU" -ge 2 ]; then
+  CUDA_VISIBLE_DEVICES=$((NGPU - 1)) $PY benchmarks/bench_e2e.py --reps 3 --json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1 &
+  E2E_PID=$!
 fi
 if [ -z "${CKPT:-}" ]; then
   echo "== 1. warm start ($PRESET, $SFT_STEPS SFT steps) at $(elapsed)s"
@@ -49,44 +59,63 @@ if [ -z "${CKPT:-}" ]; then
   CKPT=$(ls -d "$OUT"/warm_start/*/ | head -1)
 fi
 [ -f "$CKPT/config.json" ] || { echo "no warm-start checkpoint at '$CKPT'"; exit 1; }
+if [ -n "$CHECK_PID" ]; then
+  wait $CHECK_PID || { echo "grouped expert check FAILED: QUADS_GROUPED_EXPERTS=0"; export QUADS_GROUPED_EXPERTS=0; }
+  tail -1 "$OUT/grouped_check.log"
+fi
 
-echo "== 2. diagnose (background) at $(elapsed)s"
-( CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $PY -m quads.cli diagnose --checkpoint "$CKPT" --device "$DEVICE" --difficulty 4 \
-  --prompts "${DIAG_PROMPTS:-64}" --n-samples 4 --max-new-tokens 48 --out-dir "$OUT/diagnose" > "$OUT/diagnose.log" 2>&1 \
-  || echo "diagnose failed (see diagnose.log)" ) &
-DIAG_PID=$!
+DIAG_PID=
+if [ "${DIAG:-1}" = 1 ]; then
+  echo "== 2. diagnose (background) at $(elapsed)s"
+  ( CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} $PY -m quads.cli diagnose --checkpoint "$CKPT" --device "$DEVICE" --difficulty 4 \
+    --prompts "${DIAG_PROMPTS:-64}" --n-samples 4 --max-new-tokens 48 --out-dir "$OUT/diagnose" > "$OUT/diagnose.log" 2>&1 \
+    || echo "diagnose failed (see diagnose.log)" ) &
+  DIAG_PID=$!
+fi
 
-echo "== 3. probe: six recipes x 2 steps in parallel at $(elapsed)s"
-P0=$(date +%s)
-$PY -m quads.cli compare --train-config configs/experiments/gpu.yaml --set "$SET_COMMON,model.checkpoint=$CKPT,steps=2,eval_every=0,eval_n=32" \
-  --seeds 0 --parallel 6 --out-dir "$OUT/probe" > "$OUT/probe.log" 2>&1
-P1=$(date +%s)
-STEP_S=$($PY - "$OUT/probe" <<'PY'
+[ -n "$E2E_PID" ] && { wait $E2E_PID; grep -v '^{' "$OUT/e2e.log" | tail -8; }
+if [ -n "${STEPS:-}" ]; then
+  [ "$SEEDS" = auto ] && SEEDS=0
+  echo "steps $STEPS and seeds $SEEDS as given (no probe)" | tee "$OUT/plan.txt"
+else
+  echo "== 3. probe: six recipes x 2 steps in parallel at $(elapsed)s"
+  P0=$(date +%s)
+  $PY -m quads.cli compare --train-config configs/experiments/gpu.yaml --set "$SET_COMMON,model.checkpoint=$CKPT,steps=2,eval_every=0,eval_n=32" \
+    --seeds 0 --parallel 6 --out-dir "$OUT/probe" > "$OUT/probe.log" 2>&1
+  P1=$(date +%s)
+  # the slowest run's second step (the first one compiles kernels)
+  STEP_S=$($PY - "$OUT/probe" <<'PY'
 import json, sys, pathlib
 ts = []
 for f in pathlib.Path(sys.argv[1]).glob("runs/*/metrics.jsonl"):
     recs = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
-    ts += [r["time/step_s"] for r in recs if "time/step_s" in r]
+    steps = [r["time/step_s"] for r in recs if "time/step_s" in r]
+    ts += steps[-1:]
 print(max(ts) if ts else 5.0)
 PY
 )
-LEFT=$(( BUDGET_S - $(elapsed) - (P1 - P0) / 2 - 30 ))  # startup + evals ~ half the probe, 30 s margin for reports
-STEPS=$($PY -c "print(max(10, min($MAX_STEPS, int(0.85 * $LEFT / max($STEP_S, 1e-3)))))")
-if [ "$SEEDS" = auto ]; then  # twice the runs: assume a step 1.8x slower (shared GPUs and cores)
-  STEPS2=$($PY -c "print(min($MAX_STEPS, int(0.85 * $LEFT / max(1.8 * $STEP_S, 1e-3))))")
-  if [ "$STEPS2" -ge "$MIN_STEPS" ]; then SEEDS=0,1; STEPS=$STEPS2; else SEEDS=0; fi
+  LEFT=$(( BUDGET_S - $(elapsed) - (P1 - P0) / 2 - 30 ))  # startup + evals ~ half the probe, 30 s margin for reports
+  STEPS=$($PY -c "print(max(10, min($MAX_STEPS, int(0.85 * $LEFT / max($STEP_S, 1e-3)))))")
+  if [ "$SEEDS" = auto ]; then  # twice the runs: assume a step 1.8x slower (shared GPUs and cores)
+    STEPS2=$($PY -c "print(min($MAX_STEPS, int(0.85 * $LEFT / max(1.8 * $STEP_S, 1e-3))))")
+    if [ "$STEPS2" -ge "$MIN_STEPS" ]; then SEEDS=0,1; STEPS=$STEPS2; else SEEDS=0; fi
+  fi
+  echo "probe: $((P1 - P0))s, slowest parallel step ${STEP_S}s; ${LEFT}s left -> seeds $SEEDS, $STEPS steps" | tee "$OUT/plan.txt"
 fi
 NRUNS=$(( 6 * $(echo "$SEEDS" | tr ',' '\n' | wc -l) ))
-echo "probe: $((P1 - P0))s, slowest parallel step ${STEP_S}s; ${LEFT}s left -> seeds $SEEDS, $STEPS steps" | tee "$OUT/plan.txt"
 
-echo "== 4. compare ($STEPS steps) at $(elapsed)s"
-EVAL_EVERY=$(( STEPS / 4 > 5 ? STEPS / 4 : 5 ))  # held-out evals cost about a step each: keep them few
+# every run also stops at a time limit (held-out eval, checkpoint and policy first: train.time_limit_s),
+# so a recipe slower than planned ends with fewer steps instead of being killed
+TLIMIT=$(( BUDGET_S - $(elapsed) - 45 ))
+echo "== 4. compare ($STEPS steps, time limit ${TLIMIT}s per run) at $(elapsed)s" | tee -a "$OUT/plan.txt"
+EVAL_EVERY=${EVAL_EVERY:-$(( STEPS / 4 > 5 ? STEPS / 4 : 5 ))}  # held-out evals cost about a step each: keep them few
 $PY -m quads.cli compare --train-config configs/experiments/gpu.yaml \
-  --set "$SET_COMMON,model.checkpoint=$CKPT,steps=$STEPS,eval_every=$EVAL_EVERY" --seeds "$SEEDS" --parallel "$NRUNS" \
-  --timeout-s $(( BUDGET_S - $(elapsed) + 20 )) --out-dir "$OUT/compare" 2>&1 | tail -15
-wait $DIAG_PID; tail -25 "$OUT/diagnose.log"
+  --set "$SET_COMMON,model.checkpoint=$CKPT,steps=$STEPS,eval_every=$EVAL_EVERY,time_limit_s=$TLIMIT" --seeds "$SEEDS" \
+  --parallel "$NRUNS" --timeout-s $(( BUDGET_S - $(elapsed) + 20 )) --out-dir "$OUT/compare" 2>&1 | tail -15
+[ -n "$DIAG_PID" ] && { wait $DIAG_PID; tail -25 "$OUT/diagnose.log"; }
 echo "== done at $(elapsed)s"
 # keep what comes back small and flat (the device tool returns few files and shallow folders):
 # drop checkpoints, policies and weights, then pack metrics, configs, logs and reports in one tarball
 rm -rf "$OUT"/warm_start/*/model.safetensors "$OUT"/*/runs/*/checkpoints "$OUT"/*/runs/*/policy "$OUT"/*/runs/*/tb
-tar -czf "$OUT/results.tar.gz" -C "$OUT" --exclude=results.tar.gz . && du -sh "$OUT/results.tar.gz"
+TARBALL=$(mktemp --suffix=.tar.gz)  # packed outside $OUT (tar must not read the folder it writes into)
+tar -czf "$TARBALL" -C "$OUT" --exclude=results.tar.gz . && mv "$TARBALL" "$OUT/results.tar.gz" && du -sh "$OUT/results.tar.gz"

@@ -162,3 +162,19 @@ def test_interrupted_checkpoint_write_keeps_previous(tmp_path, monkeypatch):
     assert ckpt_mod.latest_checkpoint(run).name == "step_000001"
     ckpt_mod.save_train_state(run, 2, {"model": {"w": torch.zeros(3)}}, {"steps": 4})
     assert not stale.exists() and ckpt_mod.latest_checkpoint(run).name == "step_000002"
+
+
+def test_time_limit_stops_early_with_eval_checkpoint_and_policy(tmp_path, digits_task):
+    """time_limit_s: the run stops after the step that crosses it, evaluates, saves and can be resumed."""
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    cfg = tiny_config(tmp_path, ckpt, steps=50, eval_every=0, time_limit_s=1e-9)
+    res = GRPOTrainer(cfg, quiet=True).run()
+    m = read_metrics(res.run_dir)
+    assert sorted(m) == [0, 1] and res.steps == 1
+    assert "eval/pass@1" in m[1]  # the held-out eval ran at the early stop
+    assert (res.policy_dir / "config.json").is_file()
+    assert ckpt_mod.latest_checkpoint(res.run_dir) is not None
+    resumed = GRPOTrainer(replace(cfg, resume=True, time_limit_s=0, steps=3), quiet=True).run()
+    assert sorted(read_metrics(resumed.run_dir)) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="time_limit_s"):
+        replace(cfg, time_limit_s=-1)

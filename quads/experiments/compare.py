@@ -288,6 +288,7 @@ def run_summary(run_dir: str) -> dict[str, Any]:
     s = summarize(recs)
     s["collapse_step"] = collapse_step(recs) if s["collapse"] else None
     s["rollout_tokens_per_s"] = _mean([r.get("perf/rollout_tokens_per_s", math.nan) for r in recs])
+    s["steps_done"] = max((int(r["step"]) for r in recs if "step" in r), default=0)
     return s
 
 
@@ -301,6 +302,7 @@ def recipe_table(cfg: CompareConfig, outcomes: list[RunOutcome], per_run: dict[s
                 if o.name in per_run and per_run[o.name]["collapse"]]
         rows.append({
             "recipe": recipe, "seeds": len(mine), "finished": sum(o.ok for o in mine),
+            "steps": min([s.get("steps_done", 0) for s in done], default=0),
             "crashed": [o.name for o in mine if not o.ok],
             "reward_final": _mean([s["reward_final"] for s in done]),
             "eval_start": _mean([s["eval_start"] for s in done]),
@@ -319,13 +321,14 @@ def _f(v: Any, fmt: str) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    head = ("| recipe | runs ok | final reward | held-out pass@1 start | held-out pass@1 end (mean) | spread over "
-            "seeds | gap max | gap mean | k3 mean | collapsed (seed@step) | rollout tok/s |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| recipe | runs ok | steps | final reward | held-out pass@1 start | held-out pass@1 end (mean) | "
+            "spread over seeds | gap max | gap mean | k3 mean | collapsed (seed@step) | rollout tok/s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     body = []
     for r in rows:
         coll = ", ".join(f"s{s}@{st}" for s, st in r["collapsed"]) or "no"
-        body.append(f"| {r['recipe']} | {r['finished']}/{r['seeds']} | {_f(r['reward_final'], '{:.3f}')} | "
+        body.append(f"| {r['recipe']} | {r['finished']}/{r['seeds']} | {r.get('steps', 'n/a')} | "
+                    f"{_f(r['reward_final'], '{:.3f}')} | "
                     f"{_f(r['eval_start'], '{:.3f}')} | {_f(r['eval_end'], '{:.3f}')} | "
                     f"{_f(r['eval_end_spread'], '{:.3f}')} | {_f(r['gap_max'], '{:.3f}')} | "
                     f"{_f(r['gap_mean'], '{:.4f}')} | {_f(r['k3_mean'], '{:.2e}')} | {coll} | "
@@ -409,7 +412,7 @@ def write_report(cfg: CompareConfig, base, outcomes: list[RunOutcome]) -> Path:
         f"{b.dtype}, device {b.device}, eval every {b.eval_every} steps on {b.eval_n} held-out prompts. "
         f"Every run's config: `configs/<recipe>-s<seed>.yaml`.",
         markdown_table(rows),
-        "Columns over the seeds of a recipe that logged steps (a failed run, e.g. one killed at `timeout_s`, counts with what it logged; runs ok counts clean exits): final reward = smoothed last reward (mean over seeds); "
+        "Columns over the seeds of a recipe that logged steps (a failed run, e.g. one killed at `timeout_s`, counts with what it logged; runs ok counts clean exits; steps = the fewest steps any seed logged, fewer than planned when a run hit train.time_limit_s): final reward = smoothed last reward (mean over seeds); "
         "held-out pass@1 = greedy on the rollout engine, at step 0 and at the end; spread = max - min over "
         "seeds; gap max = max over steps and seeds of the per-step max |logp_rollout - logp_train|; gap mean, "
         "k3 = mean over steps and seeds; collapse rule in `quads/metrics/report.py`; rollout tok/s = sampled "

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quads.kernels import dispatch
 from quads.quant import ops
 from quads.quant.rac import rac_channels
 from quads.quant.recipe import LinearSpec
@@ -62,12 +63,11 @@ def expert_layout(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_expe
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
     counts_all = torch.bincount(flat, minlength=n_experts + 1)
     counts = counts_all[:n_experts]
-    n_valid = int(counts.sum())  # one host sync: sizes the padded block below
+    n_valid, capacity = torch.stack([counts.sum(), counts.max()]).tolist()  # the one host sync: sizes
     starts = torch.cumsum(counts, 0) - counts
     valid = order[:n_valid]  # masked slots (id E) sort last
     expert = flat[valid]
     pos = torch.arange(n_valid, device=flat.device) - starts[expert]
-    capacity = int(counts.max()) if n_valid else 0
     rank_of_flat = torch.full((T * k,), -1, dtype=torch.long, device=flat.device)
     rank_of_flat[valid] = torch.arange(n_valid, device=flat.device)
     perm = torch.argsort(top_k_index.long(), dim=-1, stable=True)  # each token's slots by expert id
@@ -121,10 +121,19 @@ def _expert_amax(x: torch.Tensor) -> torch.Tensor:
 
 def _nvfp4_qdq(x: torch.Tensor, per_token: bool) -> torch.Tensor:
     """QDQ of ``x`` ``[E, C, K]`` fp32: global scale per expert (or per row), as the loop quantizes each
-    expert's ``[c_e, K]`` block on its own."""
+    expert's ``[c_e, K]`` block on its own.
+
+    The amax is measured here (never NaN or negative), so on the Triton path it goes straight to the
+    kernel: ``dispatch``'s validation of a caller's amax costs two host syncs per call.
+    """
     if per_token:
         return ops.nvfp4_qdq(x, per_token=True)
-    return ops.nvfp4_qdq(x, amax=_expert_amax(x))
+    amax = _expert_amax(x)
+    if dispatch.use_triton(x):
+        from quads.kernels.nvfp4_quant import nvfp4_quantize
+
+        return dispatch.nvfp4_dequantize(nvfp4_quantize(x, amax=amax), x.dtype)
+    return ops.nvfp4_qdq(x, amax=amax)
 
 
 def grouped_linear(

@@ -174,6 +174,7 @@ class TrainConfig:
     log: LogSection = field(default_factory=LogSection)
     routing_replay: bool = False  # trainer forward reuses the rollout's expert ids (R3 routing replay)
     steps: int = 20  # RL steps (one rollout batch each)
+    time_limit_s: float = 0  # stop early after this many seconds of RL (held-out eval, checkpoint, policy); 0 = none
     eval_every: int = 10  # held-out pass@1 every N steps (and at step 0 and the end); 0 = start and end only
     eval_n: int = 200  # held-out prompts (a fixed subset of the test split), greedy decoding
     seed: int = 0  # seeds python, torch, the prompt sampler and the engine's generator
@@ -188,6 +189,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1; got {self.steps}")
+        if self.time_limit_s < 0:
+            raise ValueError(f"time_limit_s must be >= 0 (0 = no limit); got {self.time_limit_s}")
         if self.eval_every < 0 or self.eval_n < 1:
             raise ValueError(f"eval_every must be >= 0 and eval_n >= 1; got {self.eval_every}, {self.eval_n}")
         if self.dtype not in DTYPES:

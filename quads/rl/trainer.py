@@ -58,7 +58,8 @@ from quads.rl.sampler import PromptSampler
 from quads.rollout import RolloutBatch, RolloutEngine, SamplingParams
 
 # config fields that may differ when resuming (they do not change what the next steps compute)
-RESUMABLE_CHANGES = ("resume", "steps", "log", "guard", "device", "threads", "out_dir", "eval_every", "eval_n")
+RESUMABLE_CHANGES = ("resume", "steps", "log", "guard", "device", "threads", "out_dir", "eval_every", "eval_n",
+                     "time_limit_s")
 NONDETERMINISTIC = ("time/", "perf/")  # metric prefixes that differ between identical runs
 
 
@@ -419,11 +420,16 @@ class GRPOTrainer:
                    disable=self.quiet or not cfg.log.progress or not self.dist.is_main, desc="quads train",
                    dynamic_ncols=True)
         metrics: dict[str, float] = {}
+        last = self.start_step
+        t_start = time.monotonic()
         try:
             for step in bar:
                 with distributed.collective_guard(self.dist, f"step {step}", latest_checkpoint(self.run_dir)):
                     metrics = self.step(step)
-                if self._eval_due(step):
+                last = step
+                out_of_time = cfg.time_limit_s > 0 and step < cfg.steps and distributed.all_reduce(
+                    float(time.monotonic() - t_start >= cfg.time_limit_s), self.dist, "max") > 0
+                if self._eval_due(step) or out_of_time:
                     metrics.update(self.evaluate())
                     self.eval_history.append(metrics["eval/pass@1"])
                 tripped = check_guard(metrics, cfg)
@@ -439,15 +445,19 @@ class GRPOTrainer:
                         self._finish(step)
                         raise MismatchGuardError(f"mismatch guard tripped at step {step}: {', '.join(tripped)}; "
                                                  f"checkpoint and report in {self.run_dir}")
-                if (cfg.log.save_every and step % cfg.log.save_every == 0) or step == cfg.steps:
+                if (cfg.log.save_every and step % cfg.log.save_every == 0) or step == cfg.steps or out_of_time:
                     self.save(step)
                 if self.on_step_end is not None:
                     self.on_step_end(step, metrics)
+                if out_of_time:
+                    self._say(f"step {step}: time limit of {cfg.time_limit_s:g}s reached; stopping early "
+                              f"(resume=true with a larger time_limit_s continues from step {step})")
+                    break
         finally:
             bar.close()
             if self.writer is not None:
                 self.writer.close()
-        return self._finish(cfg.steps, metrics)
+        return self._finish(last, metrics)
 
     def _finish(self, step: int, last: dict[str, float] | None = None) -> TrainResult:
         policy_dir = self.run_dir / "policy"
