@@ -99,6 +99,19 @@ def test_cli(checkpoint, tmp_path, capsys):
     assert rc == 0
     assert "| w4a16-qat | 1/1 |" in capsys.readouterr().out
     assert (out / "runs" / "w4a16-qat-s3" / "metrics.jsonl").is_file()
+    # --report-only rebuilds the report from the runs on disk (policies and checkpoints may be gone)
+    import shutil
+
+    shutil.rmtree(out / "runs" / "w4a16-qat-s3" / "policy")
+    (out / "compare.md").unlink()
+    rc = main(["compare", "--recipes", "w4a16-qat,bf16", "--seeds", "3", "--out-dir", str(out), "--report-only", "true"])
+    assert rc == 0
+    md = (out / "compare.md").read_text()
+    assert "| w4a16-qat | 1/1 | 2 |" in md and "| bf16 | 0/1 |" in md
+    with pytest.raises(ValueError, match="report_only"):
+        from quads.experiments.compare import existing_runs
+
+        existing_runs(CompareConfig(out_dir=str(tmp_path / "empty"), report_only=True))
 
 
 def test_cuda_runs_spread_over_gpus(checkpoint, tmp_path, monkeypatch):

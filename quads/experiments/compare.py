@@ -56,6 +56,7 @@ class CompareConfig:
     threads: int = 1  # torch CPU threads per run (train.threads), unless the config sets it
     gpus: str = "auto"  # CUDA devices to spread runs over, e.g. "0,1" (each run sees one); auto: all visible, none: off
     timeout_s: float = 0  # kill a run after this many seconds (0: no limit); it is reported as crashed
+    report_only: bool = False  # rebuild the report from the runs already in out_dir (no training, no set-up)
     reuse: bool = True  # skip runs whose folder already holds a finished run (policy/ and metrics.jsonl)
     out_dir: str = "runs/compare"  # report folder; runs go to <out_dir>/runs/<recipe>-s<seed>
     python: str = sys.executable  # interpreter for the run subprocesses
@@ -288,7 +289,6 @@ def run_summary(run_dir: str) -> dict[str, Any]:
     s = summarize(recs)
     s["collapse_step"] = collapse_step(recs) if s["collapse"] else None
     s["rollout_tokens_per_s"] = _mean([r.get("perf/rollout_tokens_per_s", math.nan) for r in recs])
-    s["steps_done"] = max((int(r["step"]) for r in recs if "step" in r), default=0)
     return s
 
 
@@ -302,12 +302,13 @@ def recipe_table(cfg: CompareConfig, outcomes: list[RunOutcome], per_run: dict[s
                 if o.name in per_run and per_run[o.name]["collapse"]]
         rows.append({
             "recipe": recipe, "seeds": len(mine), "finished": sum(o.ok for o in mine),
-            "steps": min([s.get("steps_done", 0) for s in done], default=0),
+            "steps": min([s["steps"] for s in done], default=0),
             "crashed": [o.name for o in mine if not o.ok],
             "reward_final": _mean([s["reward_final"] for s in done]),
             "eval_start": _mean([s["eval_start"] for s in done]),
             "eval_end": _mean(ev), "eval_end_spread": (max(ev) - min(ev)) if ev else math.nan,
             "gap_max": max([s["gap_max"] for s in done if math.isfinite(s["gap_max"])], default=math.nan),
+            "gap_max_step": _mean([s["gap_max_step"] for s in done]),
             "gap_mean": _mean([s["gap_mean"] for s in done]),
             "k3_mean": _mean([s["k3_mean"] for s in done]),
             "collapsed": coll,
@@ -322,8 +323,8 @@ def _f(v: Any, fmt: str) -> str:
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     head = ("| recipe | runs ok | steps | final reward | held-out pass@1 start | held-out pass@1 end (mean) | "
-            "spread over seeds | gap max | gap mean | k3 mean | collapsed (seed@step) | rollout tok/s |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "spread over seeds | gap max | gap max (step mean) | gap mean | k3 mean | collapsed (seed@step) | "
+            "rollout tok/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     body = []
     for r in rows:
         coll = ", ".join(f"s{s}@{st}" for s, st in r["collapsed"]) or "no"
@@ -331,6 +332,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                     f"{_f(r['reward_final'], '{:.3f}')} | "
                     f"{_f(r['eval_start'], '{:.3f}')} | {_f(r['eval_end'], '{:.3f}')} | "
                     f"{_f(r['eval_end_spread'], '{:.3f}')} | {_f(r['gap_max'], '{:.3f}')} | "
+                    f"{_f(r['gap_max_step'], '{:.3f}')} | "
                     f"{_f(r['gap_mean'], '{:.4f}')} | {_f(r['k3_mean'], '{:.2e}')} | {coll} | "
                     f"{_f(r['rollout_tokens_per_s'], '{:.0f}')} |")
     return "\n".join([head, *body])
@@ -414,7 +416,8 @@ def write_report(cfg: CompareConfig, base, outcomes: list[RunOutcome]) -> Path:
         markdown_table(rows),
         "Columns over the seeds of a recipe that logged steps (a failed run, e.g. one killed at `timeout_s`, counts with what it logged; runs ok counts clean exits; steps = the fewest steps any seed logged, fewer than planned when a run hit train.time_limit_s): final reward = smoothed last reward (mean over seeds); "
         "held-out pass@1 = greedy on the rollout engine, at step 0 and at the end; spread = max - min over "
-        "seeds; gap max = max over steps and seeds of the per-step max |logp_rollout - logp_train|; gap mean, "
+        "seeds; gap max = max over steps and seeds of the per-step max |logp_rollout - logp_train|; gap max (step "
+        "mean) = that per-step max averaged over steps and seeds; gap mean, "
         "k3 = mean over steps and seeds; collapse rule in `quads/metrics/report.py`; rollout tok/s = sampled "
         "tokens per second of the rollout phase.",
     ]
@@ -441,7 +444,35 @@ def register(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser, CompareConfig)
 
 
+def existing_runs(cfg: CompareConfig) -> tuple[Any, list[RunOutcome]]:
+    """``(shared config, outcomes)`` of the runs a previous ``quads compare`` left in ``out_dir``.
+
+    A run counts as finished when its folder holds ``metrics.jsonl`` (what the report reads); the shared
+    config is the first run's saved config (runs differ only in recipe, seed and folder).
+    """
+    from quads.rl.config import TrainConfig
+
+    out = Path(cfg.out_dir)
+    outcomes, base = [], None
+    for recipe in cfg.recipe_list():
+        for seed in cfg.seed_list():
+            name = f"{recipe}-s{seed}"
+            run_dir, cpath = out / "runs" / name, out / "configs" / f"{name}.yaml"
+            if base is None and cpath.is_file():
+                base = build_config(TrainConfig, str(cpath))
+            ok = (run_dir / "metrics.jsonl").is_file()
+            outcomes.append(RunOutcome(name, recipe, seed, str(run_dir), 0 if ok else None, 0.0,
+                                       "" if ok else "no metrics.jsonl in the run folder", reused=True))
+    if base is None:
+        raise ValueError(f"report_only: no run configs under {out / 'configs'}; run quads compare with "
+                         f"--out-dir {cfg.out_dir} first (or point --out-dir at a finished compare)")
+    return base, outcomes
+
+
 def compare(cfg: CompareConfig, say=print) -> tuple[Path, list[RunOutcome]]:
+    if cfg.report_only:
+        base, outcomes = existing_runs(cfg)
+        return write_report(cfg, base, outcomes), outcomes
     base = base_train_config(cfg)
     runs = plan_runs(cfg, base)
     outcomes = launch(cfg, runs, say=say)

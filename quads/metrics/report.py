@@ -9,7 +9,8 @@ Summary definitions (``summarize``):
   ``reward_final`` is the last smoothed value, ``reward_best`` the highest, ``reward_start`` the first.
 - ``eval_start`` / ``eval_end``: held-out pass@1 at the first and last evaluated step.
 - ``gap_mean``: mean over steps of ``mismatch/logp_gap_mean``; ``gap_max``: max over steps of
-  ``mismatch/logp_gap_max``; ``gap_max_probe``: mean over steps of ``mismatch/logp_gap_max_probe``;
+  ``mismatch/logp_gap_max``; ``gap_max_step``: mean over steps of ``mismatch/logp_gap_max`` (the
+  typical per-step max, which one outlier token does not set); ``gap_max_probe``: mean over steps of ``mismatch/logp_gap_max_probe``;
   ``k3_mean`` / ``k3_final``: mean over steps and last value of ``mismatch/k3``.
 - ``collapse`` is reported (with its reason) when any of: the smoothed reward ends below half of its
   best and at least 0.1 under it; held-out pass@1 ends 0.1 or more below its start; a logged loss or
@@ -104,6 +105,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "eval_end": ev[-1] if ev else math.nan,
         "gap_mean": _finite_mean(gmean),
         "gap_max": max(gmax) if gmax else math.nan,
+        "gap_max_step": _finite_mean(gmax),
         "gap_max_probe": _finite_mean(gprobe),
         "k3_mean": _finite_mean(k3),
         "k3_final": k3[-1] if k3 else math.nan,
@@ -132,6 +134,7 @@ _COLUMNS = [
     ("eval_end", "held-out pass@1 end", "{:.3f}"),
     ("gap_mean", "gap mean", "{:.4f}"),
     ("gap_max", "gap max", "{:.3f}"),
+    ("gap_max_step", "gap max (step mean)", "{:.3f}"),
     ("gap_max_probe", "gap max (probe)", "{:.3f}"),
     ("k3_mean", "k3 mean", "{:.2e}"),
     ("k3_final", "k3 final", "{:.2e}"),
