@@ -7,7 +7,8 @@ rollout: the rollout engine (``quads.rollout.RolloutEngine``) on one MoE preset 
   speed does not depend on them, and ``ignore_eos`` fixes every response at ``--new-tokens``), one
   model per rollout precision: BF16, FP8 W8A8, NVFP4 W4A16 (weights only), NVFP4 W4A4, NVFP4 W4A4 +
   RAC 50%. ``--prompts`` x ``--n`` samples of ``--prompt-len`` tokens each; the median of ``--reps``
-  generations after one warm-up; tokens/s counts response tokens over prefill + decode.
+  generations after one warm-up; tokens/s counts response tokens over prefill + decode. ``--experts
+  grouped,loop`` times both expert paths of the rollout side (``quads.quant.grouped`` vs the loop).
   On Hopper every NVFP4 GEMM is emulated (dequantized operands, fp32 GEMM: no FP4 tensor cores), so
   these are the costs of this implementation, not the speed of FP4 hardware.
 trainer: one GRPO-shaped trainer step on a fixed batch (``--batch`` sequences of ``--seq-len``
@@ -68,30 +69,47 @@ def _model(preset: str, device: str, dtype: str, seed: int = 0) -> MoEForCausalL
     return MoEForCausalLM(cfg).to(device)
 
 
+def _set_experts_path(model: torch.nn.Module, path: str) -> None:
+    """Rollout expert path: "grouped" (batched, the CUDA default) or "loop" (one GEMM pair per expert)."""
+    from quads.quant.layers import QuantizedExperts
+
+    for m in model.modules():
+        if isinstance(m, QuantizedExperts):
+            m.grouped = path == "grouped"
+
+
 def bench_rollout(args, rows: list) -> None:
     tok = CharTokenizer()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, tok.vocab_size, (args.prompt_len,), generator=g).tolist()
                for _ in range(args.prompts)]
     sp = SamplingParams(n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0, record_routing=True)
-    for name, spec in ROLLOUT_RECIPES.items():
-        model = _model(args.preset, args.device, "bfloat16").requires_grad_(False)
-        quantize_model(model, Recipe(f"bench-{name}", rollout=spec), side="rollout", verbose=False)
-        eng = RolloutEngine(model, tok, device=args.device)
-        eng.generate(prompts[: max(1, len(prompts) // 4)], sp)  # warm-up (kernels, allocator)
-        tps, dec = [], []
-        for _ in range(args.reps):
-            b = eng.generate(prompts, sp)
-            tps.append(b.stats.tokens_per_s)
-            dec.append(b.stats.decode_s / max(b.stats.decode_steps, 1) * 1e3)
-        rows.append({"suite": "rollout", "recipe": name, "spec": spec.describe(), "tokens_per_s": statistics.median(tps),
-                     "decode_ms_per_step": statistics.median(dec), "samples": len(prompts) * args.n,
-                     "new_tokens": args.new_tokens})
-        del eng, model
-    base = next(r["tokens_per_s"] for r in rows if r.get("recipe") == "bf16" and r["suite"] == "rollout")
-    for r in rows:
-        if r["suite"] == "rollout":
+    paths = [p.strip() for p in args.experts.split(",") if p.strip()]
+    for path in paths:
+        for name, spec in ROLLOUT_RECIPES.items():
+            model = _model(args.preset, args.device, "bfloat16").requires_grad_(False)
+            quantize_model(model, Recipe(f"bench-{name}", rollout=spec), side="rollout", verbose=False)
+            _set_experts_path(model, path)
+            eng = RolloutEngine(model, tok, device=args.device)
+            eng.generate(prompts[: max(1, len(prompts) // 4)], sp)  # warm-up (kernels, allocator)
+            tps, dec = [], []
+            for _ in range(args.reps):
+                b = eng.generate(prompts, sp)
+                tps.append(b.stats.tokens_per_s)
+                dec.append(b.stats.decode_s / max(b.stats.decode_steps, 1) * 1e3)
+            rows.append({"suite": "rollout", "recipe": name, "experts": path, "spec": spec.describe(),
+                         "tokens_per_s": statistics.median(tps), "decode_ms_per_step": statistics.median(dec),
+                         "samples": len(prompts) * args.n, "new_tokens": args.new_tokens})
+            del eng, model
+    for path in paths:
+        mine = [r for r in rows if r["suite"] == "rollout" and r["experts"] == path]
+        base = next(r["tokens_per_s"] for r in mine if r["recipe"] == "bf16")
+        for r in mine:
             r["vs_bf16"] = r["tokens_per_s"] / base
+            if path != paths[0]:
+                first = next(q for q in rows if q["suite"] == "rollout" and q["experts"] == paths[0]
+                             and q["recipe"] == r["recipe"])
+                r[f"vs_{paths[0]}"] = r["tokens_per_s"] / first["tokens_per_s"]
 
 
 def _time_trainer_step(args, spec: LinearSpec, batch: SequenceBatch, adv: torch.Tensor) -> tuple[float, int]:
@@ -146,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=8, help="rollout: samples per prompt")
     ap.add_argument("--prompt-len", type=int, default=16, help="rollout: prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=64, help="rollout: response tokens (eos ignored)")
+    ap.add_argument("--experts", default="grouped",
+                    help="rollout expert paths to time, comma list: grouped (batched), loop (one GEMM pair per expert)")
     ap.add_argument("--batch", type=int, default=64, help="trainer: sequences per step")
     ap.add_argument("--seq-len", type=int, default=128, help="trainer: tokens per sequence")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
@@ -164,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         bench_trainer(args, rows)
     for r in rows:
         if r["suite"] == "rollout":
-            print(f"rollout {r['recipe']:>11}: {r['tokens_per_s']:9.0f} tok/s  {r['decode_ms_per_step']:7.2f} ms/decode step"
-                  f"  {r['vs_bf16']:.2f}x bf16")
+            extra = "".join(f"  {v:.2f}x {k[3:]}" for k, v in r.items() if k.startswith("vs_") and k != "vs_bf16")
+            print(f"rollout {r['recipe']:>11} ({r['experts']}): {r['tokens_per_s']:9.0f} tok/s  "
+                  f"{r['decode_ms_per_step']:7.2f} ms/decode step  {r['vs_bf16']:.2f}x bf16{extra}")
         else:
             extra = f"  {r['vs_bf16']:.3f}x bf16" if "vs_bf16" in r else ""
             print(f"trainer {r['recipe']:>11}: {r['step_ms']:9.1f} ms/step ({r['batch']}x{r['seq_len']} tokens){extra}")

@@ -24,6 +24,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="comma list of sub-suites (kernels: quantize,w4a16,moe,w4a4,sweep; e2e: rollout,trainer)")
     parser.add_argument("--preset", default="100m", help="e2e: model preset")
     parser.add_argument("--device", default=None, help="e2e: torch device (default cuda when available)")
+    parser.add_argument("--experts", default="grouped", help="e2e: rollout expert paths to time (grouped,loop)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
@@ -39,7 +40,7 @@ def _load_bench(name: str = "bench_kernels"):
 
 def run(args: argparse.Namespace) -> int:
     if args.suite == "e2e":
-        argv = ["--preset", args.preset] + (["--suites", args.only] if args.only else [])
+        argv = ["--preset", args.preset, "--experts", args.experts] + (["--suites", args.only] if args.only else [])
         argv += (["--device", args.device] if args.device else []) + (E2E_QUICK if args.quick else [])
         return _load_bench("bench_e2e").main(argv + (["--json", args.json] if args.json else []))
     argv = (
