@@ -36,7 +36,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from quads.kernels._common import cast_out, e2m1_times_scale, e4m3_to_f32, unpack_codes
+    from quads.kernels._common import cast_out, e2m1_times_scale, e4m3_to_f32, e4m3_to_f32_hw, unpack_codes
 
     @triton.jit
     def _dot(a, b, acc, DOT_F32: tl.constexpr):
@@ -48,29 +48,38 @@ if HAS_TRITON:
             return tl.dot(a, b, acc)
 
     @triton.jit
-    def _decode_tile(c_ptr, s_ptr, rows, k0, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        """NVFP4 rows ``rows`` x [k0, k0+BLOCK_K) -> ``e2m1 * s`` BF16 [BLOCK_R, BLOCK_K] (exact)."""
+    def _decode_tile(c_ptr, s_ptr, rows, k0, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                     stride_c=None, stride_s=None, INTERP: tl.constexpr = True):  # fmt: skip
+        """NVFP4 rows ``rows`` x [k0, k0+BLOCK_K) -> ``e2m1 * s`` BF16 [BLOCK_R, BLOCK_K] (exact).
+
+        ``stride_c`` / ``stride_s`` (= K/2, K/16 exactly: contiguous rows; passed as kernel arguments) let Triton see their
+        divisibility by 16, so the scale bytes are loaded as vectors and software-pipelined (cp.async)
+        like the codes; computed here from K they are scalar byte loads waited on in every K step."""
+        if stride_c is None:
+            stride_c = K // 2
+        if stride_s is None:
+            stride_s = K // 16
         rmask = rows < R
         pk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         p = tl.load(
-            c_ptr + rows[:, None] * (K // 2) + pk[None, :],
-            mask=rmask[:, None] & (pk[None, :] < K // 2),
+            c_ptr + rows[:, None] * stride_c + pk[None, :],
+            mask=rmask[:, None] & (pk[None, :] < stride_c),
             other=0,
         )
         sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         sb = tl.load(
-            s_ptr + rows[:, None] * (K // 16) + sk[None, :],
-            mask=rmask[:, None] & (sk[None, :] < K // 16),
+            s_ptr + rows[:, None] * stride_s + sk[None, :],
+            mask=rmask[:, None] & (sk[None, :] < stride_s),
             other=0,
         )
-        s16 = e4m3_to_f32(sb) * 16384.0
+        s16 = e4m3_to_f32_hw(sb, INTERP) * 16384.0
         s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BLOCK_R, BLOCK_K // 16, 16)), (BLOCK_R, BLOCK_K))
         w = e2m1_times_scale(unpack_codes(p, BLOCK_R, BLOCK_K), s16)
         return w.to(tl.bfloat16)  # exact: e2m1 * s has at most 6 significant bits
 
     @triton.jit
     def _w4a16_gemm_kernel(
-        x_ptr, wc_ptr, ws_ptr, gw_ptr, out_ptr, M, N, K, stride_xm,
+        x_ptr, wc_ptr, ws_ptr, gw_ptr, out_ptr, M, N, K, stride_xm, stride_wc, stride_ws,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
@@ -86,7 +95,7 @@ if HAS_TRITON:
                 mask=(rm[:, None] < M) & (rk[None, :] < K),
                 other=0.0,
             )
-            w = _decode_tile(wc_ptr, ws_ptr, rn, k0, N, K, BLOCK_N, BLOCK_K)
+            w = _decode_tile(wc_ptr, ws_ptr, rn, k0, N, K, BLOCK_N, BLOCK_K, stride_wc, stride_ws, DOT_F32)
             acc = _dot(x.to(tl.bfloat16), tl.trans(w), acc, DOT_F32)
         out = acc * tl.load(gw_ptr)
         om = (rm[:, None] < M) & (rn[None, :] < N)
@@ -202,6 +211,58 @@ if HAS_TRITON:
             tl.atomic_add(out_ptr + rm[:, None] * N + rn[None, :], out, mask=om)
 
     @triton.jit
+    def _wdot_step(acc, xp_ptr, rm, mm, wc_ptr, ws_ptr, rn, nm, kw0, stride_xm, stride_w, stride_s,
+                   BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+        """One K step (words kw0 .. kw0 + BLOCK_KW) of the "wdot" decode: see ``_w4a16_wdot_kernel``."""
+        kw = kw0 + tl.arange(0, BLOCK_KW)
+        km = kw < stride_w
+        w = tl.load(wc_ptr + rn[:, None] * stride_w + kw[None, :], mask=nm[:, None] & km[None, :], other=0)
+        ks = kw0 // 2 + tl.arange(0, BLOCK_KW // 2)
+        sb = tl.load(ws_ptr + rn[:, None] * stride_s + ks[None, :], mask=nm[:, None] & (ks < stride_s)[None, :],
+                     other=0)  # fmt: skip
+        s16 = e4m3_to_f32_hw(sb, DOT_F32) * 16384.0
+        s16 = tl.reshape(tl.join(s16, s16), (BLOCK_N, BLOCK_KW))  # words 2j, 2j+1 share scale j
+        xm = mm[:, None] & km[None, :]
+        xbase = xp_ptr + rm[:, None] * stride_xm + kw[None, :]
+        for q in tl.static_range(4):
+            lo, hi = _nibble_pair(w, q)
+            xl = tl.load(xbase + q * stride_w, mask=xm, other=0.0)
+            xh = tl.load(xbase + (q + 4) * stride_w, mask=xm, other=0.0)
+            acc = _dot(xl, tl.trans((lo * s16).to(tl.bfloat16)), acc, DOT_F32)
+            acc = _dot(xh, tl.trans((hi * s16).to(tl.bfloat16)), acc, DOT_F32)
+        return acc
+
+    @triton.jit
+    def _w4a16_wdot_kernel(
+        xp_ptr, wc_ptr, ws_ptr, gw_ptr, out_ptr, M, N, KW, stride_xm, stride_w, stride_s,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        """W4A16 with a packed word decode feeding the MMA ("wdot"). The codes are read as int32 words of
+        8 codes (``KW = K / 8``); ``_nibble_pair`` builds elements q and q + 4 of every word with 2 shifts
+        and 2 masks per pair, so the decode costs about 4 ops per element instead of about 16 for the
+        byte / join decode of the tile kernel. The K order is permuted (element q of every word at once),
+        which a sum over K does not see: x comes pre-permuted as ``xp`` ``[M, 8, KW]`` (``xp[m, q, kw] =
+        x[m, 8 kw + q]``), so each of the 8 dots of a K step reads a plain [BLOCK_M, BLOCK_KW] tile."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        nm = rn < N
+        mm = rm < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for kw0 in range(pid_k * BLOCK_KW, KW, BLOCK_KW * SPLIT_K):
+            acc = _wdot_step(acc, xp_ptr, rm, mm, wc_ptr, ws_ptr, rn, nm, kw0, stride_xm, stride_w, stride_s,
+                             BLOCK_N, BLOCK_KW, DOT_F32)  # fmt: skip
+        out = acc * tl.load(gw_ptr)
+        om = mm[:, None] & nm[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(out, out_ptr), mask=om)
+        else:
+            tl.atomic_add(out_ptr + rm[:, None] * N + rn[None, :], out, mask=om)
+
+    @triton.jit
     def _w4a16_grouped_words_kernel(
         x_ptr, wc_ptr, ws_ptr, gw_ptr, offs_ptr, out_ptr, N, KW, stride_xm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
@@ -232,7 +293,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _w4a16_grouped_gemm_kernel(
-        x_ptr, wc_ptr, ws_ptr, gw_ptr, offs_ptr, out_ptr, N, K, stride_xm,
+        x_ptr, wc_ptr, ws_ptr, gw_ptr, offs_ptr, out_ptr, N, K, stride_xm, stride_wc, stride_ws,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
         """Tokens sorted by expert: rows offs[e]:offs[e+1] of x use expert e. Grid (N tiles, E)."""
@@ -241,8 +302,8 @@ if HAS_TRITON:
         start = tl.load(offs_ptr + e)
         end = tl.load(offs_ptr + e + 1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        wc_e = wc_ptr + e.to(tl.int64) * N * (K // 2)
-        ws_e = ws_ptr + e.to(tl.int64) * N * (K // 16)
+        wc_e = wc_ptr + e.to(tl.int64) * N * stride_wc
+        ws_e = ws_ptr + e.to(tl.int64) * N * stride_ws
         g = tl.load(gw_ptr + e)
         for m0 in range(start, end, BLOCK_M):  # experts without tokens read no weights
             rm = m0 + tl.arange(0, BLOCK_M)
@@ -254,10 +315,53 @@ if HAS_TRITON:
                     mask=(rm[:, None] < end) & (rk[None, :] < K),
                     other=0.0,
                 )
-                w = _decode_tile(wc_e, ws_e, rn, k0, N, K, BLOCK_N, BLOCK_K)
+                w = _decode_tile(wc_e, ws_e, rn, k0, N, K, BLOCK_N, BLOCK_K, stride_wc, stride_ws, DOT_F32)
                 acc = _dot(x.to(tl.bfloat16), tl.trans(w), acc, DOT_F32)
             om = (rm[:, None] < end) & (rn[None, :] < N)
             tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(acc * g, out_ptr), mask=om)
+
+    @triton.jit
+    def _w4a16_grouped_split_kernel(
+        x_ptr, wc_ptr, ws_ptr, gw_ptr, offs_ptr, out_ptr, N, K, stride_xm, stride_wc, stride_ws,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        WDOT: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        """Grouped W4A16 with split-K, grid (N tiles, E, SPLIT_K): at decode only the few routed experts
+        have rows, so without a split only (active experts x N tiles) programs stream the weights, too
+        few to keep HBM busy. WDOT: the packed word decode (x pre-permuted, ``stride_wc`` = K/8 words,
+        see ``_w4a16_wdot_kernel``), else the byte decode of the tile kernel. SPLIT_K > 1: fp32 atomics
+        into a zeroed output."""
+        pid_n = tl.program_id(0)
+        e = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        start = tl.load(offs_ptr + e)
+        end = tl.load(offs_ptr + e + 1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = rn < N
+        wc_e = wc_ptr + e.to(tl.int64) * N * stride_wc
+        ws_e = ws_ptr + e.to(tl.int64) * N * stride_ws
+        g = tl.load(gw_ptr + e)
+        for m0 in range(start, end, BLOCK_M):  # experts without tokens read no weights
+            rm = m0 + tl.arange(0, BLOCK_M)
+            mm = rm < end
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+                if WDOT:
+                    acc = _wdot_step(acc, x_ptr, rm, mm, wc_e, ws_e, rn, nm, k0 // 8, stride_xm, stride_wc, stride_ws,
+                                     BLOCK_N, BLOCK_K // 8, DOT_F32)  # fmt: skip
+                else:
+                    rk = k0 + tl.arange(0, BLOCK_K)
+                    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & (rk[None, :] < K),
+                                other=0.0)  # fmt: skip
+                    w = _decode_tile(
+                        wc_e, ws_e, rn, k0, N, K, BLOCK_N, BLOCK_K, stride_wc, stride_ws, DOT_F32
+                    )
+                    acc = _dot(x.to(tl.bfloat16), tl.trans(w), acc, DOT_F32)
+            om = mm[:, None] & nm[None, :]
+            if SPLIT_K == 1:
+                tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(acc * g, out_ptr), mask=om)
+            else:
+                tl.atomic_add(out_ptr + rm[:, None] * N + rn[None, :], acc * g, mask=om)
 
     @triton.jit
     def _w4a4_gemm_kernel(
@@ -350,16 +454,55 @@ def _grid_split(m: int, n: int, k: int, block_n: int, block_k: int, split_k: int
 
 
 # W4A16 paths: "tile" (join/reshape decode + tl.dot), "gemv" (int32 word decode + fp32 FMAs) and
-# "dot" (word decode + swap-AB tl.dot). Defaults from the H200 run of 2026-11-30 (docs/PERF.md, run 3):
-# at M=1 (8192x8192) gemv with BLOCK_N=16, BLOCK_K=512, no split-K took 39.0 us against 45.7 us for
-# tile; everywhere else tile was the fastest (the word-decode kernels ran 1.7-2.3x slower than tile
-# at their first defaults), so "auto" is gemv only at M == GEMV_MAX_M = 1.
-GEMV_MAX_M = 1
+# "dot" (word decode + swap-AB tl.dot). Run 3 (docs/PERF.md) found the tile kernel waiting on a scalar
+# byte load of the scales in every K step (their row stride K/16 had no known divisibility, so they were
+# neither vectorized nor software-pipelined); with the strides passed as arguments every operand is a
+# cp.async load pipelined num_stages deep. "auto" is tile with the per-shape table below.
+GEMV_MAX_M = 0
 W4A16_DEFAULTS = {
-    "gemv": dict(block_n=16, block_k=512, num_warps=4, split_k=1),
-    "dot": dict(block_n=128, block_k=128, num_warps=4, split_k=None),
-    "tile": dict(block_n=64, block_k=128, num_warps=4, split_k=None),
+    "wdot": dict(block_n=32, block_k=256, num_warps=4, split_k=1, num_stages=3),
+    "gemv": dict(block_n=16, block_k=512, num_warps=4, split_k=1, num_stages=3),
+    "dot": dict(block_n=128, block_k=128, num_warps=4, split_k=None, num_stages=3),
+    "tile": dict(block_n=64, block_k=128, num_warps=4, split_k=None, num_stages=3),
 }
+# "auto" config per M bucket, for any shape, and per (N, K, M bucket) where the H200 sweep
+# (benchmarks/bench_kernels.py, suite "tune") measured better: (impl, (block_n, block_k, split_k,
+# num_warps, num_stages)); split_k None: picked from the grid size. Only "tile" is used: "wdot" (packed
+# word decode, about 30% fewer instructions per weight in the sm_90 SASS) measured 10-15% faster at
+# M <= 16 (run 5) but is experimental (see WDOT_MIN_BLOCK_K).
+W4A16_BY_M: dict[int, tuple[str, tuple[int, int, int | None, int, int]]] = {
+    1: ("tile", (32, 256, 1, 4, 3)),  # best of 72 tile configs at M=1 on 8192x8192 and 28672x4096 (run 4)
+    4: ("tile", (32, 256, 1, 4, 3)),
+    16: ("tile", (32, 256, 1, 4, 3)),  # best of 72 at M=16 on both shapes
+    32: ("tile", (64, 128, None, 4, 3)),
+    64: ("tile", (128, 128, 1, 4, 3)),  # best of 36 at M=64 on 28672x4096
+}
+W4A16_TABLE: dict[tuple[int, int, int], tuple[str, tuple[int, int, int | None, int, int]]] = {
+    (8192, 8192, 64): ("tile", (128, 128, 4, 8, 3)),  # best of 36 at M=64 on 8192x8192
+}
+
+
+# "wdot" is experimental: on the H200 (run 5, docs/PERF.md) it gave wrong results (relative error 0.98)
+# at BLOCK_KW = 16 (block_k 128: N=96, K=512, split 4, 4 warps, 4 stages) while block_k 256 passed the
+# small-size checks; the cause is not found, so block_k < 256 is refused on the GPU and "auto" never
+# picks wdot until its real-size checks pass.
+WDOT_MIN_BLOCK_K = 256
+
+
+def _check_wdot_block(block_k: int) -> None:
+    if block_k < WDOT_MIN_BLOCK_K and not interpreting():
+        raise ValueError(
+            f"impl='wdot' needs block_k >= {WDOT_MIN_BLOCK_K} on the GPU (block_k {block_k} gave wrong "
+            "results on sm_90, docs/PERF.md run 5)"
+        )
+
+
+def m_bucket(m: int) -> int:
+    """The W4A16 tuning bucket of ``m`` tokens: 1, 4, 16, 32 or 64 (the smallest not below m)."""
+    for b in (1, 4, 16, 32):
+        if m <= b:
+            return b
+    return 64
 
 
 def _words(codes: torch.Tensor) -> torch.Tensor:
@@ -378,25 +521,40 @@ def w4a16_gemm(
     block_k: int | None = None,
     split_k: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` BF16 x NVFP4 ``w`` ``[N, K]`` -> ``[M, N]`` = ``(x @ We.T) * gw`` (fp32 accumulate).
 
-    ``impl``: "gemv" (FMA, M <= 8), "dot" (swap-AB MMA), "tile" (first kernel); "auto" picks by M
-    (``GEMV_MAX_M``). ``split_k=None`` picks a split from the grid size (path defaults aside)."""
+    ``impl``: "wdot" (packed word decode + tl.dot), "gemv" (FMA, M <= 8), "dot" (swap-AB MMA), "tile"
+    (byte decode + tl.dot); "auto" takes impl and config from ``W4A16_TABLE`` (per N, K, M bucket)
+    or ``W4A16_BY_M``; explicit blocks override the path's defaults. ``split_k=None`` picks a
+    split from the grid size (path defaults aside); ``split_k=0`` means the same."""
     _require_triton()
     m, k = x.shape
     _check_weight(w, k, "w4a16_gemm")
     n = w.codes.shape[0]
     out_dtype = out_dtype or x.dtype
+    if impl not in W4A16_DEFAULTS and impl != "auto":
+        raise ValueError(f"impl must be auto, wdot, gemv, dot or tile, got {impl!r}")
+    d = dict(W4A16_DEFAULTS["tile" if impl == "auto" else impl])
     if impl == "auto":
-        impl = "gemv" if m <= GEMV_MAX_M else "tile"
-    if impl not in W4A16_DEFAULTS:
-        raise ValueError(f"impl must be auto, gemv, dot or tile, got {impl!r}")
-    d = W4A16_DEFAULTS[impl]
+        mb = m_bucket(m)
+        impl, cfg = W4A16_TABLE.get((n, k, mb), W4A16_BY_M[mb])
+        if m <= GEMV_MAX_M:
+            impl, cfg = "gemv", None
+        d = dict(W4A16_DEFAULTS[impl])
+        if cfg is not None:
+            d.update(zip(("block_n", "block_k", "split_k", "num_warps", "num_stages"), cfg))
+    if impl == "wdot" and k % 16:
+        impl = "tile"
+    if impl == "wdot":
+        _check_wdot_block(block_k or d["block_k"])
     block_n = block_n or d["block_n"]
     block_k = min(block_k or d["block_k"], max(16 if impl == "tile" else 128, triton.next_power_of_2(k)))
     num_warps = num_warps or d["num_warps"]
+    num_stages = num_stages or d["num_stages"]
     split_k = split_k if split_k is not None else d["split_k"]
+    split_k = split_k or None
     if impl == "gemv":
         if m > 8:
             raise ValueError(f"impl='gemv' is for M <= 8 rows, got M={m}")
@@ -410,17 +568,24 @@ def w4a16_gemm(
         out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
     gw = w.global_scale.float().reshape(1)
-    if impl == "tile":
+    if impl == "wdot":
+        xp = x.reshape(m, k // 8, 8).transpose(1, 2).contiguous()  # xp[m, q, kw] = x[m, 8 kw + q]
+        _w4a16_wdot_kernel[grid](
+            xp, _words(w.codes), w.scales.view(torch.uint8), gw, out, m, n, k // 8, k, k // 8, k // NVFP4_BLOCK,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_k // 8, SPLIT_K=split, DOT_F32=interpreting(),
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+    elif impl == "tile":
         _w4a16_gemm_kernel[grid](
-            x, w.codes, w.scales.view(torch.uint8), gw, out, m, n, k, x.stride(0),
+            x, w.codes, w.scales.view(torch.uint8), gw, out, m, n, k, x.stride(0), k // 2, k // NVFP4_BLOCK,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, DOT_F32=interpreting(),
-            num_warps=num_warps,
+            num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     else:
         _w4a16_words_kernel[grid](
             x, _words(w.codes), w.scales.view(torch.uint8), gw, out, m, n, k // 8, x.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_k // 8, SPLIT_K=split,
-            USE_DOT=impl == "dot", DOT_F32=interpreting(), num_warps=num_warps,
+            USE_DOT=impl == "dot", DOT_F32=interpreting(), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
@@ -431,6 +596,21 @@ def w4a16_gemm_reference(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, out_dtype: to
     return out.to(out_dtype or x.dtype)
 
 
+# Grouped configs (block_n, block_k, num_warps, num_stages, split_k), from the H200 MoE sweeps (runs 4
+# and 5, E=128 N=1536 K=2048 top-8): at decode (<= GROUPED_DECODE_ROWS routed rows) the T=1 best, else
+# the best summed over T=16 and T=64. "auto" is the tile kernel (verified on the GPU); wdot measured
+# faster at T=16/64 (101.6 against 123.8 us at T=16) but stays off until its real-size checks pass.
+GROUPED_TILE_CONFIG = (64, 128, 4, 3, 1)
+GROUPED_TILE_DECODE_CONFIG = (64, 256, 8, 3, 1)
+GROUPED_WDOT_CONFIG = (64, 256, 4, 3, 1)
+GROUPED_WDOT_DECODE_CONFIG = (64, 256, 4, 3, 2)
+GROUPED_TILE_SPLIT_CONFIG = (64, 128, 4, 3, 1)
+GROUPED_TILE_SPLIT_DECODE_CONFIG = (32, 256, 4, 3, 1)
+GROUPED_IMPL = "tile"
+GROUPED_IMPL_DECODE = "tile"
+GROUPED_DECODE_ROWS = 16
+
+
 def w4a16_grouped_gemm(
     x: torch.Tensor,
     w: nvfp4.NVFP4Tensor,
@@ -439,43 +619,80 @@ def w4a16_grouped_gemm(
     out_dtype: torch.dtype | None = None,
     impl: str = "auto",
     block_m: int | None = None,
-    block_n: int = 64,
-    block_k: int = 256,
-    num_warps: int = 4,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """Grouped MoE W4A16: ``x`` ``[T, K]`` sorted by expert, ``w`` ``[E, N, K]``, ``offsets`` ``[E+1]``
     int32 (rows ``offsets[e]:offsets[e+1]`` use expert e) -> ``[T, N]``.
 
-    ``impl``: "gemv" (FMA, BLOCK_M rows of an expert at a time, default 1), "dot" (swap-AB MMA,
-    BLOCK_M = 16), "tile" (first kernel); "auto" is tile, the fastest of the three at T = 1, 16 and 64
-    tokens (top-8 of 128 experts) on the H200 (docs/PERF.md, run 3)."""
+    ``impl``: "wdot" (packed word decode + tl.dot, split-K), "tile_split" (byte decode, split-K),
+    "tile" (byte decode, no split), "gemv" / "dot" (run 3's word kernels); "auto" picks
+    ``GROUPED_IMPL_DECODE`` at decode (<= ``GROUPED_DECODE_ROWS`` routed rows), else ``GROUPED_IMPL``.
+    Configs: (block_n, block_k, num_warps, num_stages, split_k)."""
     _require_triton()
     t, k = x.shape
     _check_weight(w, k, "w4a16_grouped_gemm")
     e, n = w.codes.shape[0], w.codes.shape[1]
     if offsets.numel() != e + 1:
         raise ValueError(f"offsets must have E+1 = {e + 1} entries, got {offsets.numel()}")
+    decode = t <= GROUPED_DECODE_ROWS
     if impl == "auto":
-        impl = "tile"
-    out = torch.empty(t, n, dtype=out_dtype or x.dtype, device=x.device)
+        impl = GROUPED_IMPL_DECODE if decode else GROUPED_IMPL
+    if impl in ("tile", "wdot", "tile_split"):
+        table = {"tile": (GROUPED_TILE_DECODE_CONFIG, GROUPED_TILE_CONFIG),
+                 "wdot": (GROUPED_WDOT_DECODE_CONFIG, GROUPED_WDOT_CONFIG),
+                 "tile_split": (GROUPED_TILE_SPLIT_DECODE_CONFIG, GROUPED_TILE_SPLIT_CONFIG)}[impl]  # fmt: skip
+        cfg = table[0] if decode else table[1]
+    else:
+        cfg = (64, 256, 4, 3, 1)
+    block_n = block_n or cfg[0]
+    block_k = block_k or cfg[1]
+    num_warps = num_warps or cfg[2]
+    num_stages = num_stages or cfg[3]
+    split_k = split_k or cfg[4]
+    out_dtype = out_dtype or x.dtype
     gw = w.global_scale.float().reshape(-1).expand(e).contiguous()
-    grid = (triton.cdiv(n, block_n), e)
     offs = offsets.to(torch.int32)
+    if impl in ("wdot", "tile_split"):
+        wdot = impl == "wdot" and k % 16 == 0
+        if wdot:
+            _check_wdot_block(block_k)
+        block_k = min(block_k, max(128 if wdot else 16, triton.next_power_of_2(k)))
+        if split_k > 1:
+            out = torch.zeros(t, n, dtype=torch.float32, device=x.device)
+        else:
+            out = torch.empty(t, n, dtype=out_dtype, device=x.device)
+        if wdot:
+            xs = x.reshape(t, k // 8, 8).transpose(1, 2).contiguous()  # xs[t, q, kw] = x[t, 8 kw + q]
+            wc, swc = _words(w.codes), k // 8
+        else:
+            xs, wc, swc = x, w.codes, k // 2
+        _w4a16_grouped_split_kernel[(triton.cdiv(n, block_n), e, split_k)](
+            xs, wc, w.scales.view(torch.uint8), gw, offs, out, n, k, xs.stride(0), swc, k // NVFP4_BLOCK,
+            BLOCK_M=block_m or 16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, WDOT=wdot,
+            DOT_F32=interpreting(), num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+    out = torch.empty(t, n, dtype=out_dtype, device=x.device)
+    grid = (triton.cdiv(n, block_n), e)
     if impl == "tile":
         _w4a16_grouped_gemm_kernel[grid](
-            x, w.codes, w.scales.view(torch.uint8), gw, offs, out, n, k, x.stride(0),
-            BLOCK_M=block_m or 16, BLOCK_N=block_n, BLOCK_K=min(block_k, 128), DOT_F32=interpreting(),
-            num_warps=num_warps,
+            x, w.codes, w.scales.view(torch.uint8), gw, offs, out, n, k, x.stride(0), k // 2, k // NVFP4_BLOCK,
+            BLOCK_M=block_m or 16, BLOCK_N=block_n, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))),
+            DOT_F32=interpreting(), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     elif impl in ("gemv", "dot"):
         block_k = min(block_k, max(128, triton.next_power_of_2(k)))
         _w4a16_grouped_words_kernel[grid](
             x, _words(w.codes), w.scales.view(torch.uint8), gw, offs, out, n, k // 8, x.stride(0),
             BLOCK_M=block_m or (1 if impl == "gemv" else 16), BLOCK_N=block_n, BLOCK_KW=block_k // 8,
-            USE_DOT=impl == "dot", DOT_F32=interpreting(), num_warps=num_warps,
+            USE_DOT=impl == "dot", DOT_F32=interpreting(), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     else:
-        raise ValueError(f"impl must be auto, gemv, dot or tile, got {impl!r}")
+        raise ValueError(f"impl must be auto, wdot, tile_split, tile, gemv or dot, got {impl!r}")
     return out
 
 

@@ -2,12 +2,14 @@
 
 Passes (x viewed as rows ``[M, K]``, leading dims flattened):
 
-- per token (``per_token=True``, no ``amax``): ONE kernel; each program owns ``BLOCK_M`` whole rows,
-  sweeps K once for the row amax, then again (from L2) to quantize, so x crosses HBM once.
+- per token (``per_token=True``, no ``amax``): ONE kernel. For K <= ``QUANT_ROW_MAX_K`` each program
+  loads ``BLOCK_M`` whole rows into registers once (``_nvfp4_quantize_tile_kernel``), takes the row
+  amax and quantizes from the registers; longer rows (or 16x16 tiles) use the looping kernel, which
+  sweeps K for the amax and again (from L2) to quantize. Either way x crosses HBM once.
 - per tensor / per group (``amax`` given, e.g. ``[E, 1, 1]`` per expert, or measured): the
   ``_row_amax_kernel`` pass writes one NaN-ignoring amax per row, torch reduces rows to the group
-  amax (exact: a max is order-free), then the quantize kernel reads one amax per row (row stride 0
-  for a single global amax). x crosses HBM twice; the amax pass is the price of a per-tensor scale
+  amax (exact: a max is order-free), then the one-tile kernel, on a 2D grid of [BLOCK_M, BLOCK_K]
+  tiles, reads one amax per row (row stride 0 for a single global amax). x crosses HBM twice; the amax pass is the price of a per-tensor scale
   measured on the fly (give ``amax`` to skip it).
 
 Per block of 16 (1x16) or 16x16 tile the kernel does exactly the reference's fp32 operations in the
@@ -44,7 +46,7 @@ if HAS_TRITON:
 
     from quads.kernels._common import (
         cast_out,
-        e2m1_code,
+        e2m1_code_bits,
         e2m1_times_scale,
         e4m3_rne,
         e4m3_to_f32,
@@ -68,20 +70,36 @@ if HAS_TRITON:
     @triton.jit
     def _global_scales(amax):
         """amax (fp32) -> (S_enc, S_dec) exactly as ``nvfp4.global_encode_scale``."""
-        s_enc = tl.minimum(tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), 3.4028234663852886e38)
+        s_enc = tl.minimum(
+            tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), 3.4028234663852886e38
+        )
         s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
         s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
         return s_enc, s_dec
 
     @triton.jit
-    def _quantize_tile(x, s_enc, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE16: tl.constexpr):
+    def _max_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _quantize_tile(x, s_enc, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE16: tl.constexpr,
+                       ROW_AMAX: tl.constexpr = False):  # fmt: skip
         """x [BLOCK_M, BLOCK_K] fp32, S_enc/S_dec [BLOCK_M] -> (packed [BM, BK/2] int32, scale bytes
-        [BM, BK/16] int32 (0x7F for NaN blocks), float(s) [BM, BK/16], codes [BM, BK/16, 16] int32)."""
+        [BM, BK/16] int32 (0x7F for NaN blocks), float(s) [BM, BK/16], codes [BM, BK/16, 16] int32, S_dec).
+
+        ROW_AMAX (whole rows in the tile): S_enc / S_dec are ignored and computed from the row amax,
+        taken as the max of the block maxima. Block maxima: ``tl.max`` is NaN-ignoring (``max.f32``, CUDA
+        ``fmaxf``; a block of NaNs only gives NaN, mapped to 0 as the reference's amax does), and a
+        NaN-propagating max flags the blocks that hold a NaN: 2 ops per element for both."""
         NB: tl.constexpr = BLOCK_K // 16
         x3 = tl.reshape(x, (BLOCK_M, NB, 16))
-        a3 = tl.where(x3 != x3, 0.0, tl.abs(x3))
+        a3 = tl.abs(x3)
         bamax = tl.max(a3, axis=2)  # [BM, NB]
-        bnan = tl.max((x3 != x3).to(tl.int32), axis=2)  # [BM, NB] 1 where the block holds a NaN
+        bamax = tl.where(bamax != bamax, 0.0, bamax)
+        bn = tl.reduce(a3, 2, _max_nan)
+        bnan = (bn != bn).to(tl.int32)  # [BM, NB] 1 where the block holds a NaN
+        if ROW_AMAX:
+            s_enc, s_dec = _global_scales(tl.max(bamax, axis=1))
         if TILE16:
             t = tl.max(tl.reshape(bamax, (BLOCK_M // 16, 16, NB)), axis=1)  # [BM/16, NB]
             bamax = tl.reshape(tl.broadcast_to(t[:, None, :], (BLOCK_M // 16, 16, NB)), (BLOCK_M, NB))
@@ -90,15 +108,17 @@ if HAS_TRITON:
         v = bamax * (s_enc[:, None] * 0.16666667163372040)  # fp32(1/6) == INV6
         v = tl.minimum(v, 448.0)  # F8E4M3_MAX; v >= 0 and never NaN
         s_val, s_byte = e4m3_rne(v)
-        enc = tl.minimum(tl.math.div_rn(tl.full(s_val.shape, 1.0, tl.float32), s_val * s_dec[:, None]),
-                         3.4028234663852886e38)
+        enc = tl.minimum(
+            tl.math.div_rn(tl.full(s_val.shape, 1.0, tl.float32), s_val * s_dec[:, None]),
+            3.4028234663852886e38,
+        )
         y = x3 * enc[:, :, None]
         # NaN policy of the reference: a NaN element gets code 0x0, its block (tile) scale E4M3 NaN 0x7F
-        codes = tl.where(x3 != x3, 0, e2m1_code(y, x3))
+        codes = e2m1_code_bits(y, x3)  # NaN -> 0
         codes = tl.reshape(codes, (BLOCK_M, BLOCK_K // 2, 2))
         lo, hi = tl.split(codes)
         s_byte = tl.where(bnan != 0, 0x7F, s_byte)
-        return lo | (hi << 4), s_byte, s_val, tl.reshape(codes, (BLOCK_M, NB, 16))
+        return lo | (hi << 4), s_byte, s_val, tl.reshape(codes, (BLOCK_M, NB, 16)), s_dec
 
     @triton.jit
     def _nvfp4_quantize_kernel(
@@ -116,7 +136,9 @@ if HAS_TRITON:
             for k0 in range(0, K, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 m = rmask[:, None] & (cols[None, :] < K)
-                x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(
+                    tl.float32
+                )
                 acc = tl.maximum(acc, tl.where(x != x, 0.0, tl.abs(x)))
             amax = tl.max(acc, axis=1)
         else:
@@ -127,7 +149,7 @@ if HAS_TRITON:
             cols = k0 + tl.arange(0, BLOCK_K)
             m = rmask[:, None] & (cols[None, :] < K)
             x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            packed, s_byte, _, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K, TILE16)
+            packed, s_byte, _, _, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K, TILE16)
             pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             pm = rmask[:, None] & (pcols[None, :] < K // 2)
             tl.store(codes_ptr + rows[:, None] * (K // 2) + pcols[None, :], packed.to(tl.uint8), mask=pm)
@@ -143,6 +165,49 @@ if HAS_TRITON:
             tl.store(scales_ptr + off, s_byte.to(tl.uint8), mask=sm)
 
     @triton.jit
+    def _nvfp4_quantize_tile_kernel(
+        x_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr,
+        M, K, stride_xm, stride_amax, R, Rp, Cp,
+        PER_ROW_AMAX: tl.constexpr, TILE16: tl.constexpr, SWIZZLE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """One [BLOCK_M, BLOCK_K] tile per program, grid (row tiles, K tiles), no loop: the whole tile is
+        loaded by one wide load (many 16-byte loads in flight per thread), quantized and stored.
+        PER_ROW_AMAX needs BLOCK_K >= K (whole rows): the row amax comes from the registers, so x
+        crosses HBM exactly once."""
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        NB: tl.constexpr = BLOCK_K // 16
+        k0 = pid_k * BLOCK_K
+        cols = k0 + tl.arange(0, BLOCK_K)
+        m = rmask[:, None] & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if PER_ROW_AMAX:
+            amax = tl.max(tl.abs(x), axis=1)  # NaN-ignoring (max.f32); only an all-NaN row gives NaN
+            amax = tl.where(amax != amax, 0.0, amax)
+        else:
+            amax = tl.load(amax_ptr + rows * stride_amax, mask=rmask, other=0.0)
+        s_enc, s_dec = _global_scales(amax)
+        packed, s_byte, _, _, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K, TILE16)
+        if pid_k == 0:
+            tl.store(sdec_ptr + rows, s_dec, mask=rmask)
+        pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        pm = rmask[:, None] & (pcols[None, :] < K // 2)
+        tl.store(codes_ptr + rows[:, None] * (K // 2) + pcols[None, :], packed.to(tl.uint8), mask=pm)
+        scols = k0 // 16 + tl.arange(0, NB)
+        sm = rmask[:, None] & (scols[None, :] < K // 16)
+        if SWIZZLE:
+            r = rows[:, None] % R
+            c = scols[None, :]
+            off = ((r // 128) * (Cp // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+            off += (rows[:, None] // R) * (Rp * Cp)
+        else:
+            off = rows[:, None] * (K // 16) + scols[None, :]
+        tl.store(scales_ptr + off, s_byte.to(tl.uint8), mask=sm)
+
+    @triton.jit
     def _nvfp4_dequantize_kernel(
         codes_ptr, scales_ptr, sdec_ptr, out_ptr, M, K, stride_sdec,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -152,18 +217,29 @@ if HAS_TRITON:
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         rmask = rows < M
         pcols = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        p = tl.load(codes_ptr + rows[:, None] * (K // 2) + pcols[None, :],
-                    mask=rmask[:, None] & (pcols[None, :] < K // 2), other=0)
+        p = tl.load(
+            codes_ptr + rows[:, None] * (K // 2) + pcols[None, :],
+            mask=rmask[:, None] & (pcols[None, :] < K // 2),
+            other=0,
+        )
         c = unpack_codes(p, BLOCK_M, BLOCK_K)
         scols = tl.program_id(1) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-        s = tl.load(scales_ptr + rows[:, None] * (K // 16) + scols[None, :],
-                    mask=rmask[:, None] & (scols[None, :] < K // 16), other=0)
+        s = tl.load(
+            scales_ptr + rows[:, None] * (K // 16) + scols[None, :],
+            mask=rmask[:, None] & (scols[None, :] < K // 16),
+            other=0,
+        )
         s = e4m3_to_f32(s)
-        s16 = tl.reshape(tl.broadcast_to((s * 16384.0)[:, :, None], (BLOCK_M, BLOCK_K // 16, 16)), (BLOCK_M, BLOCK_K))
+        s16 = tl.reshape(
+            tl.broadcast_to((s * 16384.0)[:, :, None], (BLOCK_M, BLOCK_K // 16, 16)), (BLOCK_M, BLOCK_K)
+        )
         g = tl.load(sdec_ptr + rows * stride_sdec, mask=rmask, other=0.0)
         out = e2m1_times_scale(c, s16) * g[:, None]
-        tl.store(out_ptr + rows[:, None] * K + cols[None, :], cast_out(out, out_ptr),
-                 mask=rmask[:, None] & (cols[None, :] < K))
+        tl.store(
+            out_ptr + rows[:, None] * K + cols[None, :],
+            cast_out(out, out_ptr),
+            mask=rmask[:, None] & (cols[None, :] < K),
+        )
 
 
 def _require_triton() -> None:
@@ -176,14 +252,30 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def row_amax(x: torch.Tensor) -> torch.Tensor:
+# Launch configs, from the H200 sweeps (docs/PERF.md): (BLOCK_M, BLOCK_K, num_warps).
+ROW_AMAX_CONFIG = (4, 1024, 4)
+# one-tile quantize kernel: per token with whole rows in one tile (K <= QUANT_ROW_MAX_K), or a 2D grid of
+# tiles when the amax is known (given, or measured by ``row_amax`` first). QUANT_ROW_CONFIG with
+# BLOCK_K None: whole rows in one tile; a BLOCK_K below K: the looping kernel.
+QUANT_ROW_CONFIG = (1, None, 4)
+QUANT_AMAX_CONFIG = (1, 2048, 8)
+QUANT_TILE16_CONFIG = (16, 256, 4)
+QUANT_ROW_MAX_K = 16384
+
+
+def row_amax(
+    x: torch.Tensor, *, block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None
+) -> torch.Tensor:
     """NaN-ignoring amax of every row of ``x`` [..., K] -> fp32 ``[...]`` (Triton)."""
     _require_triton()
     x2 = _rows_view(x)
     m, k = x2.shape
     out = torch.empty(m, dtype=torch.float32, device=x.device)
-    bm, bk = 4, min(1024, triton.next_power_of_2(k))
-    _row_amax_kernel[(triton.cdiv(m, bm),)](x2, out, m, k, x2.stride(0), BLOCK_M=bm, BLOCK_K=bk, **EXACT)
+    bm0, bk0, nw0 = ROW_AMAX_CONFIG
+    bm, bk = block_m or bm0, min(block_k or bk0, triton.next_power_of_2(k))
+    _row_amax_kernel[(triton.cdiv(m, bm),)](
+        x2, out, m, k, x2.stride(0), BLOCK_M=bm, BLOCK_K=bk, num_warps=num_warps or nw0, **EXACT
+    )
     return out.reshape(x.shape[:-1])
 
 
@@ -216,6 +308,7 @@ def nvfp4_quantize(
     scale_layout: str = "linear",
     block_m: int | None = None,
     block_k: int | None = None,
+    num_warps: int | None = None,
 ) -> nvfp4.NVFP4Tensor:
     """Triton twin of ``nvfp4.quantize(x, mode="te", ...)`` (same arguments, same bits).
 
@@ -255,13 +348,31 @@ def nvfp4_quantize(
         rp, cp = r_mat, k // NVFP4_BLOCK
         scales = torch.empty(m, cp, dtype=torch.uint8, device=dev)
     sdec = torch.empty(m, dtype=torch.float32, device=dev)
-    bm = block_m or (16 if tile16 else 4)
-    bk = block_k or min(256, triton.next_power_of_2(k))
-    _nvfp4_quantize_kernel[(triton.cdiv(m, bm),)](
-        x2, amax_rows, codes, scales, sdec, m, k, x2.stride(0), stride_amax, r_mat, rp, cp,
-        PER_ROW_AMAX=per_row, TILE16=tile16, SWIZZLE=scale_layout == "swizzled",
-        BLOCK_M=bm, BLOCK_K=bk, **EXACT,
-    )  # fmt: skip
+    kp = triton.next_power_of_2(k)
+    row_bk = block_k or QUANT_ROW_CONFIG[1]
+    if per_row and (tile16 or kp > QUANT_ROW_MAX_K or (row_bk is not None and row_bk < k)):
+        # rows longer than one tile (or the config says so): the looping kernel (row amax sweep, then
+        # the quantize sweep, which re-reads the rows from L2)
+        bm = block_m or (16 if tile16 else QUANT_ROW_CONFIG[0])
+        bk = min(row_bk or 256, kp)
+        _nvfp4_quantize_kernel[(triton.cdiv(m, bm),)](
+            x2, amax_rows, codes, scales, sdec, m, k, x2.stride(0), stride_amax, r_mat, rp, cp,
+            PER_ROW_AMAX=per_row, TILE16=tile16, SWIZZLE=scale_layout == "swizzled",
+            BLOCK_M=bm, BLOCK_K=bk, num_warps=num_warps or (4 if tile16 else QUANT_ROW_CONFIG[2]), **EXACT,
+        )  # fmt: skip
+    else:
+        bm0, bk0, nw0 = (
+            QUANT_ROW_CONFIG if per_row else (QUANT_TILE16_CONFIG if tile16 else QUANT_AMAX_CONFIG)
+        )
+        bm = block_m or bm0
+        bk = kp if per_row else min(block_k or bk0, kp)
+        if tile16 and bm % 16:
+            raise ValueError(f"16x16 tiles need block_m % 16 == 0, got {bm}")
+        _nvfp4_quantize_tile_kernel[(triton.cdiv(m, bm), triton.cdiv(k, bk))](
+            x2, amax_rows, codes, scales, sdec, m, k, x2.stride(0), stride_amax, r_mat, rp, cp,
+            PER_ROW_AMAX=per_row, TILE16=tile16, SWIZZLE=scale_layout == "swizzled",
+            BLOCK_M=bm, BLOCK_K=bk, num_warps=num_warps or nw0, **EXACT,
+        )  # fmt: skip
     g = sdec.reshape(*x.shape[:-1], 1)
     target = out_gshape
     if len(target) == 0:
@@ -276,7 +387,9 @@ def nvfp4_quantize(
     return nvfp4.NVFP4Tensor(
         codes=codes.reshape(*lead, k // 2),
         scales=(
-            scales.reshape(*lead[:-1], -1) if scale_layout == "swizzled" else scales.reshape(*lead, k // NVFP4_BLOCK)
+            scales.reshape(*lead[:-1], -1)
+            if scale_layout == "swizzled"
+            else scales.reshape(*lead, k // NVFP4_BLOCK)
         ).view(F8E4M3_DTYPE),
         global_scale=g,
         shape=x.shape,
