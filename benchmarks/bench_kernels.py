@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -699,6 +700,7 @@ def _fmt(v) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("QUADS_EXPERIMENTAL_WDOT", "1")  # the benchmarks also time the experimental wdot path (gemm.WDOT_ENV)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
     ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,sweep", help="comma list of suites")

@@ -132,6 +132,8 @@ def test_grouped_triton_quantizer_matches_reference():
     """The padded 3-D QDQ with a per-expert amax through the Triton kernel (interpreter on the CPU)."""
     x, idx, w = _inputs(torch.float32)
     xp = grouped.pad_rows(x, grouped.expert_layout(idx, w, E), E)
+    if torch.cuda.is_available():
+        xp = xp.cuda()
     with dispatch.kernels("reference"):
         want = grouped._nvfp4_qdq(xp, False)
     with dispatch.kernels("triton"):
