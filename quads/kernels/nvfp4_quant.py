@@ -121,6 +121,25 @@ if HAS_TRITON:
         return lo | (hi << 4), s_byte, s_val, tl.reshape(codes, (BLOCK_M, NB, 16)), s_dec
 
     @triton.jit
+    def _store_codes_scales(codes_ptr, scales_ptr, packed, s_byte, rows, rmask, k0, K, R, Rp, Cp,
+                            SWIZZLE: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Store one [rows, k0:k0+BLOCK_K] tile: packed codes [rows, BLOCK_K/2] and E4M3 scale bytes
+        [rows, BLOCK_K/16], linear or in the 128x4 swizzled layout (``nvfp4.swizzle_scales``)."""
+        pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        pm = rmask[:, None] & (pcols[None, :] < K // 2)
+        tl.store(codes_ptr + rows[:, None] * (K // 2) + pcols[None, :], packed.to(tl.uint8), mask=pm)
+        scols = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        sm = rmask[:, None] & (scols[None, :] < K // 16)
+        if SWIZZLE:
+            r = rows[:, None] % R  # row inside its [R, K/16] scale matrix; matrix index rows // R
+            c = scols[None, :]
+            off = ((r // 128) * (Cp // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+            off += (rows[:, None] // R) * (Rp * Cp)
+        else:
+            off = rows[:, None] * (K // 16) + scols[None, :]
+        tl.store(scales_ptr + off, s_byte.to(tl.uint8), mask=sm)
+
+    @triton.jit
     def _nvfp4_quantize_kernel(
         x_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr,
         M, K, stride_xm, stride_amax, R, Rp, Cp,
@@ -130,7 +149,6 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
-        NB: tl.constexpr = BLOCK_K // 16
         if PER_ROW_AMAX:
             acc = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -150,19 +168,8 @@ if HAS_TRITON:
             m = rmask[:, None] & (cols[None, :] < K)
             x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
             packed, s_byte, _, _, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K, TILE16)
-            pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            pm = rmask[:, None] & (pcols[None, :] < K // 2)
-            tl.store(codes_ptr + rows[:, None] * (K // 2) + pcols[None, :], packed.to(tl.uint8), mask=pm)
-            scols = k0 // 16 + tl.arange(0, NB)
-            sm = rmask[:, None] & (scols[None, :] < K // 16)
-            if SWIZZLE:
-                r = rows[:, None] % R  # row inside its [R, K/16] scale matrix; matrix index rows // R
-                c = scols[None, :]
-                off = ((r // 128) * (Cp // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
-                off += (rows[:, None] // R) * (Rp * Cp)
-            else:
-                off = rows[:, None] * (K // 16) + scols[None, :]
-            tl.store(scales_ptr + off, s_byte.to(tl.uint8), mask=sm)
+            _store_codes_scales(codes_ptr, scales_ptr, packed, s_byte, rows, rmask, k0, K, R, Rp, Cp,
+                                SWIZZLE, BLOCK_K)
 
     @triton.jit
     def _nvfp4_quantize_tile_kernel(
@@ -179,7 +186,6 @@ if HAS_TRITON:
         pid_k = tl.program_id(1)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
-        NB: tl.constexpr = BLOCK_K // 16
         k0 = pid_k * BLOCK_K
         cols = k0 + tl.arange(0, BLOCK_K)
         m = rmask[:, None] & (cols[None, :] < K)
@@ -193,19 +199,7 @@ if HAS_TRITON:
         packed, s_byte, _, _, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K, TILE16)
         if pid_k == 0:
             tl.store(sdec_ptr + rows, s_dec, mask=rmask)
-        pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        pm = rmask[:, None] & (pcols[None, :] < K // 2)
-        tl.store(codes_ptr + rows[:, None] * (K // 2) + pcols[None, :], packed.to(tl.uint8), mask=pm)
-        scols = k0 // 16 + tl.arange(0, NB)
-        sm = rmask[:, None] & (scols[None, :] < K // 16)
-        if SWIZZLE:
-            r = rows[:, None] % R
-            c = scols[None, :]
-            off = ((r // 128) * (Cp // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
-            off += (rows[:, None] // R) * (Rp * Cp)
-        else:
-            off = rows[:, None] * (K // 16) + scols[None, :]
-        tl.store(scales_ptr + off, s_byte.to(tl.uint8), mask=sm)
+        _store_codes_scales(codes_ptr, scales_ptr, packed, s_byte, rows, rmask, k0, K, R, Rp, Cp, SWIZZLE, BLOCK_K)
 
     @triton.jit
     def _nvfp4_dequantize_kernel(
