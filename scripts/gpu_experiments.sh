@@ -13,7 +13,9 @@
 # Knobs (env): OUT, BUDGET_S (default 540), PRESET (100m), DEVICE (cuda), PY (python3),
 #   DIAG_PROMPTS (64), CKPT (skip the warm start: use this checkpoint), SFT_STEPS (400), MAX_STEPS (400),
 #   MIN_STEPS (200), SEEDS (auto, or e.g. 0 / 0,1), STEPS (skip the probe: run this many steps), EVAL_EVERY,
-#   DIAG (1: run diagnose), E2E (1: quads bench e2e on the last GPU when there are two), EXTRA_SET (more TrainConfig overrides,
+#   RECIPES (default all six; fewer recipes per call = fewer runs per GPU = more steps: e.g. two calls of
+#   three recipes each, STEPS=400, the same warm start and seed, then `quads compare --report-only true`
+#   over the union of the two run folders), DIAG (1: run diagnose), E2E (1: quads bench e2e on the last GPU when there are two), EXTRA_SET (more TrainConfig overrides,
 #   "k=v,k=v"; e.g. a CPU dry run: PRESET=tiny DEVICE=cpu SFT_STEPS=2 EXTRA_SET=rollout.n_samples=2).
 set -uo pipefail
 T0=$(date +%s)
@@ -26,6 +28,7 @@ SFT_STEPS=${SFT_STEPS:-400}
 MAX_STEPS=${MAX_STEPS:-400}
 SEEDS=${SEEDS:-auto}
 MIN_STEPS=${MIN_STEPS:-200}
+RECIPES=${RECIPES:-bf16,fp8,nvfp4,w4a16-qat,w4a4-qat,quads}
 EXTRA_SET=${EXTRA_SET:-}
 SET_COMMON="device=$DEVICE${EXTRA_SET:+,$EXTRA_SET}"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -102,14 +105,14 @@ PY
   fi
   echo "probe: $((P1 - P0))s, slowest parallel step ${STEP_S}s; ${LEFT}s left -> seeds $SEEDS, $STEPS steps" | tee "$OUT/plan.txt"
 fi
-NRUNS=$(( 6 * $(echo "$SEEDS" | tr ',' '\n' | wc -l) ))
+NRUNS=$(( $(echo "$RECIPES" | tr ',' '\n' | wc -l) * $(echo "$SEEDS" | tr ',' '\n' | wc -l) ))
 
 # every run also stops at a time limit (held-out eval, checkpoint and policy first: train.time_limit_s),
 # so a recipe slower than planned ends with fewer steps instead of being killed
 TLIMIT=$(( BUDGET_S - $(elapsed) - 45 ))
 echo "== 4. compare ($STEPS steps, time limit ${TLIMIT}s per run) at $(elapsed)s" | tee -a "$OUT/plan.txt"
 EVAL_EVERY=${EVAL_EVERY:-$(( STEPS / 4 > 5 ? STEPS / 4 : 5 ))}  # held-out evals cost about a step each: keep them few
-$PY -m quads.cli compare --train-config configs/experiments/gpu.yaml \
+$PY -m quads.cli compare --train-config configs/experiments/gpu.yaml --recipes "$RECIPES" \
   --set "$SET_COMMON,model.checkpoint=$CKPT,steps=$STEPS,eval_every=$EVAL_EVERY,time_limit_s=$TLIMIT" --seeds "$SEEDS" \
   --parallel "$NRUNS" --timeout-s $(( BUDGET_S - $(elapsed) + 20 )) --out-dir "$OUT/compare" 2>&1 | tail -15
 [ -n "$DIAG_PID" ] && { wait $DIAG_PID; tail -25 "$OUT/diagnose.log"; }
