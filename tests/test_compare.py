@@ -63,6 +63,11 @@ def test_collapse_step():
     recs = [{"step": i, "reward/mean": r} for i, r in enumerate([0.5, 0.8, 0.8, 0.2, 0.1, 0.1], 1)]
     assert collapse_step(recs) == 4  # (smoothed) reward below half its best and 0.1 under it
     assert collapse_step([{"step": 1, "reward/mean": 0.5}, {"step": 2, "reward/mean": 0.6}]) is None
+    # an early dip that recovers does not date a later collapse (held-out rule here)
+    dip = [{"step": 1, "reward/mean": 0.5, "eval/pass@1": 0.7}, {"step": 2, "reward/mean": 0.1},
+           {"step": 3, "reward/mean": 0.5}, {"step": 4, "reward/mean": 0.5, "eval/pass@1": 0.7},
+           {"step": 5, "reward/mean": 0.5, "eval/pass@1": 0.5}]
+    assert collapse_step(dip) == 5
 
 
 def test_compare_runs_in_parallel_and_reports_a_crash(checkpoint, tmp_path):

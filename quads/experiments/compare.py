@@ -268,13 +268,19 @@ def launch(cfg: CompareConfig, runs: list[tuple[str, Any]], say=print) -> list[R
 
 
 def collapse_step(records: list[dict[str, Any]]) -> int | None:
-    """First step at which ``summarize``'s collapse rule holds on the records up to that step."""
+    """The step from which ``summarize``'s collapse rule holds on the records up to every later step
+    (so a transient dip early in the run that later recovers does not date the collapse); None when the
+    rule does not hold on the whole run."""
     from quads.metrics.report import summarize
 
-    for i in range(1, len(records) + 1):
-        if summarize(records[:i])["collapse"]:
-            return int(records[i - 1]["step"])
-    return None
+    if not records or not summarize(records)["collapse"]:
+        return None
+    first = len(records)
+    for i in range(len(records), 0, -1):
+        if not summarize(records[:i])["collapse"]:
+            break
+        first = i
+    return int(records[first - 1]["step"])
 
 
 def _mean(xs: list[float]) -> float:
@@ -458,8 +464,9 @@ def existing_runs(cfg: CompareConfig) -> tuple[Any, list[RunOutcome]]:
         for seed in cfg.seed_list():
             name = f"{recipe}-s{seed}"
             run_dir, cpath = out / "runs" / name, out / "configs" / f"{name}.yaml"
-            if base is None and cpath.is_file():
-                base = build_config(TrainConfig, str(cpath))
+            for c in (cpath, run_dir / "config.yaml"):  # the planned config, else the run's resolved one
+                if base is None and c.is_file():
+                    base = build_config(TrainConfig, str(c))
             ok = (run_dir / "metrics.jsonl").is_file()
             outcomes.append(RunOutcome(name, recipe, seed, str(run_dir), 0 if ok else None, 0.0,
                                        "" if ok else "no metrics.jsonl in the run folder", reused=True))
