@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -133,9 +134,31 @@ def launch(out: Path, ckpt: Path, nproc: int, *extra: str) -> subprocess.Popen:
     return proc
 
 
-def wait(proc: subprocess.Popen, out: Path) -> None:
+# A gloo abort while the process group starts ("terminate called without an active exception", rank 0
+# killed by SIGABRT before the first step) was seen once in many runs on the 2-core CI machine; it is not
+# quads' code. A run that dies that way is launched once more; any other failure fails the test.
+GLOO_START_ABORT = "terminate called without an active exception"
+
+
+def wait(proc: subprocess.Popen, out: Path, relaunch=None) -> None:
+    """Wait for ``proc``; on the start-up abort above, call ``relaunch()`` once and wait for that run."""
     rc = proc.wait(timeout=300)
+    if rc != 0 and relaunch is not None and GLOO_START_ABORT in (out / "log.txt").read_text():
+        with open(out / "log.txt", "a") as f:
+            f.write("\n[test] gloo start-up abort: relaunching once\n")
+        proc = relaunch()
+        rc = proc.wait(timeout=300)
     assert rc == 0, f"{proc.cmd} failed ({rc}):\n{(out / 'log.txt').read_text()[-8000:]}"  # type: ignore[attr-defined]
+
+
+def fresh_relaunch(out: Path, ckpt: Path, nproc: int, *extra: str):
+    """A relaunch of a fresh run: the crashed attempt's run folder and outputs are removed first."""
+    def go() -> subprocess.Popen:
+        shutil.rmtree(out / "run", ignore_errors=True)
+        for f in out.glob("rollout_rank*.pt"):
+            f.unlink()
+        return launch(out, ckpt, nproc, *extra)
+    return go
 
 
 def read_metrics(run_dir: Path) -> dict[int, dict]:
@@ -151,9 +174,9 @@ def runs(tmp_path_factory):
     """The 1-process and the 2-process run, started together (each one is mostly start-up latency)."""
     root = tmp_path_factory.mktemp("dist")
     ckpt = tiny_checkpoint(root / "ckpt")
-    procs = [(launch(root / name, ckpt, n), root / name) for name, n in (("one", 1), ("two", 2))]
-    for p, out in procs:
-        wait(p, out)
+    procs = [(launch(root / name, ckpt, n), root / name, n) for name, n in (("one", 1), ("two", 2))]
+    for p, out, n in procs:
+        wait(p, out, relaunch=fresh_relaunch(out, ckpt, n))
     return root / "one", root / "two"
 
 
@@ -259,9 +282,29 @@ def test_dead_peer_names_rank_step_and_checkpoint_then_resumes(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000002"
 
     p = launch(tmp_path, ckpt, 2, "--resume")
-    wait(p, tmp_path)
+    wait(p, tmp_path, relaunch=lambda: launch(tmp_path, ckpt, 2, "--resume"))  # resuming again is the same run
     assert sorted(read_metrics(tmp_path / "run")) == [0, 1, 2, 3]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000003"
+
+
+def test_wait_relaunches_only_on_the_gloo_start_abort(tmp_path):
+    class Done:
+        def __init__(self, rc):
+            self.rc, self.cmd = rc, "fake"
+
+        def wait(self, timeout=None):
+            return self.rc
+
+    (tmp_path / "log.txt").write_text("E ... " + GLOO_START_ABORT + "\n")
+    calls = []
+    wait(Done(-6), tmp_path, relaunch=lambda: calls.append(1) or Done(0))
+    assert calls == [1]
+    with pytest.raises(AssertionError, match="failed"):  # the relaunch fails too: reported
+        wait(Done(-6), tmp_path, relaunch=lambda: Done(1))
+    (tmp_path / "log.txt").write_text("ValueError: a real bug\n")
+    with pytest.raises(AssertionError, match="real bug"):  # any other failure: no second try
+        wait(Done(1), tmp_path, relaunch=lambda: calls.append(2) or Done(0))
+    assert calls == [1]
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
