@@ -38,6 +38,29 @@ from quads.quant.recipe import LinearSpec
 
 
 @dataclass
+class SlotOrder:
+    """The ``T * k`` routing slots of ``top_k_index`` ``[T, k]`` sorted by expert with a stable sort.
+
+    ``order`` ``[T*k]``: the flat slot index at each sorted position (token order within an expert;
+    masked slots, expert id ``E``, sort last); ``counts`` ``[E]``: slots per expert. The one sort that
+    both expert paths (the loop, ``quads.quant.layers.expert_groups``, and the padded layout below)
+    read, so they visit tokens identically.
+    """
+
+    order: torch.Tensor
+    counts: torch.Tensor
+    k: int
+
+
+def sort_slots(top_k_index: torch.Tensor, n_experts: int) -> SlotOrder:
+    """Sort the slots of ``top_k_index`` ``[T, k]`` (ids in ``[0, E]``, ``E`` = masked) by expert."""
+    flat = top_k_index.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts]
+    return SlotOrder(order=order, counts=counts, k=top_k_index.shape[-1])
+
+
+@dataclass
 class ExpertLayout:
     """Where each routing slot sits in the padded block.
 
@@ -56,20 +79,19 @@ class ExpertLayout:
     weights: torch.Tensor  # [S] router weight of each grouped slot
 
 
-def expert_layout(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_experts: int) -> ExpertLayout:
-    """The padded layout of the routing ``top_k_index`` ``[T, k]`` (ids in ``[0, E]``, ``E`` = masked)."""
+def expert_layout(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_experts: int,
+                  slots: SlotOrder | None = None) -> ExpertLayout:
+    """The padded layout of the routing ``top_k_index`` ``[T, k]`` (``slots``: its ``sort_slots``)."""
     T, k = top_k_index.shape
-    flat = top_k_index.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
-    counts_all = torch.bincount(flat, minlength=n_experts + 1)
-    counts = counts_all[:n_experts]
+    slots = slots if slots is not None else sort_slots(top_k_index, n_experts)
+    counts = slots.counts
     n_valid, capacity = torch.stack([counts.sum(), counts.max()]).tolist()  # the one host sync: sizes
     starts = torch.cumsum(counts, 0) - counts
-    valid = order[:n_valid]  # masked slots (id E) sort last
-    expert = flat[valid]
-    pos = torch.arange(n_valid, device=flat.device) - starts[expert]
-    rank_of_flat = torch.full((T * k,), -1, dtype=torch.long, device=flat.device)
-    rank_of_flat[valid] = torch.arange(n_valid, device=flat.device)
+    valid = slots.order[:n_valid]  # masked slots (id E) sort last
+    expert = top_k_index.reshape(-1)[valid].long()
+    pos = torch.arange(n_valid, device=valid.device) - starts[expert]
+    rank_of_flat = torch.full((T * k,), -1, dtype=torch.long, device=valid.device)
+    rank_of_flat[valid] = torch.arange(n_valid, device=valid.device)
     perm = torch.argsort(top_k_index.long(), dim=-1, stable=True)  # each token's slots by expert id
     slot_rank = rank_of_flat.view(T, k).gather(1, perm)
     return ExpertLayout(expert=expert, pos=pos, tok=valid // k, counts=counts, capacity=capacity,

@@ -154,21 +154,20 @@ class QuantizedLinear(_QuantizedBase):
         return self._gemm("weight", None, x, self.stores["weight"].get())
 
 
-def expert_groups(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_experts: int):
+def expert_groups(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_experts: int,
+                  slots: grouped.SlotOrder | None = None):
     """Yield ``(e, idx [c], w_route [c])`` for every expert ``e`` hit by ``top_k_index`` [T, k].
 
-    Slots are grouped by expert with a stable sort, so ``idx`` (token rows routed to ``e``) is in token
-    order and unique within one expert; ``w_route`` are their router weights. Shared by every
-    experts loop (quads' layers and the vLLM fused-MoE method) so they visit tokens identically.
+    Slots are grouped by expert with a stable sort (``grouped.sort_slots``, or ``slots`` when the
+    caller already sorted them), so ``idx`` (token rows routed to ``e``) is in token order and unique
+    within one expert; ``w_route`` are their router weights. Shared by every experts loop (quads'
+    layers and the vLLM fused-MoE method) so they visit tokens identically.
     """
-    k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
-    counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts].tolist()
-    tok = order // k  # [T*k] token of each slot
-    wts = top_k_weights.reshape(-1)[order]
+    slots = slots if slots is not None else grouped.sort_slots(top_k_index, n_experts)
+    tok = slots.order // slots.k  # [T*k] token of each slot
+    wts = top_k_weights.reshape(-1)[slots.order]
     start = 0
-    for e, c in enumerate(counts):
+    for e, c in enumerate(slots.counts.tolist()):
         if c == 0:
             continue
         yield e, tok[start : start + c], wts[start : start + c]
@@ -236,8 +235,9 @@ class QuantizedExperts(_QuantizedBase):
                 and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.gate_up_proj.requires_grad)))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        slots = grouped.sort_slots(top_k_index, self.num_experts)  # read by both paths below
         if hidden_states.shape[0] and self._use_grouped(hidden_states):
-            layout = grouped.expert_layout(top_k_index, top_k_weights, self.num_experts)
+            layout = grouped.expert_layout(top_k_index, top_k_weights, self.num_experts, slots)
             if grouped.worth_padding(layout, self.num_experts, self.pad_limit):
                 return self._forward_grouped(hidden_states, layout)
         out = torch.zeros_like(hidden_states)
@@ -245,7 +245,7 @@ class QuantizedExperts(_QuantizedBase):
         # unbind once: its backward stacks the per-expert grads in one allocation, where indexing
         # p[e] per expert would allocate and add a full-size [E, N, K] gradient per expert hit
         gu_w, dn_w = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
-        for e, idx, w_route in expert_groups(top_k_index, top_k_weights, self.num_experts):
+        for e, idx, w_route in expert_groups(top_k_index, top_k_weights, self.num_experts, slots):
             gate, up = self._gemm("gate_up_proj", e, hidden_states[idx], gu_q, gu_w[e]).chunk(2, dim=-1)
             y = self._gemm("down_proj", e, self.act_fn(gate) * up, dn_q, dn_w[e])
             scatter_expert_output(out, idx, y, w_route)
