@@ -3,7 +3,7 @@
 #   1. warm start the 100m preset on arithmetic (SFT, cached under $OUT/warm_start);
 #   2. quads diagnose on that checkpoint (the decomposition and the RAC-ratio table), in the background
 #      on GPU 0 while steps 3-4 run;
-#   3. a probe: all six recipes for 2 steps in parallel, to measure the wall time of a step;
+#   3. a probe: the recipes for 2 steps in parallel, to measure the wall time of a step;
 #   4. quads compare: all six recipes (x seeds) in parallel processes, spread over the visible GPUs
 #      (quads compare --gpus auto), steps sized from the probe so that everything ends before BUDGET_S
 #      seconds after the start. SEEDS=auto runs seeds 0,1 when the probe says that two seeds still
@@ -29,6 +29,7 @@ MAX_STEPS=${MAX_STEPS:-400}
 SEEDS=${SEEDS:-auto}
 MIN_STEPS=${MIN_STEPS:-200}
 RECIPES=${RECIPES:-bf16,fp8,nvfp4,w4a16-qat,w4a4-qat,quads}
+NREC=$(echo "$RECIPES" | tr ',' '\n' | wc -l)
 EXTRA_SET=${EXTRA_SET:-}
 SET_COMMON="device=$DEVICE${EXTRA_SET:+,$EXTRA_SET}"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -81,10 +82,10 @@ if [ -n "${STEPS:-}" ]; then
   [ "$SEEDS" = auto ] && SEEDS=0
   echo "steps $STEPS and seeds $SEEDS as given (no probe)" | tee "$OUT/plan.txt"
 else
-  echo "== 3. probe: six recipes x 2 steps in parallel at $(elapsed)s"
+  echo "== 3. probe: the recipes ($RECIPES) x 2 steps in parallel at $(elapsed)s"
   P0=$(date +%s)
   $PY -m quads.cli compare --train-config configs/experiments/gpu.yaml --set "$SET_COMMON,model.checkpoint=$CKPT,steps=2,eval_every=0,eval_n=32" \
-    --seeds 0 --parallel 6 --out-dir "$OUT/probe" > "$OUT/probe.log" 2>&1
+    --recipes "$RECIPES" --seeds 0 --parallel "$NREC" --out-dir "$OUT/probe" > "$OUT/probe.log" 2>&1
   P1=$(date +%s)
   # the slowest run's second step (the first one compiles kernels)
   STEP_S=$($PY - "$OUT/probe" <<'PY'
@@ -105,7 +106,7 @@ PY
   fi
   echo "probe: $((P1 - P0))s, slowest parallel step ${STEP_S}s; ${LEFT}s left -> seeds $SEEDS, $STEPS steps" | tee "$OUT/plan.txt"
 fi
-NRUNS=$(( $(echo "$RECIPES" | tr ',' '\n' | wc -l) * $(echo "$SEEDS" | tr ',' '\n' | wc -l) ))
+NRUNS=$(( NREC * $(echo "$SEEDS" | tr ',' '\n' | wc -l) ))
 
 # every run also stops at a time limit (held-out eval, checkpoint and policy first: train.time_limit_s),
 # so a recipe slower than planned ends with fewer steps instead of being killed
