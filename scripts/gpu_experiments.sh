@@ -16,7 +16,10 @@
 #   RECIPES (default all six; fewer recipes per call = fewer runs per GPU = more steps: e.g. two calls of
 #   three recipes each, STEPS=400, the same warm start and seed, then `quads compare --report-only true`
 #   over the union of the two run folders), DIAG (1: run diagnose), E2E (1: quads bench e2e on the last GPU when there are two), EXTRA_SET (more TrainConfig overrides,
-#   "k=v,k=v"; e.g. a CPU dry run: PRESET=tiny DEVICE=cpu SFT_STEPS=2 EXTRA_SET=rollout.n_samples=2).
+#   "k=v,k=v"; e.g. a CPU dry run: PRESET=tiny DEVICE=cpu SFT_STEPS=2 EXTRA_SET=rollout.n_samples=2),
+#   WARM_DIR (the warm start's cache folder, default $OUT/warm_start; a folder outside $OUT keeps the
+#   weights, so a second call on the same machine reuses them instead of training again), CHECK (1: check
+#   the batched expert path against the loop on this GPU first; 0 skips, e.g. when an earlier call did).
 set -uo pipefail
 T0=$(date +%s)
 OUT=${OUT:-runs/gpu}
@@ -31,6 +34,7 @@ MIN_STEPS=${MIN_STEPS:-200}
 RECIPES=${RECIPES:-bf16,fp8,nvfp4,w4a16-qat,w4a4-qat,quads}
 NREC=$(echo "$RECIPES" | tr ',' '\n' | wc -l)
 EXTRA_SET=${EXTRA_SET:-}
+WARM_DIR=${WARM_DIR:-$OUT/warm_start}
 SET_COMMON="device=$DEVICE${EXTRA_SET:+,$EXTRA_SET}"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
@@ -44,7 +48,7 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 # does not, the runs fall back to the loop (slower) rather than produce wrong numbers (checked in the
 # background while the warm start trains; the verdict is read before the first RL run)
 CHECK_PID=
-if [ "$DEVICE" = cuda ]; then
+if [ "$DEVICE" = cuda ] && [ "${CHECK:-1}" = 1 ]; then
   $PY -m pytest tests/test_quant_grouped.py -q -k cuda -p no:cacheprovider > "$OUT/grouped_check.log" 2>&1 &
   CHECK_PID=$!
 fi
@@ -59,8 +63,8 @@ fi
 if [ -z "${CKPT:-}" ]; then
   echo "== 1. warm start ($PRESET, $SFT_STEPS SFT steps) at $(elapsed)s"
   $PY -m quads.cli pretrain --preset "$PRESET" --task arithmetic --difficulty 4 --steps "$SFT_STEPS" --batch-size 64 --lr 1e-3 \
-    --device "$DEVICE" --cache-dir "$OUT/warm_start" --progress false --eval-size 200 2>&1 | tail -3 | tee "$OUT/pretrain.txt"
-  CKPT=$(ls -d "$OUT"/warm_start/*/ | head -1)
+    --device "$DEVICE" --cache-dir "$WARM_DIR" --progress false --eval-size 200 2>&1 | tail -3 | tee "$OUT/pretrain.txt"
+  CKPT=$(ls -d "$WARM_DIR"/*/ | head -1)
 fi
 [ -f "$CKPT/config.json" ] || { echo "no warm-start checkpoint at '$CKPT'"; exit 1; }
 if [ -n "$CHECK_PID" ]; then
