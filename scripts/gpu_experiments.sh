@@ -13,9 +13,10 @@
 # Knobs (env): OUT, BUDGET_S (default 540), PRESET (100m), DEVICE (cuda), PY (python3),
 #   DIAG_PROMPTS (64), CKPT (skip the warm start: use this checkpoint), SFT_STEPS (400), MAX_STEPS (400),
 #   MIN_STEPS (200), SEEDS (auto, or e.g. 0 / 0,1), STEPS (skip the probe: run this many steps), EVAL_EVERY,
-#   RECIPES (default all six; fewer recipes per call = fewer runs per GPU = more steps: e.g. two calls of
-#   three recipes each, STEPS=400, the same warm start and seed, then `quads compare --report-only true`
-#   over the union of the two run folders), DIAG (1: run diagnose), E2E (1: quads bench e2e on the last GPU when there are two), EXTRA_SET (more TrainConfig overrides,
+#   RECIPES (default all six; fewer recipes per call = fewer runs per GPU = more steps: docs/RESULTS.md's
+#   main GPU run is three calls of two or three recipes each, STEPS=400, one WARM_DIR, then
+#   `quads compare --report-only true` over the union of the run folders), DIAG (1: run diagnose),
+#   E2E (1: quads bench e2e on the last GPU when there are two), EXTRA_SET (more TrainConfig overrides,
 #   "k=v,k=v"; e.g. a CPU dry run: PRESET=tiny DEVICE=cpu SFT_STEPS=2 EXTRA_SET=rollout.n_samples=2),
 #   WARM_DIR (the warm start's cache folder, default $OUT/warm_start; a folder outside $OUT keeps the
 #   weights, so a second call on the same machine reuses them instead of training again), CHECK (1: check
