@@ -117,8 +117,8 @@ def check_amax(amax: torch.Tensor | float, x: torch.Tensor, per_token: bool) -> 
     return a
 
 
-def nan_ignoring_amax(a: torch.Tensor, dim: int | None) -> torch.Tensor:
-    """max|a| with NaN treated as 0 (CUDA ``fmaxf``); ``dim`` keeps its size-1 dim."""
+def nan_ignoring_amax(a: torch.Tensor, dim: int | tuple[int, ...] | None) -> torch.Tensor:
+    """max|a| with NaN treated as 0 (CUDA ``fmaxf``); ``dim`` (one or several) keeps its size-1 dims."""
     a = torch.where(torch.isnan(a), torch.zeros_like(a), a.abs())
     return a.amax() if dim is None else a.amax(dim=dim, keepdim=True)
 

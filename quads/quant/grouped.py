@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+from quads.formats import nvfp4
 from quads.kernels import dispatch
 from quads.quant import ops
-from quads.quant.rac import rac_channels
+from quads.quant.rac import rac_channels, residual_norms
 from quads.quant.recipe import LinearSpec
 
 
@@ -135,12 +136,6 @@ def combine(y_pad: torch.Tensor, layout: ExpertLayout, T: int, dtype: torch.dtyp
     return out
 
 
-def _expert_amax(x: torch.Tensor) -> torch.Tensor:
-    """max|x| per expert of ``x`` ``[E, C, K]`` with NaN as 0 (what ``nvfp4.quantize`` measures): ``[E, 1, 1]``."""
-    a = x.abs()
-    return torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(dim=(1, 2), keepdim=True)
-
-
 def _nvfp4_qdq(x: torch.Tensor, per_token: bool) -> torch.Tensor:
     """QDQ of ``x`` ``[E, C, K]`` fp32: global scale per expert (or per row), as the loop quantizes each
     expert's ``[c_e, K]`` block on its own.
@@ -150,7 +145,7 @@ def _nvfp4_qdq(x: torch.Tensor, per_token: bool) -> torch.Tensor:
     """
     if per_token:
         return ops.nvfp4_qdq(x, per_token=True)
-    amax = _expert_amax(x)
+    amax = nvfp4.nan_ignoring_amax(x, dim=(1, 2))  # [E, 1, 1], what nvfp4.quantize measures per expert
     if dispatch.use_triton(x):
         from quads.kernels.nvfp4_quant import nvfp4_quantize
 
@@ -193,8 +188,7 @@ def grouped_linear(
             observe(r)
         if n:
             if spec.rac_selection == "dynamic":
-                norms = r.double().square().sum(dim=1)  # [E, K], fp64 as rac.residual_norms
-                s = torch.argsort(norms, dim=-1, descending=True, stable=True)[:, :n]
+                s = torch.argsort(residual_norms(r), dim=-1, descending=True, stable=True)[:, :n]  # [E, K] scores
             else:
                 if static_order is None or static_order.shape[-1] < n:
                     raise ValueError(f"static RAC selection needs orders of at least {n} channels per expert")

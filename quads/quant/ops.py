@@ -55,10 +55,7 @@ def nvfp4_quantize_weight(w: torch.Tensor, *, tile=(1, 16), mode: str = "te") ->
     if w.dim() != 3:
         raise ValueError(f"weights must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
     if mode == "te":
-        a = w.float().abs()
-        amax = torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(
-            dim=(-2, -1), keepdim=True
-        )  # [E, 1, 1]
+        amax = nvfp4.nan_ignoring_amax(w.float(), dim=(-2, -1))  # [E, 1, 1]
         return nvfp4_quantize(w, tile=tile, mode=mode, amax=amax)
     qs = [nvfp4_quantize(w[e], tile=tile, mode=mode) for e in range(w.shape[0])]
     return nvfp4.NVFP4Tensor(

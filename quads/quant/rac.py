@@ -42,13 +42,14 @@ def rac_channels(k: int, ratio: float) -> int:
 
 
 def residual_norms(r: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norm of each channel over tokens, fp64 ``[K]`` (the selection score).
+    """Squared L2 norm of each channel over tokens, fp64: ``r`` ``[T, K]`` -> ``[K]`` (the selection
+    score); a stack ``[G, C, K]`` of groups (experts) -> ``[G, K]``, one score row per group.
 
     fp64 so that the ranking does not depend on the summation order (the squares of fp32 residuals
     are exact in fp64): the fused Triton kernel (``quads.kernels.rac``) sums in another order and
     selects the same channels, which an fp32 sum would not guarantee.
     """
-    return r.double().square().sum(dim=0)
+    return r.double().square().sum(dim=-2)
 
 
 def select_dynamic(r: torch.Tensor, n: int) -> torch.Tensor:
@@ -132,7 +133,7 @@ class StaticChannelSelector(nn.Module):
         """Accumulate the residuals ``r`` ``[groups, C, K]`` of every group at once (zero-padded rows;
         ``counts`` ``[groups]`` real rows per group), as ``observe`` per group would."""
         if self.observing:
-            self.sq_sum += r.double().square().sum(dim=1).to(self.sq_sum.device)
+            self.sq_sum += residual_norms(r).to(self.sq_sum.device)
             self.count += counts.to(self.count.device)
 
     @torch.no_grad()
