@@ -451,7 +451,7 @@ class GRPOTrainer:
                     self.on_step_end(step, metrics)
                 if out_of_time:
                     self._say(f"step {step}: time limit of {cfg.time_limit_s:g}s reached; stopping early "
-                              f"(resume=true with a larger time_limit_s continues from step {step})")
+                              f"(resume=true continues from step {step}, with time_limit_s counted afresh)")
                     break
         finally:
             bar.close()
