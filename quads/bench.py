@@ -32,7 +32,7 @@ def _load_bench(name: str = "bench_kernels"):
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: `quads bench` runs from a source checkout of quads")
-    spec = importlib.util.spec_from_file_location("quads_bench_kernels", path)
+    spec = importlib.util.spec_from_file_location(f"quads_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
