@@ -5,6 +5,7 @@ import json
 import os
 import random
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,21 +128,33 @@ def test_out_dir_naming_a_file(ckpt, tmp_path, capsys):
     assert f.read_text() == "x"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_read_only_out_dir_is_refused_before_the_run(ckpt, tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder no file can be created in: a chmod 555 folder, or for root (who ignores modes) /sys."""
+    if os.geteuid() == 0:
+        yield Path("/sys")
+        return
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o555)
-    called = []
-    monkeypatch.setattr("quads.rl.build.build_models", lambda *a: called.append(1))
-    try:
-        assert train("--model.checkpoint", ckpt, "--out-dir", ro / "run", *TINY) == 2
-        one_line_error(capsys, "out_dir", "cannot write")
-        assert main(["export", "--checkpoint", str(ckpt), "--format", "bf16", "--out", str(ro / "e")]) == 2
-        one_line_error(capsys, "--out", "cannot write")
-    finally:
-        ro.chmod(0o755)
-    assert not called
+    yield ro
+    ro.chmod(0o755)
+
+
+def test_read_only_out_dir_is_refused_before_the_work(ckpt, read_only_dir, tmp_path, capsys, monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError("the expensive work started before the output folder was checked")
+
+    monkeypatch.setattr("quads.rl.build.build_models", no_work)
+    monkeypatch.setattr("quads.export.load_source", no_work)
+    monkeypatch.setattr("quads.experiments.diagnose._load", no_work)
+    assert train("--model.checkpoint", ckpt, "--out-dir", read_only_dir / "quads-run", *TINY) == 2
+    one_line_error(capsys, "out_dir", "cannot write")
+    assert main(["export", "--checkpoint", str(ckpt), "--format", "bf16", "--out",
+                 str(read_only_dir / "quads-export")]) == 2
+    one_line_error(capsys, "--out", "cannot write")
+    assert main(["diagnose", "--checkpoint", str(ckpt), "--out-dir", str(read_only_dir / "quads-diag")]) == 2
+    one_line_error(capsys, "out_dir", "cannot write")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from quads.errors import UsageError
 from quads.io import atomic_dir
 from quads.model.config import ModelConfig
-from quads.model.tokenizer import TOKENIZER_FILE
+from quads.model.tokenizer import load_tokenizer
 from quads.model.transformer import MoEForCausalLM
 
 FORMAT_VERSION = 1
@@ -186,10 +186,8 @@ def check_model_folder(folder: str | Path, field: str) -> ModelConfig:
         cfg, _ = read_checkpoint_config(folder)
         for f in weights_files(folder):
             check_weights_file(f)
-        if not (folder / TOKENIZER_FILE).is_file():
-            raise UsageError(f"{str(folder)!r} has no {TOKENIZER_FILE}; a policy needs its tokenizer: save the "
-                             f"checkpoint with its tokenizer or copy {TOKENIZER_FILE} from the model it came from")
-    except UsageError as e:
+        load_tokenizer(folder)
+    except ValueError as e:  # UsageError, or the tokenizer's own ValueError (e.g. no eos token)
         raise UsageError(f"{field}: {e}") from None
     return cfg
 
@@ -198,16 +196,17 @@ def load_model(folder: str | Path, dtype: str | None = None, *, device: torch.de
                field: str = "checkpoint") -> tuple[MoEForCausalLM, Any, dict[str, Any]]:
     """(model, tokenizer, extra) of a quads checkpoint or a Hugging Face folder, in ``dtype`` (default:
     the folder's), on ``device``. The folder is checked first (``check_model_folder``)."""
-    from quads.model.tokenizer import load_tokenizer
-
     check_model_folder(folder, field)
-    if is_hf_folder(folder):
-        from quads.model.hf import load_hf_model
+    try:  # what is left to find is a tensor that does not fit the config: the folder's fault too
+        if is_hf_folder(folder):
+            from quads.model.hf import load_hf_model
 
-        model, tokenizer = load_hf_model(folder, dtype, device=device)
-        return model, tokenizer, {}
-    cfg, _ = read_checkpoint_config(folder)
-    if dtype is not None:
-        cfg = dataclasses.replace(cfg, dtype=dtype)
-    model, extra = load_checkpoint(folder, MoEForCausalLM(cfg), device=device)
+            model, tokenizer = load_hf_model(folder, dtype, device=device)
+            return model, tokenizer, {}
+        cfg, _ = read_checkpoint_config(folder)
+        if dtype is not None:
+            cfg = dataclasses.replace(cfg, dtype=dtype)
+        model, extra = load_checkpoint(folder, MoEForCausalLM(cfg), device=device)
+    except ValueError as e:
+        raise UsageError(f"{field}: {e}") from None
     return model, load_tokenizer(folder), extra
