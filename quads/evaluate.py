@@ -147,7 +147,9 @@ def _task_and_examples(cfg: EvalConfig, extra: dict) -> tuple[Task, list[Example
 
         seed = cfg.split_seed
         if seed is None:
-            seed = extra.get("split_seed", 0) if extra.get("dataset") == dataset else 0
+            trained_on = extra.get("dataset")
+            same = trained_on is not None and Path(trained_on).resolve() == Path(dataset).resolve()
+            seed = extra.get("split_seed", 0) if same else 0
         if not Path(dataset).is_file():
             raise UsageError(f"--dataset: file {str(dataset)!r} does not exist")
         task = DatasetTask(dataset, seed=seed)

@@ -127,3 +127,27 @@ def test_eval_defaults_to_the_task_and_level_the_policy_trained_on(tmp_path, cap
                                   "--max-new-tokens", "2"])) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "default task" in line["source"] and "difficulty 6" in line["source"]
+
+
+def test_dataset_eval_holds_out_what_training_held_out(tmp_path, capsys, monkeypatch):
+    import argparse
+
+    from quads.rl.build import policy_task
+    from quads.rl.config import TrainConfig
+    from quads.tasks import DatasetTask
+
+    model, tok, _ = _tiny_checkpoint(tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Q: {i}+2=\n", "answer": str(i + 2)}) for i in range(60)))
+    held_out = {s: [e.prompt for e in DatasetTask(data, seed=s).examples("test")] for s in (0, 3)}
+    assert held_out[0] != held_out[3]  # the split depends on the training seed
+    cfg = TrainConfig(seed=3)
+    cfg.task.name, cfg.task.dataset = "dataset", str(data)
+    folder = save_checkpoint(model, tmp_path / "policy", policy_task(cfg, DatasetTask(data, seed=3)), tokenizer=tok)
+    monkeypatch.chdir(tmp_path)  # the same file named by a relative path
+    parser = argparse.ArgumentParser()
+    register(parser)
+    for argv in (["--dataset", "d.jsonl"], []):  # asked for, and the checkpoint's own task by default
+        assert run(parser.parse_args(["--checkpoint", str(folder), "--max-new-tokens", "2", *argv])) == 0
+        line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert line["n_prompts"] == len(held_out[3]) and "split seed 3" in line["source"]

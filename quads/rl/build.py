@@ -117,7 +117,8 @@ def resolve(cfg: TrainConfig, *, allow_warm_start: bool = True) -> Resolved:
         ckpt = warm_start_checkpoint(cfg, task)
     else:
         raise ValueError("model.checkpoint is unset and warm start is disabled")
-    model_config = check_model_folder(ckpt, "model.checkpoint")
+    field = "model.checkpoint" if cfg.model.checkpoint is not None else "the warm start (cached)"
+    model_config = check_model_folder(ckpt, field)
     return Resolved(task, recipe, ckpt, model_config)
 
 
@@ -140,8 +141,9 @@ def check_splits(cfg: TrainConfig, task: Task) -> None:
 def policy_task(cfg: TrainConfig, task: Task) -> dict[str, Any]:
     """What a policy's checkpoint records of its task (in ``extra``), so ``quads eval`` evaluates the same
     task, level and held-out split by default: ``task``, ``difficulty`` (resolved), ``dataset``, and
-    ``split_seed`` (a dataset file's train/test split depends on it)."""
-    return {"task": cfg.task.name, "difficulty": getattr(task, "difficulty", None), "dataset": cfg.task.dataset,
+    ``split_seed`` (a dataset file's train/test split depends on it); the dataset as an absolute path."""
+    dataset = str(Path(cfg.task.dataset).resolve()) if cfg.task.dataset else None
+    return {"task": cfg.task.name, "difficulty": getattr(task, "difficulty", None), "dataset": dataset,
             "split_seed": cfg.seed}
 
 
