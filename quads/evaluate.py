@@ -155,8 +155,9 @@ def _task_and_examples(cfg: EvalConfig, extra: dict) -> tuple[Task, list[Example
         task = DatasetTask(dataset, seed=seed)
         examples = task.examples("test", cfg.n_prompts)
         if not examples:
-            raise UsageError(f"--dataset {dataset}: no record falls in the held-out split ({len(task.examples('train'))} "
-                             f"training records, split seed {seed}); evaluate a file with more records")
+            n = len(task.examples("train"))
+            what = "holds no records" if n == 0 else f"has no held-out record ({n} training records, split seed {seed})"
+            raise UsageError(f"--dataset {dataset} {what}; there is nothing to evaluate: pass a file with more records")
         return task, examples, f"dataset {dataset} held-out split (split seed {seed}; {origin})"
     kwargs = {}
     difficulty = cfg.difficulty  # else the level the checkpoint was trained / warm-started on
