@@ -101,7 +101,7 @@ def test_empty_dataset_is_an_error(tmp_path, capsys):
         (tmp_path / name).write_text(text)
         assert main(["eval", "--checkpoint", str(folder), "--dataset", str(tmp_path / name)]) == 2
         err = capsys.readouterr()
-        assert "held-out" in err.err and name in err.err and "pass@1" not in err.out
+        assert "nothing to evaluate" in err.err and name in err.err and "pass@1" not in err.out
 
 
 def test_eval_defaults_to_the_task_and_level_the_policy_trained_on(tmp_path, capsys):
