@@ -3,6 +3,9 @@
 Each subcommand lives in the module named in ``COMMANDS`` and exposes ``register(parser)`` (add its
 flags to an ``argparse`` sub-parser) and ``run(args) -> int``. Modules are imported lazily so that
 ``quads --help`` stays fast and one broken optional dependency does not take down every command.
+
+Exit codes: 0 done, 2 a user mistake (``quads.errors.UsageError``, raised at any depth, printed as one
+line), 130 interrupted (Ctrl-C; one line), anything else as the command documents.
 """
 
 from __future__ import annotations
@@ -53,7 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_missing", None):
         print(args._missing, file=sys.stderr)
         return 2
-    return int(importlib.import_module(args._module).run(args) or 0)
+    from quads.errors import UsageError
+
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except UsageError as e:
+        print(f"quads {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"quads {args.command}: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

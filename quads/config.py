@@ -209,7 +209,13 @@ def build_config(cls: type, yaml_path: str | Path | None = None, args: argparse.
         path = Path(yaml_path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist; pass an existing YAML file")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(f"config file {str(path)!r}{where}: not valid YAML ({problem}); fix the file") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(path)!r}: expected a mapping at top level, got {type(loaded).__name__}")
         data = loaded

@@ -4,6 +4,10 @@ For each prompt we draw ``n_samples`` responses (greedy when ``temperature`` is 
 is enough), count the ``c`` correct ones and use the unbiased estimator of Chen et al. (2021):
 ``pass@k = 1 - C(n - c, k) / C(n, k)``, averaged over prompts (k <= n required). pass@1 reduces to
 ``c / n``. Output: a table and one JSON line (``{"metric": "eval", ...}``).
+
+Without ``--task`` / ``--dataset`` the checkpoint's own task and level are evaluated (``quads train``
+and ``quads pretrain`` record them in the checkpoint); the line printed first names what is evaluated
+and why. A dataset file is scored on its held-out split, the same hash split training used.
 """
 
 from __future__ import annotations
@@ -19,15 +23,17 @@ from pathlib import Path
 import torch
 
 from quads.config import add_dataclass_args, build_config
+from quads.errors import UsageError
 from quads.tasks import Example, Task, get_task
 
 
 @dataclass
 class EvalConfig:
-    checkpoint: str = ""  # checkpoint folder (quads save_checkpoint, with its tokenizer)
-    task: str | None = "arithmetic"  # a registered task; its held-out ("test") split is evaluated
-    difficulty: int | None = None  # task difficulty; None = the checkpoint's warm-start level, else the default
-    dataset: str | None = None  # a jsonl/parquet file instead of a task (all records are evaluated)
+    checkpoint: str = ""  # checkpoint folder (quads pretrain / train, with its tokenizer) or Hugging Face folder
+    task: str | None = None  # a registered task (its held-out split); None = the checkpoint's task, else arithmetic
+    difficulty: int | None = None  # task difficulty; None = the checkpoint's level when it is that task, else the default
+    dataset: str | None = None  # a jsonl/parquet file instead of a task (its held-out split, as in training)
+    split_seed: int | None = None  # seed of a dataset's train/test split; None = the checkpoint's training seed, else 0
     n_prompts: int = 200  # held-out prompts evaluated (the first n of the split)
     n_samples: int = 1  # responses per prompt (n in the estimator)
     k: tuple[int, ...] = (1,)  # the k of pass@k; each <= n_samples
@@ -111,13 +117,14 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(cfg: EvalConfig):
-    from quads.model.checkpoint import load_checkpoint
-    from quads.model.tokenizer import load_tokenizer
+    from quads.errors import check_device
+    from quads.model.checkpoint import load_model
 
     if not cfg.checkpoint:
-        raise ValueError("--checkpoint is required (a folder written by quads pretrain / train)")
-    model, extra = load_checkpoint(cfg.checkpoint, device=cfg.device)
-    tokenizer = load_tokenizer(cfg.checkpoint)
+        raise UsageError("--checkpoint is required (a folder written by quads pretrain / train, or a Hugging Face "
+                         "model folder)")
+    check_device(cfg.device, "device")
+    model, tokenizer, extra = load_model(cfg.checkpoint, device=cfg.device, field="--checkpoint")
     if cfg.recipe is not None:
         from quads.quant import quantize_model
 
@@ -126,22 +133,45 @@ def _load(cfg: EvalConfig):
 
 
 def _task_and_examples(cfg: EvalConfig, extra: dict) -> tuple[Task, list[Example], str]:
-    if cfg.dataset is not None:
-        from quads.tasks import DatasetTask, load_dataset
+    """The task and held-out examples to score; by default the task and level the checkpoint records
+    (``extra`` of quads pretrain / train: ``task``, ``difficulty``, ``dataset``, ``split_seed``)."""
+    dataset, name, origin = cfg.dataset, cfg.task, "as asked"
+    if dataset is None and name is None:
+        if extra.get("task") == "dataset" and extra.get("dataset"):
+            dataset, origin = extra["dataset"], "the checkpoint's task"
+        else:
+            name = extra.get("task") or "arithmetic"
+            origin = "the checkpoint's task" if extra.get("task") else "the default task (the checkpoint records none)"
+    if dataset is not None:
+        from quads.tasks import DatasetTask
 
-        task = DatasetTask(cfg.dataset)
-        return task, load_dataset(cfg.dataset)[:cfg.n_prompts], f"dataset {cfg.dataset}"
-    if cfg.task is None:
-        raise ValueError("give --task NAME or --dataset FILE")
+        seed = cfg.split_seed
+        if seed is None:
+            trained_on = extra.get("dataset")
+            same = trained_on is not None and Path(trained_on).resolve() == Path(dataset).resolve()
+            seed = extra.get("split_seed", 0) if same else 0
+        if not Path(dataset).is_file():
+            raise UsageError(f"--dataset: file {str(dataset)!r} does not exist")
+        task = DatasetTask(dataset, seed=seed)
+        examples = task.examples("test", cfg.n_prompts)
+        if not examples:
+            n = len(task.examples("train"))
+            what = "holds no records" if n == 0 else f"has no held-out record ({n} training records, split seed {seed})"
+            raise UsageError(f"--dataset {dataset} {what}; there is nothing to evaluate: pass a file with more records")
+        return task, examples, f"dataset {dataset} held-out split (split seed {seed}; {origin})"
     kwargs = {}
-    difficulty = cfg.difficulty  # else the level the checkpoint was warm-started on (extra of quads pretrain)
-    if difficulty is None and extra.get("task") == cfg.task:
+    difficulty = cfg.difficulty  # else the level the checkpoint was trained / warm-started on
+    if difficulty is None and extra.get("task") == name:
         difficulty = extra.get("difficulty")
     if difficulty is not None:
         kwargs["difficulty"] = difficulty
-    task = get_task(cfg.task, **kwargs)
-    desc = f"task {cfg.task}" + (f" (difficulty {difficulty})" if difficulty is not None else "")
-    return task, task.examples("test", cfg.n_prompts), desc + " held-out split"
+    task = get_task(name, **kwargs)
+    level = getattr(task, "difficulty", difficulty)
+    desc = f"task {name}" + (f" (difficulty {level})" if level is not None else "")
+    examples = task.examples("test", cfg.n_prompts)
+    if not examples:
+        raise UsageError(f"{desc}: the held-out split is empty")
+    return task, examples, f"{desc} held-out split ({origin})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"quads eval: {e}", file=sys.stderr)
         return 2
+    print(f"quads eval: evaluating {desc}, {len(examples)} prompts", file=sys.stderr)
     res = evaluate_model(model, tokenizer, task, examples, n_samples=cfg.n_samples, ks=cfg.k,
                          temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                          batch_size=cfg.batch_size, seed=cfg.seed, recipe=cfg.recipe)

@@ -82,8 +82,72 @@ def test_dataset_eval(tmp_path, capsys):
     data.write_text("\n".join(json.dumps({"prompt": f"Q: {i}+1=\n", "answer": str(i + 1)}) for i in range(3)))
     parser = argparse.ArgumentParser()
     register(parser)
+    data.write_text("\n".join(json.dumps({"prompt": f"Q: {i}+1=\n", "answer": str(i + 1)}) for i in range(40)))
+    held_out = get_task("dataset", path=data).examples("test")
+    assert 0 < len(held_out) < 40
     assert run(parser.parse_args(["--checkpoint", str(folder), "--dataset", str(data),
                                   "--max-new-tokens", "4"])) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert line["n_prompts"] == 3 and line["pass@1"] == 0.0  # an untrained model never writes "#i+1"
-    assert get_task("dataset", path=data).examples("test") is not None
+    # the held-out split only, as training holds it out (docs/TASKS.md), not the whole file
+    assert line["n_prompts"] == len(held_out) and "held-out" in line["source"]
+    assert line["pass@1"] == 0.0  # an untrained model never writes "#i+1"
+
+
+def test_empty_dataset_is_an_error(tmp_path, capsys):
+    from quads.cli import main
+
+    _, _, folder = _tiny_checkpoint(tmp_path)
+    for name, text in (("empty.jsonl", ""), ("one.jsonl", json.dumps({"prompt": "Q", "answer": "1"}))):
+        (tmp_path / name).write_text(text)
+        assert main(["eval", "--checkpoint", str(folder), "--dataset", str(tmp_path / name)]) == 2
+        err = capsys.readouterr()
+        assert "nothing to evaluate" in err.err and name in err.err and "pass@1" not in err.out
+
+
+def test_eval_defaults_to_the_task_and_level_the_policy_trained_on(tmp_path, capsys):
+    import argparse
+
+    from quads.rl.build import policy_task
+    from quads.rl.config import TrainConfig
+
+    model, tok, _ = _tiny_checkpoint(tmp_path)
+    cfg = TrainConfig()
+    cfg.task.difficulty = 2
+    extra = {"recipe": "bf16", "step": 1, **policy_task(cfg, get_task("arithmetic", difficulty=2))}
+    folder = save_checkpoint(model, tmp_path / "policy", extra, tokenizer=tok)
+    parser = argparse.ArgumentParser()
+    register(parser)
+    assert run(parser.parse_args(["--checkpoint", str(folder), "--n-prompts", "2", "--max-new-tokens", "2"])) == 0
+    out = capsys.readouterr()
+    line = json.loads(out.out.strip().splitlines()[-1])
+    assert "task arithmetic (difficulty 2)" in line["source"] and "the checkpoint's task" in line["source"]
+    assert "evaluating task arithmetic (difficulty 2)" in out.err
+    # a checkpoint that records no task: the default task, and the output says so
+    assert run(parser.parse_args(["--checkpoint", str(tmp_path / "ckpt"), "--n-prompts", "2",
+                                  "--max-new-tokens", "2"])) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "default task" in line["source"] and "difficulty 6" in line["source"]
+
+
+def test_dataset_eval_holds_out_what_training_held_out(tmp_path, capsys, monkeypatch):
+    import argparse
+
+    from quads.rl.build import policy_task
+    from quads.rl.config import TrainConfig
+    from quads.tasks import DatasetTask
+
+    model, tok, _ = _tiny_checkpoint(tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Q: {i}+2=\n", "answer": str(i + 2)}) for i in range(60)))
+    held_out = {s: [e.prompt for e in DatasetTask(data, seed=s).examples("test")] for s in (0, 3)}
+    assert held_out[0] != held_out[3]  # the split depends on the training seed
+    cfg = TrainConfig(seed=3)
+    cfg.task.name, cfg.task.dataset = "dataset", str(data)
+    folder = save_checkpoint(model, tmp_path / "policy", policy_task(cfg, DatasetTask(data, seed=3)), tokenizer=tok)
+    monkeypatch.chdir(tmp_path)  # the same file named by a relative path
+    parser = argparse.ArgumentParser()
+    register(parser)
+    for argv in (["--dataset", "d.jsonl"], []):  # asked for, and the checkpoint's own task by default
+        assert run(parser.parse_args(["--checkpoint", str(folder), "--max-new-tokens", "2", *argv])) == 0
+        line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert line["n_prompts"] == len(held_out[3]) and "split seed 3" in line["source"]

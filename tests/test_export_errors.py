@@ -130,3 +130,25 @@ def test_cli(run_dir, tmp_path, capsys):
     assert main(["export", "--checkpoint", str(tmp_path / "missing"), "--format", "modelopt",
                  "--out", str(tmp_path / "m")]) == 2
     assert "no such folder" in capsys.readouterr().err and not (tmp_path / "m").exists()
+
+
+def test_force_never_replaces_a_run_a_policy_or_a_foreign_folder(run_dir, tmp_path, capsys):
+    from quads.cli import main
+
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep me")
+    for out in (run_dir, run_dir / "policy", other):
+        assert main(["export", "--checkpoint", str(run_dir), "--format", "bf16", "--out", str(out), "--force"]) == 2
+        err = capsys.readouterr().err
+        assert "never replaced" in err or "holds the checkpoint being exported" in err, err
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
+    assert (other / "todo.txt").read_text() == "keep me"
+    # an earlier export is recognised by its marker and replaced with --force only
+    out = tmp_path / "exp"
+    assert main(["export", "--checkpoint", str(run_dir), "--format", "bf16", "--out", str(out)]) == 0
+    assert main(["export", "--checkpoint", str(run_dir), "--format", "modelopt", "--out", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["export", "--checkpoint", str(run_dir), "--format", "modelopt", "--out", str(out), "--force"]) == 0
+    assert json.loads((out / "quads_export.json").read_text())["format"] == "modelopt"

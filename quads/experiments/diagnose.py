@@ -45,9 +45,11 @@ import torch
 import yaml
 
 from quads.config import add_dataclass_args, build_config, save_config
+from quads.errors import check_device
 from quads.experiments.score import ScoreResult, score_rollout
-from quads.io import atomic_write_text
+from quads.io import atomic_write_text, check_output_dir
 from quads.metrics.mismatch import mismatch_metrics
+from quads.model.checkpoint import check_model_folder
 from quads.quant import LinearSpec, Recipe, dequantize_model, quantize_model
 from quads.quant.diagnostics import layer_errors
 
@@ -59,7 +61,7 @@ DEFAULT_TRAINERS = {"bf16": {}, "w4a16-qat": {"weight": "nvfp4"}, "w4a4-qat": {"
 class DiagnoseConfig:
     """``quads diagnose``: the fixed batch, the grid and where to write."""
 
-    checkpoint: str | None = None  # policy checkpoint folder; None = warm-start `preset` on `task` (cached)
+    checkpoint: str | None = None  # policy checkpoint or Hugging Face folder; None = warm-start `preset` on `task` (cached)
     preset: str = "tiny"  # built-in model preset for the warm start
     task: str = "arithmetic"  # task whose held-out prompts are sampled
     difficulty: int | None = None  # task level; None = the task's default
@@ -142,9 +144,7 @@ def load_grid(path: str) -> Grid:
 
 def _checkpoint(cfg: DiagnoseConfig) -> Path:
     if cfg.checkpoint is not None:
-        if not Path(cfg.checkpoint).is_dir():
-            raise ValueError(f"checkpoint: folder {cfg.checkpoint!r} does not exist; pass a quads checkpoint "
-                             "folder (quads pretrain / the policy/ folder of a quads train run)")
+        check_model_folder(cfg.checkpoint, "checkpoint")
         return Path(cfg.checkpoint)
     from quads.pretrain import PretrainConfig, warm_start
 
@@ -156,13 +156,10 @@ def _checkpoint(cfg: DiagnoseConfig) -> Path:
 
 
 def _load(ckpt: Path, dtype: str, device: str):
-    from quads.model.checkpoint import load_checkpoint, read_checkpoint_config
-    from quads.model.tokenizer import load_tokenizer
-    from quads.model.transformer import MoEForCausalLM
+    from quads.model.checkpoint import load_model
 
-    mcfg, _ = read_checkpoint_config(ckpt)
-    model, _ = load_checkpoint(ckpt, MoEForCausalLM(dataclasses.replace(mcfg, dtype=dtype)))
-    return model.to(device).requires_grad_(False), load_tokenizer(ckpt)
+    model, tok, _ = load_model(ckpt, dtype, device=device, field="checkpoint")
+    return model.requires_grad_(False), tok
 
 
 def _autocast(cfg: DiagnoseConfig) -> contextlib.AbstractContextManager:
@@ -185,6 +182,10 @@ def decompose(cfg: DiagnoseConfig, grid: Grid | None = None, say=print) -> dict[
     if cfg.sample_with not in grid.rollout:
         raise ValueError(f"sample_with {cfg.sample_with!r} is not a rollout variant of the grid; "
                          f"valid: {', '.join(grid.rollout)}")
+    check_device(cfg.device, "device")
+    check_output_dir(cfg.out_dir, "out_dir")
+    if cfg.checkpoint is not None:
+        check_model_folder(cfg.checkpoint, "checkpoint")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()

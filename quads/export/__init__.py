@@ -6,7 +6,8 @@ scales and FP32 global scale the rollout engine computed (``nvfp4.quantize(w.to(
 mode=recipe mode, tile=recipe tile)``), re-expressed in the format's conventions; every other tensor is BF16.
 
 The output is written into a temp folder beside ``--out`` and renamed into place at the end, so a
-failure leaves no half-written folder. ``load_exported`` (in ``importer``) reads any of these back.
+failure leaves no half-written folder. ``--out`` must be new or empty; ``--force`` replaces only an earlier
+export (marked by its ``quads_export.json``), never a run folder, a policy or the source itself. ``load_exported`` (in ``importer``) reads any of these back.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import torch
 from quads.export import bf16, compressed_tensors, modelopt
 from quads.export.plan import ExportPlan, QuantSpec, build_plan
 from quads.export.source import ExportSource, load_source
-from quads.export.writer import staging_dir, write_files, write_json, write_shards
+from quads.export.writer import MARKER_FILE, check_out, staging_dir, write_files, write_json, write_shards
 
 FORMATS: dict[str, ModuleType] = {"compressed-tensors": compressed_tensors, "modelopt": modelopt, "bf16": bf16}
 ACTIVATIONS = ("bf16", "nvfp4")  # W4A16 (weights only) or W4A4 (static activation global scale)
-METADATA_FILE = "quads_export.json"
+METADATA_FILE = MARKER_FILE
 
 
 @dataclass
@@ -46,7 +47,7 @@ class ExportConfig:
     calib_tokens: int = 512  # random calibration tokens when no calib_data
     qdq: bool = False  # bf16 format only: write the NVFP4-dequantized weights of the targets
     max_shard_mb: float = 4096.0  # safetensors shard size (MiB)
-    force: bool = False  # replace an existing non-empty --out
+    force: bool = False  # replace an earlier quads export at --out (nothing else is ever replaced)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -129,6 +130,7 @@ def _linear_names(sd: dict[str, torch.Tensor], plan: ExportPlan) -> list[str]:
 
 
 def export(cfg: ExportConfig) -> ExportResult:
+    check_out(Path(cfg.out), cfg.force, Path(cfg.checkpoint))  # before the expensive work
     src = load_source(cfg.checkpoint)
     notes: list[str] = []
     fmt = FORMATS[cfg.format]
@@ -165,7 +167,7 @@ def export(cfg: ExportConfig) -> ExportResult:
                                             "compute_dtype": str(spec.compute_dtype).removeprefix("torch.")},
         "quantized_tensors": sorted(plan.sources), "notes": notes,
     }
-    with staging_dir(Path(cfg.out), cfg.force) as tmp:
+    with staging_dir(Path(cfg.out), cfg.force, src.checkpoint_dir) as tmp:
         write_shards(tmp, tensors, int(cfg.max_shard_mb * 2**20))
         write_json(tmp / "config.json", config)
         for name, obj in fmt.extra_files(plan, w4a4, linear_names).items():
@@ -191,7 +193,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib-tokens", type=int, default=512, help="random calibration tokens without --calib-data")
     parser.add_argument("--qdq", action="store_true", help="bf16 format: write NVFP4-dequantized target weights")
     parser.add_argument("--max-shard-mb", type=float, default=4096.0, help="safetensors shard size (MiB)")
-    parser.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an earlier quads export at --out (a run folder, a policy or any other "
+                             "non-empty folder is never replaced)")
     parser.add_argument("--seed", type=int, default=0)
 
 

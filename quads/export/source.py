@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import load_file
+
+from quads.model.checkpoint import read_weights
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -101,7 +102,7 @@ def _find_recipe(cfg: Any) -> str | None:
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
-        sd.update(load_file(str(f)))
+        sd.update(read_weights(f))
     return sd
 
 

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from quads.io import atomic_dir
+from quads.errors import UsageError
+from quads.io import atomic_dir, check_output_dir
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -49,12 +50,39 @@ def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
+MARKER_FILE = "quads_export.json"  # every export holds it ({"producer": "quads", ...}): what --force may replace
+
+
+def is_export(folder: Path) -> bool:
+    """Whether ``folder`` is an earlier quads export (its ``quads_export.json`` names quads as producer)."""
+    try:
+        return json.loads((Path(folder) / MARKER_FILE).read_text()).get("producer") == "quads"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_out(out: Path, force: bool, source: Path) -> None:
+    """``out`` may be written: new, empty, or (with ``force``) an earlier export that is not ``source``.
+
+    A run folder, a policy, a checkpoint or any other folder is never replaced, ``--force`` or not.
+    """
+    out = check_output_dir(out, "--out")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    o, src = out.resolve(), Path(source).resolve()
+    if o == src or o in src.parents:
+        raise UsageError(f"--out {out} holds the checkpoint being exported ({source}); pass another folder")
+    if not is_export(out):
+        raise UsageError(f"--out {out} is not empty and is not a quads export (no {MARKER_FILE}); it may be a "
+                         "run folder or a policy, so it is never replaced: pass a new or empty folder")
+    if not force:
+        raise UsageError(f"--out {out} already exists (an earlier quads export); pass --force to replace it")
+
+
 @contextmanager
-def staging_dir(out: Path, force: bool) -> Iterator[Path]:
+def staging_dir(out: Path, force: bool, source: Path) -> Iterator[Path]:
     """Yield an empty temp folder beside ``out``; on success it replaces ``out``, on error it is removed."""
-    out = Path(out)
-    if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out} already exists and is not empty; pass --force to replace it")
+    check_out(out, force, source)
     with atomic_dir(out) as tmp:
         yield tmp
 

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from quads.io import atomic_dir
+from quads.model.checkpoint import check_weights_file, weights_files
 from quads.model.config import ModelConfig
 from quads.model.tokenizer import TOKENIZER_FILE, CharTokenizer, HFTokenizer
 from quads.model.transformer import MoEForCausalLM
@@ -71,17 +72,16 @@ def config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         dtype=dtype, architecture=arch)
 
 
+def folder_dtype(hf: dict[str, Any]) -> str:
+    """The dtype name a transformers ``config.json`` stores its weights in (default bfloat16)."""
+    return _DTYPE_NAMES.get(str(hf.get("dtype", hf.get("torch_dtype", "bfloat16"))), "bfloat16")
+
+
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {str(folder)!r}")
     out: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(folder / name), framework="pt") as f:
+    for path in weights_files(folder):
+        check_weights_file(path)
+        with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 out[key] = f.get_tensor(key)
     return out
@@ -130,7 +130,7 @@ def load_hf_model(folder: str | Path, dtype: str | torch.dtype | None = None, *,
     hf = json.loads((folder / "config.json").read_text())
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
-    dtype = dtype or _DTYPE_NAMES.get(str(hf.get("dtype", hf.get("torch_dtype", "bfloat16"))), "bfloat16")
+    dtype = dtype or folder_dtype(hf)
     cfg = config_from_hf(hf, dtype)
     state = map_hf_state(_read_tensors(folder), cfg)
     with torch.device("meta"):

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from quads.errors import UsageError
 from quads.io import atomic_write_json
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -127,7 +128,8 @@ def load_tokenizer(folder: str | Path) -> CharTokenizer | HFTokenizer:
     """The tokenizer saved in ``folder``: a ``CharTokenizer`` file or an HF ``tokenizer.json``."""
     path = Path(folder) / TOKENIZER_FILE
     if not path.is_file():
-        raise ValueError(f"no {TOKENIZER_FILE} in {str(folder)!r}")
+        raise UsageError(f"no {TOKENIZER_FILE} in {str(folder)!r}; a policy needs its tokenizer: save the checkpoint "
+                         f"with its tokenizer or copy {TOKENIZER_FILE} from the model it came from")
     data = json.loads(path.read_text())
     if data.get("kind") == "char":
         return CharTokenizer(data["alphabet"])

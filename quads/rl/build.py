@@ -1,8 +1,9 @@
 """Everything a run needs before its first step, resolved and checked before the run folder is touched.
 
-``resolve(cfg)`` builds the task, the recipe and the policy checkpoint (warm-starting the built-in
-model when none is given) and raises ``ValueError`` naming the config field on any bad input, so a
-failing run leaves nothing half-written. ``build_models`` then makes the two sides:
+``resolve(cfg)`` builds the task, the recipe and the policy checkpoint (a quads checkpoint or a Hugging
+Face folder; warm-starting the built-in model when none is given) and raises ``ValueError`` naming the
+config field on any bad input (device, task sizes and splits, a damaged or tokenizer-less checkpoint),
+so a failing run leaves nothing half-written. ``build_models`` then makes the two sides:
 
 - trainer: the policy in ``model.master_dtype`` (the optimizer's master weights), quantized with
   ``recipe.trainer``; its forward runs under ``torch.autocast`` to ``dtype`` when that differs from
@@ -21,9 +22,9 @@ from typing import Any
 
 import torch
 
-from quads.model.checkpoint import load_checkpoint, read_checkpoint_config
+from quads.errors import UsageError, check_device
+from quads.model.checkpoint import check_model_folder, load_model
 from quads.model.config import ModelConfig
-from quads.model.tokenizer import load_tokenizer
 from quads.model.transformer import MoEForCausalLM
 from quads.quant import Recipe, get_recipe, quantize_model
 from quads.rl.config import TrainConfig
@@ -99,15 +100,16 @@ def warm_start_checkpoint(cfg: TrainConfig, task: Task | None = None) -> Path:
 
 def resolve(cfg: TrainConfig, *, allow_warm_start: bool = True) -> Resolved:
     """Task, recipe and starting checkpoint, each checked; raises ValueError naming the field."""
+    check_device(cfg.device, "device")
     task = build_task(cfg)
-    if not task.examples("train", 1):
-        raise ValueError(f"task {cfg.task.name!r} has no training examples")
+    check_splits(cfg, task)
     recipe = build_recipe(cfg)
     if cfg.model.checkpoint is not None:
         ckpt = Path(cfg.model.checkpoint)
         if not ckpt.is_dir():
-            raise ValueError(f"model.checkpoint: folder {str(ckpt)!r} does not exist; pass a checkpoint folder "
-                             "(written by quads pretrain / quads train) or leave it unset to warm-start")
+            raise UsageError(f"model.checkpoint: folder {str(ckpt)!r} does not exist; pass a checkpoint folder "
+                             "(written by quads pretrain / quads train), a Hugging Face model folder, or leave it "
+                             "unset to warm-start")
     elif cfg.task.name == "dataset":
         raise ValueError("model.checkpoint: the warm start trains on generated tasks only; pass --model.checkpoint "
                          "<folder> to train on a dataset file")
@@ -115,21 +117,39 @@ def resolve(cfg: TrainConfig, *, allow_warm_start: bool = True) -> Resolved:
         ckpt = warm_start_checkpoint(cfg, task)
     else:
         raise ValueError("model.checkpoint is unset and warm start is disabled")
-    try:
-        model_config, _ = read_checkpoint_config(ckpt)
-    except ValueError as e:
-        raise ValueError(f"model.checkpoint: {e}") from None
+    field = "model.checkpoint" if cfg.model.checkpoint is not None else "the warm start (cached)"
+    model_config = check_model_folder(ckpt, field)
     return Resolved(task, recipe, ckpt, model_config)
 
 
-def load_policy(res: Resolved, dtype: str) -> tuple[MoEForCausalLM, Any]:
-    """The starting policy in ``dtype`` and its tokenizer."""
-    mcfg = dataclasses.replace(res.model_config, dtype=dtype)
-    model, _ = load_checkpoint(res.checkpoint, MoEForCausalLM(mcfg))
+def check_splits(cfg: TrainConfig, task: Task) -> None:
+    """The task offers ``task.train_size`` training prompts and a non-empty held-out split."""
+    where = f"task.dataset {cfg.task.dataset!r}" if cfg.task.name == "dataset" else f"task {cfg.task.name!r}"
     try:
-        tok = load_tokenizer(res.checkpoint)
+        train = task.examples("train", cfg.task.train_size)
     except ValueError as e:
-        raise ValueError(f"model.checkpoint: {e}; save the checkpoint with its tokenizer") from None
+        raise UsageError(f"task.train_size {cfg.task.train_size}: {e}") from None
+    if not train:
+        raise UsageError(f"{where} has no training examples")
+    if not task.examples("test", 1):
+        n = len(train) + len(task.examples("test"))
+        raise UsageError(f"{where}: no example falls in the held-out split ({n} examples; the split keeps a "
+                         f"fixed fraction, {getattr(task, 'test_fraction', '?')}, by prompt hash), so the run "
+                         "could not be evaluated; add examples (a few dozen at least)")
+
+
+def policy_task(cfg: TrainConfig, task: Task) -> dict[str, Any]:
+    """What a policy's checkpoint records of its task (in ``extra``), so ``quads eval`` evaluates the same
+    task, level and held-out split by default: ``task``, ``difficulty`` (resolved), ``dataset``, and
+    ``split_seed`` (a dataset file's train/test split depends on it); the dataset as an absolute path."""
+    dataset = str(Path(cfg.task.dataset).resolve()) if cfg.task.dataset else None
+    return {"task": cfg.task.name, "difficulty": getattr(task, "difficulty", None), "dataset": dataset,
+            "split_seed": cfg.seed}
+
+
+def load_policy(res: Resolved, dtype: str) -> tuple[MoEForCausalLM, Any]:
+    """The starting policy in ``dtype`` and its tokenizer (``quads.model.checkpoint.load_model``)."""
+    model, tok, _ = load_model(res.checkpoint, dtype, field="model.checkpoint")
     return model, tok
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from quads.config import save_config, to_dict
-from quads.io import atomic_write_text
+from quads.io import atomic_write_text, check_output_dir
 from quads.metrics.mismatch import mismatch_metrics
 from quads.metrics.report import write_report
 from quads.model.checkpoint import save_checkpoint
@@ -53,6 +53,7 @@ from quads.rl.checkpoint import (
 from quads.rl.config import TrainConfig
 from quads.rl.correction import is_correction
 from quads.rl.grpo import group_advantages, group_stats, grpo_loss
+from quads.rl.interrupt import StopRequest
 from quads.rl.logprobs import SequenceBatch, forward_logprobs, to_sequence_batch
 from quads.rl.sampler import PromptSampler
 from quads.rollout import RolloutBatch, RolloutEngine, SamplingParams
@@ -98,6 +99,7 @@ def default_run_dir(cfg: TrainConfig) -> Path:
 
 def check_run_dir(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
     """The checkpoint state to resume from (None for a fresh run); refuses to clobber another run."""
+    check_output_dir(run_dir, "out_dir")
     if not cfg.resume:
         if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
             raise ValueError(f"out_dir {str(run_dir)!r} already holds a run; pass --resume true to continue it "
@@ -422,6 +424,7 @@ class GRPOTrainer:
         metrics: dict[str, float] = {}
         last = self.start_step
         t_start = time.monotonic()
+        stop = StopRequest.install(enabled=not self.dist.enabled)  # Ctrl-C: finish the step, save, stop
         try:
             for step in bar:
                 with distributed.collective_guard(self.dist, f"step {step}", latest_checkpoint(self.run_dir)):
@@ -445,15 +448,20 @@ class GRPOTrainer:
                         self._finish(step)
                         raise MismatchGuardError(f"mismatch guard tripped at step {step}: {', '.join(tripped)}; "
                                                  f"checkpoint and report in {self.run_dir}")
-                if (cfg.log.save_every and step % cfg.log.save_every == 0) or step == cfg.steps or out_of_time:
+                if ((cfg.log.save_every and step % cfg.log.save_every == 0) or step == cfg.steps or out_of_time
+                        or stop.requested):
                     self.save(step)
                 if self.on_step_end is not None:
                     self.on_step_end(step, metrics)
+                if stop.requested and step < cfg.steps:
+                    raise KeyboardInterrupt(f"stopped after step {step} with a checkpoint; continue with quads train "
+                                            f"--out-dir {self.run_dir} --resume true")
                 if out_of_time:
                     self._say(f"step {step}: time limit of {cfg.time_limit_s:g}s reached; stopping early "
                               f"(resume=true continues from step {step}, with time_limit_s counted afresh)")
                     break
         finally:
+            stop.restore()
             bar.close()
             if self.writer is not None:
                 self.writer.close()
@@ -467,7 +475,8 @@ class GRPOTrainer:
             export = MoEForCausalLM(self.res.model_config)
             names = set(export.state_dict())
             export.load_state_dict({k: v for k, v in full.items() if k in names})
-            save_checkpoint(export, policy_dir, extra={"recipe": self.res.recipe.name, "step": step},
+            save_checkpoint(export, policy_dir, extra={"recipe": self.res.recipe.name, "step": step,
+                                                       **build.policy_task(self.cfg, self.res.task)},
                             tokenizer=self.tokenizer)
             report = write_report(self.run_dir)
         report = distributed.broadcast_object(report, self.dist)
