@@ -147,6 +147,11 @@ def test_no_temp_folder_left_behind(tmp_path, monkeypatch):
         assert list(tmp_path.iterdir()) == []
 
 
+def test_stdin_reaches_the_program():
+    for kw in (FAST, PROCESS):
+        assert run_python("print(input()[::-1])", stdin="abc\n", **kw).stdout == "cba\n"
+
+
 def test_output_without_a_trailing_newline_keeps_its_results():
     res = run_python("print('hi', end='')\ndef f(x): return x + 1", tests=[(1,)], **FAST)
     assert res.ok and res.test_results == [("ok", "2")] and res.stdout == "hi"

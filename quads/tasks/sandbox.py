@@ -42,10 +42,12 @@ compares nothing itself: the caller compares the results with its expected value
 from __future__ import annotations
 
 import ast
+import functools
 import glob
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -78,7 +80,7 @@ if _cfg["hook"]:
     if os.geteuid() == 0 and _cfg["netns"]:
         import ctypes
         if ctypes.CDLL(None, use_errno=True).unshare(0x40000000) != 0:  # CLONE_NEWNET
-            print("sandbox: unshare(CLONE_NEWNET) failed", file=sys.stderr)
+            raise SystemExit("sandbox: unshare(CLONE_NEWNET) failed; the program does not run")
     import socket, _socket
     def _no_network(*a, **k):
         raise PermissionError("sandbox: network access is not allowed")
@@ -209,8 +211,9 @@ _HOW_TO = ("install bubblewrap and util-linux (Debian/Ubuntu as root: apt-get in
            "in the run's config.yaml)")
 
 
-def missing_layers(level: str) -> list[str]:
-    """What this machine lacks for ``level`` (empty: it can be set up)."""
+def missing_layers(level: str, cgroup_check: bool = True) -> list[str]:
+    """What this machine lacks for ``level`` (empty: it can be set up); ``cgroup_check=False`` skips
+    making a test control group (``run_python`` makes its own and fails if it cannot)."""
     if level not in ISOLATION_LEVELS:
         raise ValueError(f"isolation must be one of {ISOLATION_LEVELS}, got {level!r}")
     if level == "process":
@@ -226,7 +229,7 @@ def missing_layers(level: str) -> list[str]:
             missing.append(f"{tool} (Debian package {pkg})")
     if (why := seccomp.supported()) is not None:
         missing.append(f"seccomp filter: {why}")
-    if level == "full" and not missing and (why := cgroup.available()) is not None:
+    if level == "full" and cgroup_check and not missing and (why := cgroup.available()) is not None:
         missing.append(why)
     return missing
 
@@ -290,6 +293,12 @@ def _top_dirs() -> set[str]:
     return {Path(p).parts[1] for p in _python_paths()[0]}
 
 
+@functools.cache
+def _seccomp_filter() -> bytes:
+    return seccomp.sandbox_filter()
+
+
+@functools.cache
 def _python_paths() -> tuple[list[str], list[str]]:
     """(read-only binds, folders hidden under an empty tmpfs) that make the interpreter run."""
     exe = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
@@ -298,9 +307,10 @@ def _python_paths() -> tuple[list[str], list[str]]:
     libdir = sysconfig.get_config_var("LIBDIR")
     if sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir:
         binds += sorted(glob.glob(os.path.join(os.path.realpath(libdir), "libpython*.so*")))
-    binds = [p for p in binds if not p.startswith(("/usr/lib/", "/usr/lib64/"))]
-    hidden = [p for p in {os.path.realpath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")}
-              if p.startswith(stdlib + os.sep) and os.path.isdir(p)]
+    binds = [exe] + [p for p in binds[1:] if not p.startswith(("/usr/lib/", "/usr/lib64/"))]  # exe first
+    base = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})
+    hidden = sorted(p for p in {os.path.realpath(base[k]) for k in ("purelib", "platlib")}
+                    if p.startswith(stdlib + os.sep) and os.path.isdir(p))
     return binds, hidden
 
 
@@ -348,6 +358,25 @@ def _read_head(f, limit: int) -> tuple[str, int]:
     size = os.fstat(f.fileno()).st_size
     f.seek(0)
     return f.read(limit).decode("utf-8", errors="replace"), size
+
+
+def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """True when ``proc`` exits within ``timeout_s``; a pidfd wakes at once (``Popen.wait(timeout)``
+    polls with sleeps of up to 50 ms)."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        try:
+            proc.wait(timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(timeout_s * 1000))
+    finally:
+        os.close(fd)
 
 
 def _kill_group(pgid: int) -> None:
@@ -415,46 +444,42 @@ def run_python(
             argv = [sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, str(fds[0])]
             env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
         else:
-            missing = [m for m in missing_layers(level) if not m.startswith("cannot create a control group")]
+            missing = missing_layers(level, cgroup_check=False)
             if missing:
                 return SandboxResult(False, "", "", None, f"sandbox unavailable ({level}): " + "; ".join(missing),
                                      0.0)
             fds.append(_memfd("quads-sandbox-cfg", json.dumps(cfg).encode()))
-            fds.append(_memfd("quads-sandbox-seccomp", seccomp.sandbox_filter()))
+            fds.append(_memfd("quads-sandbox-seccomp", _seccomp_filter()))
             argv = [*_bwrap_argv(lim, fds[1]), "-I", "-S", "-B", "-c", _BOOTSTRAP, str(fds[0])]
             env = {}
             if level == "full":
                 group = cgroup.Cgroup.create(f"quads-sandbox-{os.getpid()}-{secrets.token_hex(6)}",
                                              lim.memory_mb << 20, lim.max_threads + 2)
             argv = ["/bin/sh", "-c", _JOIN, "sh", *(group.procs_files() if group else []), "--", *argv]
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        with tempfile.TemporaryFile() as inp, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            inp.write(stdin.encode())
+            inp.seek(0)
             try:
-                proc = subprocess.Popen(argv, cwd=work or "/", env=env, stdin=subprocess.PIPE, stdout=out,
-                                        stderr=err, start_new_session=True, close_fds=True, pass_fds=fds)
+                proc = subprocess.Popen(argv, cwd=work or "/", env=env, stdin=inp, stdout=out, stderr=err,
+                                        start_new_session=True, close_fds=True, pass_fds=fds)
             except OSError as e:
                 return SandboxResult(False, "", "", None, f"could not start the sandbox: {e}", 0.0)
             for fd in fds:
                 os.close(fd)
             fds = []
-            timed_out = False
             try:
-                proc.communicate(stdin.encode(), timeout=lim.wall_time_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill_group(proc.pid)
-                proc.wait()
-            except BrokenPipeError:
+                timed_out = not _wait_exit(proc, lim.wall_time_s)
+                if timed_out:
+                    _kill_group(proc.pid)
                 proc.wait()
             finally:
-                _kill_group(proc.pid)  # stragglers of the group, if any escaped the fork block
+                _kill_group(proc.pid)  # the launcher's group (its sandbox dies with it: --die-with-parent)
             duration = time.monotonic() - start
             stdout, out_size = _read_head(out, lim.max_output_bytes)
             stderr, err_size = _read_head(err, lim.max_output_bytes)
         rc = proc.returncode
         if level != "process" and rc is not None and 128 < rc < 128 + 65:
             rc = 128 - rc  # bwrap reports a child killed by signal N as 128 + N
-        if rc == 125 and group is not None and not stdout and not stderr:
-            return SandboxResult(False, "", "", rc, "sandbox error: could not join the control group", duration)
         results, test_error = None, None
         if tests is not None:
             results, test_error, stdout = _parse_results(stdout, nonce)
