@@ -82,6 +82,22 @@ attempt("absolute", lambda: steal({str(trainer_dir / dataset_name)!r}))
 for p in [p for p in os.listdir("/proc") if p.isdigit()]:
     attempt("proc_cwd_" + p, lambda: steal("/proc/%s/cwd/{dataset_name}" % p))
 attempt("environ", lambda: [v for v in os.environ.values() if "x*7919" in v][0])
+def in_proc_files():  # the answer key in any process's command line or environment, or in open files
+    for p in [p for p in os.listdir("/proc") if p.isdigit()]:
+        for name in ("cmdline", "environ"):
+            try:
+                if b"39608" in open("/proc/%s/%s" % (p, name), "rb").read():
+                    return p, name
+            except OSError:
+                pass
+        for fd in os.listdir("/proc/%s/fd" % p) if p == str(os.getpid()) else []:
+            try:
+                if b"39608" in os.pread(int(fd), 1 << 20, 0):
+                    return p, fd
+            except OSError:
+                pass
+    raise LookupError("not found")
+attempt("proc_files", in_proc_files)
 calls = [0]
 def f(x):
     calls[0] += 1
@@ -109,7 +125,7 @@ def test_answer_key_is_out_of_reach(tmp_path, monkeypatch):
     full = task.score(example, attack)
     assert full.reward == 0.0 and not full.correct, full
     res = run_python(attack, limits=FAST)
-    got = _outcomes(res, ["ppid_cwd", "absolute", "proc_cwd_1", "environ"])
+    got = _outcomes(res, ["ppid_cwd", "absolute", "proc_cwd_1", "environ", "proc_files"])
     assert all(v == "BLOCKED" for v in got.values()), res.stdout
     assert "proc_cwd_3" not in got  # /proc holds only the sandbox's two processes
 
@@ -175,6 +191,7 @@ attempt("pidfd", lambda: c_call("syscall", 434, 1, 0))
 attempt("mount", lambda: c_call("mount", b"none", b"/tmp", b"tmpfs", 0, None))
 attempt("chroot", lambda: c_call("chroot", b"/tmp"))
 attempt("setuid0", lambda: os.setuid(0))
+attempt("dirfd_write", lambda: os.open("escaped", os.O_CREAT | os.O_WRONLY, dir_fd=os.open("/usr/lib", os.O_RDONLY)))
 attempt("sys", lambda: os.listdir("/sys"))
 for i, p in enumerate({host_files!r}):
     def write(p=p):
@@ -186,7 +203,7 @@ for i, p in enumerate({host_files!r}):
     try:
         res = run_python(code, limits=FAST)
         names = ["setns_open", "setns_call", "tcp", "ptrace", "ptrace_me", "mem_init", "mem_trainer", "vm_readv",
-                 "kill_trainer", "kill_init", "kill_all", "pidfd", "mount", "chroot", "setuid0", "sys"]
+                 "kill_trainer", "kill_init", "kill_all", "pidfd", "mount", "chroot", "setuid0", "dirfd_write", "sys"]
         got = _outcomes(res, names + [f"write_{i}" for i in range(len(host_files))])
         assert all(got[n] == "BLOCKED" for n in names), res.stdout
         with pytest.raises(BlockingIOError):
@@ -243,11 +260,10 @@ except OSError as e:
     print("SHM", e)
 print("DONE")
 """
-    groups_before = _sandbox_cgroups()
     res = run_python(hostile, limits=FAST)
     assert res.ok and "DONE" in res.stdout, res
     assert [p for p in os.listdir("/tmp") + os.listdir("/dev/shm") if token in p] == []
-    assert _sandbox_cgroups() <= groups_before
+    assert _sandbox_cgroups() == set()
     # the process level keeps a host folder: its removal must survive the same program and never raise
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     res = run_python(hostile, limits=SandboxLimits(cpu_time_s=5, wall_time_s=20.0, isolation="process"))
@@ -259,9 +275,10 @@ print("DONE")
 
 
 def _sandbox_cgroups() -> set[str]:
+    """This process's sandbox control groups (other test workers make their own meanwhile)."""
     out = set()
     for root, _dirs, _files in os.walk("/sys/fs/cgroup"):
-        if os.path.basename(root).startswith("quads-sandbox-"):
+        if os.path.basename(root).startswith(f"quads-sandbox-{os.getpid()}-"):
             out.add(root)
     return out
 
