@@ -58,12 +58,12 @@ def test_normal_program_and_tests():
 
 
 def test_infinite_loop_hits_cpu_limit():
-    res = _run_and_check("while True:\n    pass")
+    res = _run_and_check("while True:\n    pass", wall_time_s=15.0)  # 1 CPU-s can take seconds on a busy machine
     assert not res.ok and "cpu time limit" in res.reason
 
 
 def test_sleeping_program_hits_wall_limit():
-    res = _run_and_check("import time\ntime.sleep(60)", wall_time_s=1.0)
+    res = _run_and_check("import time\ntime.sleep(60)")
     assert not res.ok and res.reason.startswith("timeout") and res.duration < 10
 
 

@@ -64,6 +64,7 @@ from quads.tasks import cgroup, seccomp
 ISOLATION_LEVELS = ("full", "no-cgroup", "process")
 SANDBOX_UID = 65534  # nobody
 _default_isolation = "full"
+_lingering: list[cgroup.Cgroup] = []  # groups not yet removable after their run (see wait_for_cleanup)
 
 _BOOTSTRAP = r'''
 import json, os, resource, sys
@@ -494,10 +495,21 @@ def run_python(
     finally:
         for fd in fds:
             os.close(fd)
-        if group is not None:
-            group.destroy()
+        if group is not None and not group.destroy():
+            _lingering.append(group)  # still exiting (a busy machine): removed by a later run
+        if _lingering:
+            wait_for_cleanup(0.0)
         if work is not None:
             _remove_tree(work)
+
+
+def wait_for_cleanup(timeout_s: float) -> bool:
+    """Retry removing control groups whose processes were still exiting when their run ended;
+    True when none is left."""
+    for g in list(_lingering):
+        if g.destroy(timeout_s):
+            _lingering.remove(g)
+    return not _lingering
 
 
 def _parse_results(stdout: str, nonce: str) -> tuple[list[tuple[str, str]] | None, str | None, str]:
