@@ -63,8 +63,9 @@ def test_infinite_loop_hits_cpu_limit():
 
 
 def test_sleeping_program_hits_wall_limit():
-    res = _run_and_check("import time\ntime.sleep(60)")
-    assert not res.ok and res.reason.startswith("timeout") and res.duration < 10
+    for kw in ({}, dict(limits=SandboxLimits(cpu_time_s=1, wall_time_s=3.0, isolation="no-cgroup"))):
+        res = _run_and_check("import time\ntime.sleep(60)", **kw)  # without a cgroup: --die-with-parent
+        assert not res.ok and res.reason.startswith("timeout") and res.duration < 10
 
 
 def test_fork_bomb_is_blocked():

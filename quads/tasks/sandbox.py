@@ -315,10 +315,10 @@ def _python_paths() -> tuple[list[str], list[str]]:
     return binds, hidden
 
 
-def _bwrap_argv(lim: SandboxLimits, seccomp_fd: int) -> list[str]:
+def _bwrap_argv(lim: SandboxLimits, seccomp_fd: int, info_fd: int) -> list[str]:
     binds, hidden = _python_paths()
     setpriv = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")
-    argv = ["bwrap", "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-net",
+    argv = ["bwrap", "--info-fd", str(info_fd), "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-net",
             "--unshare-uts", "--unshare-cgroup", "--hostname", "sandbox", "--clearenv",
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LC_ALL", "C.UTF-8", "--setenv", "HOME", "/tmp"]
     parents = {str(q) for p in ["/usr/lib/", *binds, setpriv] for q in Path(p).parents if str(q) != "/"}
@@ -380,6 +380,26 @@ def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> bool:
         os.close(fd)
 
 
+def _wait_namespace_gone(info_fd: int, timeout_s: float = 2.0) -> None:
+    """Wait until the sandbox's PID namespace init (its host pid comes from ``bwrap --info-fd``) has
+    exited: it exits only after every other process of the namespace is gone."""
+    try:
+        os.set_blocking(info_fd, False)
+        pid = int(json.loads(os.read(info_fd, 4096))["child-pid"])
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if not f.read().startswith(b"bwrap\0"):
+                return  # gone, and the pid already reused
+        fd = os.pidfd_open(pid)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no info (bwrap failed before the namespace) or the init is gone already
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.poll(timeout_s * 1000)
+    finally:
+        os.close(fd)
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -432,6 +452,7 @@ def run_python(
     nonce = "@@quads-" + secrets.token_hex(8) + "@@"
     start = time.monotonic()
     fds: list[int] = []
+    info_r: int | None = None
     work: Path | None = None
     group: cgroup.Cgroup | None = None
     try:
@@ -451,7 +472,9 @@ def run_python(
                                      0.0)
             fds.append(_memfd("quads-sandbox-cfg", json.dumps(cfg).encode()))
             fds.append(_memfd("quads-sandbox-seccomp", _seccomp_filter()))
-            argv = [*_bwrap_argv(lim, fds[1]), "-I", "-S", "-B", "-c", _BOOTSTRAP, str(fds[0])]
+            info_r, info_w = os.pipe()
+            fds.append(info_w)
+            argv = [*_bwrap_argv(lim, fds[1], info_w), "-I", "-S", "-B", "-c", _BOOTSTRAP, str(fds[0])]
             env = {}
             if level == "full":
                 group = cgroup.Cgroup.create(f"quads-sandbox-{os.getpid()}-{secrets.token_hex(6)}",
@@ -475,6 +498,8 @@ def run_python(
                 proc.wait()
             finally:
                 _kill_group(proc.pid)  # the launcher's group (its sandbox dies with it: --die-with-parent)
+                if info_r is not None:
+                    _wait_namespace_gone(info_r)
             duration = time.monotonic() - start
             stdout, out_size = _read_head(out, lim.max_output_bytes)
             stderr, err_size = _read_head(err, lim.max_output_bytes)
@@ -493,7 +518,7 @@ def run_python(
         return SandboxResult(False, "", "", None, f"sandbox error: {type(e).__name__}: {e}",
                              time.monotonic() - start)
     finally:
-        for fd in fds:
+        for fd in fds + ([info_r] if info_r is not None else []):
             os.close(fd)
         if group is not None and not group.destroy():
             _lingering.append(group)  # still exiting (a busy machine): removed by a later run
