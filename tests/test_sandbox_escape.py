@@ -287,6 +287,7 @@ def _sandbox_cgroups() -> set[str]:
 
 
 def test_fails_closed_when_a_layer_is_missing(monkeypatch):
+    monkeypatch.setattr(sandbox, "_default_isolation", "full")  # restored after the test
     real_which = sandbox.shutil.which
     monkeypatch.setattr(sandbox.shutil, "which", lambda name, path=None: None if name == "bwrap" else
                         real_which(name, path=path))
@@ -301,18 +302,39 @@ def test_fails_closed_when_a_layer_is_missing(monkeypatch):
         require_isolation("full")
     require_isolation("no-cgroup")  # the explicit opt-in still has every other layer
     assert sandbox._default_isolation == "no-cgroup"
-    monkeypatch.setattr(sandbox, "_default_isolation", "full")
+
+
+@pytest.mark.parametrize("drop, complaint", [
+    (("--unshare-net",), "network namespace"),
+    (("--unshare-pid",), "PID namespace"),
+    (("--seccomp",), "seccomp filter not active"),
+    (("--clear-groups", "--reuid=65534", "--regid=65534"), "uid/gid"),
+])
+def test_start_up_probe_notices_a_missing_layer(monkeypatch, drop, complaint):
+    real = sandbox._bwrap_argv
+
+    def weakened(*args):
+        argv = real(*args)
+        if "--seccomp" in drop:
+            i = argv.index("--seccomp")
+            return argv[:i] + argv[i + 2:]
+        return [a for a in argv if a not in drop]
+
+    monkeypatch.setattr(sandbox, "_bwrap_argv", weakened)
+    monkeypatch.setattr(sandbox, "_default_isolation", "full")  # restored after the test
+    with pytest.raises(SandboxUnavailable, match=complaint):
+        require_isolation("full")
+    assert sandbox._default_isolation == "full"
 
 
 def test_train_refuses_code_task_without_its_sandbox(monkeypatch):
     from quads.rl.build import build_task
     from quads.rl.config import TaskSection, TrainConfig
 
+    monkeypatch.setattr(sandbox, "_default_isolation", "full")  # restored after the test
     monkeypatch.setattr(cgroup, "available", lambda: "cannot create a control group (test)")
     with pytest.raises(ValueError, match="task.sandbox: the code sandbox cannot run at isolation level 'full'"):
         build_task(TrainConfig(task=TaskSection(name="code")))
     assert build_task(TrainConfig(task=TaskSection(name="arithmetic"))).name == "arithmetic"
-    monkeypatch.setattr(sandbox, "_default_isolation", "full")
     build_task(TrainConfig(task=TaskSection(name="code", sandbox="no-cgroup")))
     assert sandbox._default_isolation == "no-cgroup"
-    monkeypatch.setattr(sandbox, "_default_isolation", "full")
