@@ -3,6 +3,21 @@
 # A machine whose python already has a CUDA build of torch keeps it (the venv sees system packages);
 # elsewhere torch==2.13.0 (CPU) is installed first, so no multi-GB CUDA wheel is pulled in.
 set -euo pipefail
+# The code sandbox (quads/tasks/sandbox.py, docs/TASKS.md) runs programs through bwrap and setpriv;
+# without them it refuses to run code (fails closed). Installed here when apt-get is there and we are
+# root; elsewhere this step only says what is missing, it never fails the set-up.
+if ! command -v bwrap >/dev/null 2>&1 || ! command -v setpriv >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing bubblewrap and util-linux (the code sandbox)"
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -q bubblewrap util-linux >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap util-linux >/dev/null 2>&1; }; } \
+      || echo "[setup] could not install bubblewrap: the code sandbox will refuse to run (see docs/TASKS.md)"
+  else
+    echo "[setup] bwrap or setpriv missing (packages bubblewrap, util-linux) and no apt-get as root:" \
+         "the code sandbox will refuse to run until they are installed (see docs/TASKS.md)"
+  fi
+fi
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 has_cuda_torch=$("$PYTHON" - <<'PY' 2>/dev/null || echo no

@@ -48,6 +48,27 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def build_task(cfg: TrainConfig) -> Task:
+    task = _build_task(cfg)
+    _require_sandbox(cfg, task)
+    return task
+
+
+def _require_sandbox(cfg: TrainConfig, task: Task) -> None:
+    """Fail closed: a task that runs model-written code needs its sandbox level set up here."""
+    if cfg.task.name == "dataset":
+        runs_code = any(e.data_source == "code" for s in ("train", "test") for e in task.examples(s))
+    else:
+        runs_code = cfg.task.name == "code"
+    if runs_code:
+        from quads.tasks.sandbox import SandboxUnavailable, require_isolation
+
+        try:
+            require_isolation(cfg.task.sandbox)
+        except SandboxUnavailable as e:
+            raise ValueError(f"task.sandbox: {e}") from None
+
+
+def _build_task(cfg: TrainConfig) -> Task:
     t = cfg.task
     if t.name == "dataset" or t.dataset is not None:
         if t.name != "dataset":

@@ -60,6 +60,7 @@ class TaskSection:
     difficulty: int | None = None  # task difficulty level; None = the task's default
     dataset: str | None = None  # jsonl/parquet file with verl-style fields, replaces the generated train split
     train_size: int = 4000  # training prompts drawn from the task (sampled with replacement by the sampler)
+    sandbox: Literal["full", "no-cgroup", "process"] = "full"  # code isolation, weaker = opt-in (docs/TASKS.md)
 
     def __post_init__(self) -> None:
         _positive("task", train_size=self.train_size)
