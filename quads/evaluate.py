@@ -19,12 +19,13 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from quads.config import add_dataclass_args, build_config
 from quads.errors import UsageError
-from quads.tasks import Example, Task, get_task
+from quads.tasks import Example, Task, get_task, require_sandbox
 
 
 @dataclass
@@ -43,6 +44,7 @@ class EvalConfig:
     recipe: str | None = None  # rollout precision recipe (quads.quant); None = the checkpoint as stored
     seed: int = 0  # sampling seed
     device: str = "cpu"
+    sandbox: Literal["full", "no-cgroup", "process"] = "full"  # code isolation, weaker = opt-in (docs/TASKS.md)
 
     def __post_init__(self) -> None:
         if self.n_prompts < 1 or self.n_samples < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
@@ -179,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = build_config(EvalConfig, getattr(args, "config", None), args, skip=("config",))
         model, tokenizer, extra = _load(cfg)
         task, examples, desc = _task_and_examples(cfg, extra)
+        require_sandbox({e.data_source for e in examples}, cfg.sandbox)
     except ValueError as e:
         print(f"quads eval: {e}", file=sys.stderr)
         return 2

@@ -338,3 +338,26 @@ def test_train_refuses_code_task_without_its_sandbox(monkeypatch):
     assert build_task(TrainConfig(task=TaskSection(name="arithmetic"))).name == "arithmetic"
     build_task(TrainConfig(task=TaskSection(name="code", sandbox="no-cgroup")))
     assert sandbox._default_isolation == "no-cgroup"
+
+
+def test_eval_refuses_code_task_without_its_sandbox(monkeypatch, tmp_path, capsys):
+    """quads eval on a code task checks its sandbox level before any scoring, as train does."""
+    from quads import evaluate
+    from quads.model.checkpoint import save_checkpoint
+    from quads.model.config import ModelConfig
+    from quads.model.tokenizer import CharTokenizer
+    from quads.model.transformer import MoEForCausalLM
+
+    monkeypatch.setattr(sandbox, "_default_isolation", "full")
+    monkeypatch.setattr(cgroup, "available", lambda: "cannot create a control group (test)")
+    tok = CharTokenizer()
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                      head_dim=16, n_experts=4, top_k=2, moe_intermediate_size=32, max_seq_len=64)
+    save_checkpoint(MoEForCausalLM(cfg), tmp_path / "ckpt", tokenizer=tok)
+    scored = []
+    monkeypatch.setattr(evaluate, "evaluate_model", lambda *a, **k: scored.append(1))
+    from quads.cli import main
+
+    assert main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--task", "code", "--n-prompts", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "sandbox: the code sandbox cannot run at isolation level 'full'" in err and not scored

@@ -28,7 +28,7 @@ from quads.model.config import ModelConfig
 from quads.model.transformer import MoEForCausalLM
 from quads.quant import Recipe, get_recipe, quantize_model
 from quads.rl.config import TrainConfig
-from quads.tasks import Task, get_task
+from quads.tasks import Task, get_task, require_sandbox
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -49,23 +49,10 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def build_task(cfg: TrainConfig) -> Task:
     task = _build_task(cfg)
-    _require_sandbox(cfg, task)
+    sources = ({e.data_source for s in ("train", "test") for e in task.examples(s)} if cfg.task.name == "dataset"
+               else {cfg.task.name})
+    require_sandbox(sources, cfg.task.sandbox, "task.sandbox")
     return task
-
-
-def _require_sandbox(cfg: TrainConfig, task: Task) -> None:
-    """Fail closed: a task that runs model-written code needs its sandbox level set up here."""
-    if cfg.task.name == "dataset":
-        runs_code = any(e.data_source == "code" for s in ("train", "test") for e in task.examples(s))
-    else:
-        runs_code = cfg.task.name == "code"
-    if runs_code:
-        from quads.tasks.sandbox import SandboxUnavailable, require_isolation
-
-        try:
-            require_isolation(cfg.task.sandbox)
-        except SandboxUnavailable as e:
-            raise ValueError(f"task.sandbox: {e}") from None
 
 
 def _build_task(cfg: TrainConfig) -> Task:

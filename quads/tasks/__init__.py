@@ -22,6 +22,19 @@ TASKS: dict[str, type] = {
 }
 
 
+def require_sandbox(data_sources: set[str], level: str, field: str = "sandbox") -> None:
+    """Fail closed: when a verifier among ``data_sources`` runs model-written code (``code``), the
+    sandbox must run at ``level`` on this machine (``sandbox.require_isolation``); a ``ValueError``
+    names the config ``field``, what is missing and how to install it. Tasks that run no code need nothing."""
+    if "code" in data_sources:
+        from quads.tasks.sandbox import SandboxUnavailable, require_isolation
+
+        try:
+            require_isolation(level)
+        except SandboxUnavailable as e:
+            raise ValueError(f"{field}: {e}") from None
+
+
 def get_task(name: str, **kwargs: Any) -> Task:
     """A task by name; ``kwargs`` go to its constructor (``difficulty``, ``seed``, ``path`` ...)."""
     if name not in TASKS:
@@ -32,5 +45,5 @@ def get_task(name: str, **kwargs: Any) -> Task:
         raise ValueError(f"task {name!r}: bad arguments {sorted(kwargs)}: {e}") from None
 
 
-__all__ = ["Example", "Score", "Task", "TASKS", "get_task", "load_dataset", "split_of",
+__all__ = ["Example", "Score", "Task", "TASKS", "get_task", "load_dataset", "require_sandbox", "split_of",
            "ArithmeticTask", "CountdownTask", "CodeTask", "DatasetTask"]
