@@ -243,3 +243,18 @@ def test_generate_rollout_batch(engine, policy):
             ref = forward_logprobs(model, one, temperature=0.7).logprobs
         assert all(used[n] == one.input_ids.shape[1] - 1 for n in EXPERTS), used
         assert (one.logprobs - ref).abs().max() <= 10 * FP32_TOL, i
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_supported(), reason="no AVX-512 here: the tests above ran vLLM's AVX2 kernels")
+def test_comparisons_on_avx2_kernels():
+    """The whole-model comparisons again as on an x86 CPU without AVX-512 (``scripts/force_avx2.py``: vLLM's
+    ``_C_AVX2``, torch / oneDNN / MKL at AVX2), in a subprocess: CI covers both kernel sets."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sel = "logprobs_match_quads_forward or generate_rollout_batch"
+    r = subprocess.run([sys.executable, str(root / "scripts" / "force_avx2.py"), "-m", "pytest", "-q", "-p",
+                        "no:cacheprovider", __file__, "-k", sel], cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and f"\n{len(RECIPES) + 1} passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]

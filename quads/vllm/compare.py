@@ -70,7 +70,7 @@ def replay_layer_inputs(model: nn.Module, records: dict[str, list[tuple[torch.Te
     def hook(name: str):
         def pre(module: nn.Module, args: tuple) -> tuple:
             x, rec, p = args[0], streams[name], used[name]
-            flat = x.reshape(-1, x.shape[-1])
+            flat = x.detach().reshape(-1, x.shape[-1])
             m = min(flat.shape[0], rec[0].shape[0] - p)
             if m <= 0:
                 raise AssertionError(f"{name}: quads' forward computes rows {p}.. but vLLM recorded only {p}")
