@@ -50,8 +50,8 @@ def exports(ckpt, tmp_path_factory) -> dict[str, Path]:
     out = {}
     for fmt, act in (("compressed-tensors", "bf16"), ("compressed-tensors", "nvfp4"), ("modelopt", "bf16"),
                      ("modelopt", "nvfp4"), ("bf16", "bf16")):
-        out[f"{fmt}-{act}"] = export(ExportConfig(checkpoint=str(ckpt), out=str(root / f"{fmt}-{act}"),
-                                                  format=fmt, activations=act, recipe="w4a16-qat")).out
+        out[f"{fmt}-{act}"] = export(ExportConfig(checkpoint=str(ckpt), out=str(root / f"{fmt}-{act}"), format=fmt,
+                                                  activations=act, recipe="w4a16-qat", engines_only=True)).out
     return out
 
 
@@ -261,9 +261,59 @@ def test_third_party_compressed_tensors_checkpoint(tmp_path):
 
 def test_sharded_export_has_an_index(ckpt, tmp_path):
     out = export(ExportConfig(checkpoint=str(ckpt), out=str(tmp_path / "o"), format="compressed-tensors",
-                              max_shard_mb=0.02)).out
+                              max_shard_mb=0.02, engines_only=True)).out
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(out.glob("model-*-of-*.safetensors"))
     assert len(shards) > 1 and set(index["weight_map"].values()) == {s.name for s in shards}
     _, _, info = load_exported(out)
     assert len(info.quantized) == LAYERS * 2
+
+
+def test_compressed_tensors_nvfp4_experts_refused_for_transformers(ckpt, tmp_path):
+    with pytest.raises(ValueError, match=r"transformers#48371.*--engines-only"):
+        export(ExportConfig(checkpoint=str(ckpt), out=str(tmp_path / "o"), format="compressed-tensors"))
+    assert not (tmp_path / "o").exists()
+
+
+def test_transformers_loader_on_compressed_tensors_export(ckpt, exports):
+    """transformers' own ``from_pretrained`` of the NVFP4 W4A16 export, CPU, decompressing.
+
+    Its MoE path places every expert's codes and block scales right (gate/up order, rows, nibbles: the loaded
+    experts equal ``e2m1 * s`` bit for bit) and drops the per-expert global scale (huggingface/transformers#48371,
+    why the export is refused without ``engines_only``). With S_dec applied as quads decodes, the model is the
+    rollout's W4A16 model: same weights bit for bit, log-probs within fp32 rounding of quads' own forward.
+    When this transformers applies the global scale itself, the first check fails: lift the refusal then.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from quads.model.hf import load_hf_model
+
+    ref = _rollout_qdq(ckpt)
+    loaded = AutoModelForCausalLM.from_pretrained(exports["compressed-tensors-bf16"], dtype=torch.float32).eval()
+    state = loaded.state_dict()
+    quads_model, _ = load_hf_model(ckpt, dtype="bfloat16")  # the rollout's BF16 weights ...
+    quads_model = quads_model.float()  # ... W4A16 (QDQ(W) on the experts below), fp32 activations
+    qstate = quads_model.state_dict()
+    with torch.no_grad():
+        for i in range(LAYERS):
+            for key, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+                name = f"model.layers.{i}.mlp.experts.{key}"
+                w = state[name].float()  # the decompressed experts are BF16 parameters: compute in fp32 as quads does
+                for e in range(E):
+                    r = [ref[f"model.layers.{i}.mlp.experts.{e}.{p}"] for p in parts]
+                    unit = torch.cat([x["unit"] for x in r]).float()
+                    assert torch.equal(w[e], unit), (name, e)  # e2m1 * s exactly: no global scale applied
+                    w[e] = (w[e] * r[0]["s_dec"]).to(torch.bfloat16).float()  # quads' decode: bf16((e2m1 s) S_dec)
+                    assert torch.equal(w[e], torch.cat([x["qdq"] for x in r]).float()), (name, e)
+                qstate[name].copy_(w)
+                setattr(loaded.get_submodule(name.rpartition(".")[0]), key, torch.nn.Parameter(w, requires_grad=False))
+        for k, t in loaded.state_dict().items():  # every other tensor: the BF16 master weights, as in the export
+            if ".mlp.experts." not in k:
+                assert torch.equal(t, qstate[k]), k
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(1))
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    got, want = _logprobs(loaded, ids), _logprobs(quads_model, ids)
+    gap = float((got - want).abs().max())
+    assert gap <= 1e-4, gap  # same weights, fp32 activations: only the two engines' fp32 rounding is left
+    master = _logprobs(_hf_model().float(), ids)
+    assert float((master - want).abs().max()) > 100 * 1e-4  # NVFP4 moves the log-probs: the check can fail

@@ -43,7 +43,8 @@ def _no_leftovers(parent: Path, name: str) -> bool:
 
 
 def test_run_folder_exports_the_rollout_bits_with_the_run_recipe(run_dir, tmp_path):
-    res = export(ExportConfig(checkpoint=str(run_dir), out=str(tmp_path / "ct"), format="compressed-tensors"))
+    res = export(ExportConfig(checkpoint=str(run_dir), out=str(tmp_path / "ct"), format="compressed-tensors",
+                              engines_only=True))
     meta = json.loads((res.out / "quads_export.json").read_text())
     assert meta["recipe"] == "w4a16-qat" and meta["nvfp4"]["tile"] == [16, 16]
     assert Path(meta["source"]) == run_dir / "policy"
@@ -85,7 +86,7 @@ def test_layer_that_cannot_be_packed(tmp_path):
     save_checkpoint(model, tmp_path / "ckpt")
     with pytest.raises(ValueError, match="not a multiple of 16"):
         export(ExportConfig(checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "o"), format="compressed-tensors",
-                            targets=("*.mlp.experts", "*.self_attn.o_proj")))
+                            targets=("*.mlp.experts", "*.self_attn.o_proj"), engines_only=True))
     assert not (tmp_path / "o").exists() and _no_leftovers(tmp_path, "o")
 
 

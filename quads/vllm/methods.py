@@ -20,6 +20,10 @@ same bits as quads' ``QuantizedLinear`` / ``QuantizedExperts``:
   of this forward), weighted by the routing weights and summed in ascending expert order.
 
 The router (top-k selection, weights) is vLLM's: it is part of the engine, not of the recipe.
+
+``recorder`` (None, or a list set by ``worker.record_inputs``): each ``apply`` appends the inputs it
+computed on (``(x,)`` for a linear, ``(x, topk_ids, topk_weights)`` for experts), so a test can run
+quads' own layers on exactly the activations vLLM quantized (``compare.replay_layer_inputs``).
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class QuadsLinearMethod(LinearMethodBase):
     def __init__(self, config, shard_names: list[str]) -> None:
         self.config = config
         self.shard_names = shard_names
+        self.recorder: list | None = None
 
     def create_weights(
         self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
@@ -142,6 +147,8 @@ class QuadsLinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         _refuse_if_unsynced(self.config)
+        if self.recorder is not None:
+            self.recorder.append((x.detach().clone(),))
         spec = self.config.recipe.rollout
         outs = []
         for i, (lo, hi) in enumerate(layer.quads_bounds):
@@ -159,6 +166,7 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
         super().__init__(moe)
         self.config = config
         self.name = name  # quads name, e.g. model.layers.0.mlp.experts
+        self.recorder: list | None = None
 
     def create_weights(
         self, layer: torch.nn.Module, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
@@ -216,6 +224,8 @@ class QuadsFusedMoEMethod(FusedMoEMethodBase):
             raise ValueError(f"{self.name}: expert activation {act_name!r} is not supported; valid: {list(_ACTIVATIONS)}")
         if getattr(layer, "apply_router_weight_on_input", False) or getattr(layer, "expert_map", None) is not None:
             raise ValueError(f"{self.name}: router weights on input / expert parallelism are not supported by quads' experts")
+        if self.recorder is not None:
+            self.recorder.append((x.detach().clone(), topk_ids.detach().clone(), topk_weights.detach().clone()))
         return experts_forward(
             x, topk_ids, topk_weights, w13=layer.w13_weight, w2=layer.w2_weight, w13_q=layer.quads_w13_q,
             w2_q=layer.quads_w2_q, spec=self.config.recipe.rollout, act_fn=_ACTIVATIONS[act_name],

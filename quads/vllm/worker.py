@@ -114,3 +114,19 @@ def run_experts(worker, name: str, x: torch.Tensor, topk_ids: torch.Tensor, topk
             y = method.apply(layer, x, topk_weights, topk_ids)
             return {"y": y.clone(), "w13": layer.w13_weight.detach().clone(), "w2": layer.w2_weight.detach().clone()}
     raise ValueError(f"no quads experts layer named {name!r}")
+
+
+def record_inputs(worker, on: bool) -> dict[str, list[tuple[torch.Tensor, ...]]]:
+    """Start (``on``) or stop recording what every quads layer computes on; returns what was recorded.
+
+    ``{quads name: [inputs of each call, in call order]}``; a fused linear (``qkv_proj``) is recorded under
+    each shard's name (its shards share the input). Inputs are ``(x,)`` for a linear, ``(x, topk_ids,
+    topk_weights)`` for experts (``methods``: ``recorder``).
+    """
+    out: dict[str, list[tuple[torch.Tensor, ...]]] = {}
+    for _, method in quads_layers(get_model(worker)):
+        names = method.shard_names if isinstance(method, QuadsLinearMethod) else [method.name]
+        for n in names:
+            out[n] = method.recorder or []
+        method.recorder = [] if on else None
+    return out
