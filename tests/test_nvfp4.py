@@ -283,18 +283,32 @@ def test_error_within_half_step(vals, log_scale, per_token):
 @settings(max_examples=100, deadline=None)
 @given(vals=_block_values, log_scale=st.integers(min_value=-10, max_value=10))
 def test_qdq_idempotent_with_fixed_amax_and_normal_scales(vals, log_scale):
-    """Exact statement: with the amax held fixed and every nonzero block scale a *normal* E4M3 number,
-    qdq(qdq(x)) == qdq(x) bitwise. (Each block max then codes to 6, the second pass recomputes the
-    same scale, and dequantized values sit exactly on the grid.)"""
+    """Exact statement: with the amax held fixed, a *normal* FP32 global decode scale and every nonzero
+    block scale a *normal* E4M3 number, qdq(qdq(x)) == qdq(x) bitwise. (Each block max then codes to 6,
+    the second pass recomputes the same scale, and dequantized values sit exactly on the grid.)"""
     x = torch.tensor(vals, dtype=torch.float32).reshape(-1, 16) * 2.0**log_scale
     amax = x.abs().max()
     q = nvfp4.quantize(x, amax=amax)
     s = q.scales.float()
     if ((s > 0) & (s < 2.0**-6)).any():
         return  # subnormal scales: see test_qdq_not_idempotent_with_subnormal_scale
+    if 0 < float(q.global_scale) < torch.finfo(torch.float32).tiny:
+        return  # subnormal global decode scale: see test_qdq_not_idempotent_with_subnormal_global_scale
     y = nvfp4.dequantize(q)
     assert torch.equal(nvfp4.qdq(y, amax=amax), y)
     assert torch.equal(_scale_bytes(nvfp4.quantize(y, amax=amax)), _scale_bytes(q))
+
+
+def test_qdq_not_idempotent_with_subnormal_global_scale():
+    """Why idempotence needs a normal global decode scale: for amax below 2688 * FLT_MIN, S_dec = 1/S_enc
+    is an FP32 subnormal, and the dequantized values ``e2m1 * s * S_dec`` lose bits (found by the
+    property test above with x = FLT_MIN in one lane)."""
+    x = torch.zeros(1, 16)
+    x[0, 15] = torch.finfo(torch.float32).tiny
+    q = nvfp4.quantize(x, amax=x.abs().max())
+    assert 0 < float(q.global_scale) < torch.finfo(torch.float32).tiny
+    y = nvfp4.dequantize(q)
+    assert not torch.equal(nvfp4.qdq(y, amax=x.abs().max()), y)
 
 
 def test_qdq_not_idempotent_with_subnormal_scale():
