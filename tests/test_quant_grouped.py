@@ -60,6 +60,8 @@ def test_grouped_matches_loop(name, dtype):
     x, idx, w = _inputs(dtype)
     y_loop, st_loop = _run(q, x, idx, w, False)
     y_grp, st_grp = _run(q, x, idx, w, True)
+    names = list(q.selectors)
+    assert names in ([], ["gate_up_proj", "down_proj"])
     assert y_grp.dtype == y_loop.dtype and y_grp.shape == y_loop.shape
     # same quantized operands; only the GEMM's fp32 accumulation order may differ (bmm vs mm)
     scale = y_loop.float().abs().max().item()
@@ -67,9 +69,14 @@ def test_grouped_matches_loop(name, dtype):
     err = (y_grp.float() - y_loop.float()).abs().max().item()
     assert err <= tol * scale, f"{name}: grouped differs from the loop by {err} (scale {scale})"
     assert y_loop.abs().sum() > 0
-    for (sq0, c0), (sq1, c1) in zip(st_loop, st_grp, strict=True):  # static RAC statistics
+    for proj, (sq0, c0), (sq1, c1) in zip(names, st_loop, st_grp, strict=True):  # static RAC statistics
         assert torch.equal(c0, c1)
-        torch.testing.assert_close(sq0, sq1, rtol=1e-12, atol=0)
+        # gate_up sees the same input on both paths: its fp64 residual sums agree to summation order.
+        # down_proj's input is the gate_up GEMM's output, whose fp32 accumulation order differs (bmm vs
+        # mm, and with the CPU's kernel and thread count), so its residuals move by a few fp32 ulps
+        # (up to 9e-6 relative seen with 2 threads on AVX-512).
+        rtol = 1e-12 if proj == "gate_up_proj" else 1e-4
+        torch.testing.assert_close(sq0, sq1, rtol=rtol, atol=0, msg=lambda m, p=proj: f"{name} {p}: {m}")
 
 
 def test_grouped_masked_token_gets_only_its_valid_experts():
