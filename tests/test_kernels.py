@@ -5,6 +5,7 @@ before any kernel module is imported; Triton reads it when a kernel is decorated
 With a GPU the same checks run compiled, plus the ``gpu``-marked real-size checks.
 """
 
+import json
 import os
 
 import pytest
@@ -324,3 +325,24 @@ def test_gpu_grouped_real_size(tokens):
     b = gemm.w4a16_grouped_gemm_reference(x, w, offs, out_dtype=torch.float32)
     a = gemm.w4a16_grouped_gemm(x, w, offs, out_dtype=torch.float32)
     assert _rel(a, b) < GEMM_RTOL, f"grouped T={tokens}: {_rel(a, b):.2e}"
+
+
+def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
+    """The benchmark's tune suite turns its timed rows into a table of tuning.json's form (the fastest config
+    per case, summed over the shapes); the launchers' own table stays as read from the file."""
+    from quads.bench import _load_bench
+
+    bench = _load_bench()
+    before = json.dumps(tuning.table(), sort_keys=True)
+    fast, slow = (64, 128, 2, 4, 5), (32, 256, 1, 4, 3)
+    rows = [{"bench": "tune w4a16", "shape": f"M={m} N={n} K={k}", "cfg": list(c), "us": us}
+            for n, k in bench.TUNE_SHAPES for m in (1, 16, 64) for c, us in ((fast, 9.0), (slow, 10.0))]
+    rows.append({"bench": "tune rac_pass4", "shape": "16384x8192 token", "cfg": [2, 512, 4], "us": 1.0})
+    rows.append({"bench": "tune rac_pass4", "shape": "16384x8192 tensor", "cfg": [2, 512, 4], "us": 1.0})
+    table = bench.tuning_from_rows(rows)
+    want = dict(zip(("block_n", "block_k", "split_k", "num_warps", "num_stages"), fast))
+    assert all(table["w4a16_gemm"][f"m{b}"] == want for b in (1, 4, 16, 32, 64))
+    assert not any(key.startswith("n") for key in table["w4a16_gemm"])  # one winner for both shapes
+    assert table["rac_quantize"]["pass4"] == {"block_m": 2, "block_s": 512, "num_warps": 4}
+    assert table["nvfp4_quantize"] == tuning.table()["nvfp4_quantize"]  # not timed: kept
+    assert json.dumps(tuning.table(), sort_keys=True) == before
