@@ -186,10 +186,9 @@ class TrainConfig:
     resume: bool = False  # continue the run in out_dir from its latest checkpoint
     # rollout engine: quads' own, or an in-process vLLM with quads' recipes (pip install 'quads[vllm]', quads.vllm)
     rollout_backend: Literal["quads", "vllm"] = "quads"
-    # kernel backend of the NVFP4 quantize ops (quads.kernels.dispatch): auto = Triton on CUDA tensors when
-    # Triton imports, else PyTorch; triton = always Triton (raises without it); reference = PyTorch only.
-    # The quantizers are bit-exact across backends, so this changes speed, never a quantized value.
-    kernels: Literal["auto", "triton", "reference"] = "auto"
+    # quads.kernels.dispatch: auto = Triton on CUDA tensors when it imports, else PyTorch; triton = always
+    # Triton (raises without it); reference = PyTorch only. Bit-exact across backends: speed only.
+    kernels: Literal["auto", "triton", "reference"] = "auto"  # kernel backend of the NVFP4 quantize ops
     dist_timeout_s: float = 600.0  # under torchrun: a collective that waits this long on a dead peer raises
 
     def __post_init__(self) -> None:
