@@ -212,6 +212,7 @@ def test_tuning_table_has_every_case():
                                                              "num_stages"}  # fmt: skip
     for case in ("row_amax", "per_token", "amax_known", "tile16"):
         assert set(tuning.config("nvfp4_quantize", case)) == {"block_m", "block_k", "num_warps"}
+    assert tuning.config("w4a16_linear", "dispatch") == {"fused_max_m": 64}
     for case in ("decode", "prefill"):
         assert set(tuning.config("w4a16_grouped_gemm", case)) == {"block_n", "block_k", "num_warps", "num_stages"}
     assert set(tuning.config("rac_quantize", "pass2")) == {"block_m", "block_k", "num_warps", "target_programs"}

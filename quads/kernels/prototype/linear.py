@@ -7,25 +7,22 @@ from __future__ import annotations
 import torch
 
 from quads.formats import nvfp4
-from quads.kernels import dispatch
-
-# W4A16: at or below this many tokens the fused Triton GEMM runs; above it, Triton dequantize +
-# cuBLAS (torch.mm) is faster on an H200 (M=256: 108 vs 233 us, docs/PERF.md run 1).
-W4A16_FUSED_MAX_M = 64
+from quads.kernels import dispatch, tuning
 
 
 def w4a16_linear(x: torch.Tensor, w: nvfp4.NVFP4Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` ``[..., K]`` x NVFP4 weight ``[N, K]`` -> ``[..., N]`` in ``x.dtype``.
 
-    Triton (CUDA, BF16 x): the fused decode GEMM for ``M <= W4A16_FUSED_MAX_M`` tokens, else Triton
-    dequantize + ``torch.mm`` (cuBLAS). Reference: ``x @ dequantize(w, x.dtype).T``.
+    Triton (CUDA, BF16 x): the fused decode GEMM for ``M <= fused_max_m`` tokens (``tuning.json``
+    ``w4a16_linear.dispatch``), else Triton dequantize + ``torch.mm`` (cuBLAS), which is faster there.
+    Reference: ``x @ dequantize(w, x.dtype).T``.
     """
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if dispatch.use_triton(x2, w.codes) and x.dtype == torch.bfloat16:
         from quads.kernels.prototype import gemm
 
-        if x2.shape[0] <= W4A16_FUSED_MAX_M:
+        if x2.shape[0] <= tuning.config("w4a16_linear", "dispatch")["fused_max_m"]:
             y = gemm.w4a16_gemm(x2.contiguous(), w)
         else:
             y = x2 @ dispatch.nvfp4_dequantize(w, x.dtype).T
