@@ -61,7 +61,7 @@ from quads.rollout import RolloutBatch, RolloutEngine, SamplingParams
 
 # config fields that may differ when resuming (they do not change what the next steps compute)
 RESUMABLE_CHANGES = ("resume", "steps", "log", "guard", "device", "threads", "out_dir", "eval_every", "eval_n",
-                     "time_limit_s")
+                     "time_limit_s", "kernels", "dist_timeout_s")
 NONDETERMINISTIC = ("time/", "perf/")  # metric prefixes that differ between identical runs
 
 
