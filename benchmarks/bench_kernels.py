@@ -8,9 +8,11 @@ with. Prints hardware and versions, a table, and one JSON line at the end.
 
     python benchmarks/bench_kernels.py [--quick] [--json out.json]      (or: quads bench kernels)
 
-Suite "tune" (not in the default list): the config sweep of every tuned kernel; with ``--apply-tune``
-the suites after it run with its winners (printed as ``APPLY`` lines, to be copied into the tables).
-Run it as a script: its configs are compiled by ``--workers`` spawned processes first.
+Suite "tune" (not in the default list): the config sweep of every tuned kernel, each config passed to
+its launcher as explicit arguments; ``--tuning-out FILE`` writes the fastest config of each case in
+the form of ``quads/kernels/tuning.json`` (the launch configs the launchers read; copy the file over
+it to adopt them, then rerun the other suites). Run it as a script: its configs are compiled by
+``--workers`` spawned processes first.
 """
 
 # ruff: noqa: B023  (closures in loops are captured into a CUDA graph at once, before the loop moves on)
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import statistics
 import sys
@@ -96,7 +97,8 @@ def copy_bandwidth() -> float:
 
 
 def bench_quantize(rows: list, copy_bw: float, quick: bool) -> None:
-    from quads.kernels import nvfp4_quant, rac
+    from quads.kernels import nvfp4_quant
+    from quads.kernels.prototype import rac
 
     t_, k = (8192, 8192) if quick else (16384, 8192)  # 128 / 256 MB of BF16
     x = torch.randn(t_, k, device="cuda").bfloat16()
@@ -138,7 +140,8 @@ def _weight_sets(n: int, k: int, nsets: int):
 
 
 def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
-    from quads.kernels import gemm, nvfp4_quant
+    from quads.kernels import nvfp4_quant
+    from quads.kernels.prototype import gemm
 
     shapes = [(8192, 8192), (28672, 4096)]
     ms = [1, 4, 16, 64, 256, 1024, 4096] if not quick else [1, 16, 64, 1024]
@@ -158,61 +161,22 @@ def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
             t_fused = (
                 time_graph([lambda q=q: gemm.w4a16_gemm(x, q) for q in fp4]) if m <= 1024 else float("nan")
             )
-            impls = {}
-            for impl in ("wdot", "tile") if m <= 64 else ():  # each with its default config
-                impls[impl] = time_graph([lambda q=q: gemm.w4a16_gemm(x, q, impl=impl) for q in fp4]) * 1e6
             t_fb = (time_graph([lambda q=q: x @ nvfp4_quant.nvfp4_dequantize(q, torch.bfloat16).T for q in fp4])
                     if m >= 256 else float("nan"))  # fmt: skip
             best = min(t for t in (t_fused, t_fb) if t == t)
             wbytes = n * k // 2 + n * k // 16
             rows.append({"bench": "W4A16 GEMM", "shape": f"M={m} N={n} K={k}", "us": best * 1e6,
                          "fused_us": t_fused * 1e6, "dequant_mm_us": t_fb * 1e6, "bf16_us": t_bf * 1e6,
-                         "fp8_us": t_f8 * 1e6, "impl_us": impls, "x_vs_bf16": t_bf / best, "x_vs_fp8": t_f8 / best,
+                         "fp8_us": t_f8 * 1e6, "x_vs_bf16": t_bf / best, "x_vs_fp8": t_f8 / best,
                          "w_TBps": wbytes / best / 1e12, "frac_copy": wbytes / best / copy_bw,
                          "TFLOPs": 2 * m * n * k / best / 1e12})  # fmt: skip
         del bf, fp4, fp8w
         torch.cuda.empty_cache()
 
 
-def bench_w4a16_sweep(rows: list) -> None:
-    """Config sweep of the word-decode W4A16 kernels at decode (8192x8192) to pick the defaults."""
-    from quads.kernels import gemm
-
-    n, k = 8192, 8192
-    _, fp4, _ = _weight_sets(n, k, 16)
-    configs = {
-        1: [("gemv", bn, bk, sk, nw) for bn, bk, sk, nw in
-            [(64, 256, None, 4), (128, 256, None, 4), (64, 512, None, 4), (32, 256, None, 4), (32, 512, None, 4),
-             (128, 512, None, 8), (64, 256, 1, 4), (16, 512, 1, 4), (64, 256, None, 8)]]
-           + [("dot", 64, 256, None, 4), ("dot", 128, 256, None, 4)],
-        16: [("dot", bn, bk, sk, nw) for bn, bk, sk, nw in
-             [(64, 256, None, 4), (128, 256, None, 4), (64, 512, None, 4), (128, 128, None, 4), (64, 128, None, 4),
-              (128, 256, None, 8), (64, 256, 1, 4), (128, 512, None, 8)]],
-    }  # fmt: skip
-    for m, cfgs in configs.items():
-        x = torch.randn(m, k, device="cuda").bfloat16()
-        for impl, bn, bk, sk, nw in cfgs:
-            try:
-                t = time_graph(
-                    [
-                        lambda q=q: gemm.w4a16_gemm(
-                            x, q, impl=impl, block_n=bn, block_k=bk, split_k=sk, num_warps=nw
-                        )
-                        for q in fp4
-                    ]
-                )
-            except Exception as e:  # a config that does not compile is skipped, and said so
-                print(f"sweep M={m} {impl} bn={bn} bk={bk} split={sk} nw={nw}: {type(e).__name__}: {e}"[:300],
-                      file=sys.stderr)  # fmt: skip
-                continue
-            rows.append({"bench": "W4A16 sweep", "shape": f"M={m} N={n} K={k} {impl} bn={bn} bk={bk} split={sk} nw={nw}",
-                         "us": t * 1e6})  # fmt: skip
-    del fp4
-    torch.cuda.empty_cache()
-
-
 def bench_moe(rows: list, quick: bool) -> None:
-    from quads.kernels import gemm, nvfp4_quant
+    from quads.kernels import nvfp4_quant
+    from quads.kernels.prototype import gemm
 
     e, n, k, topk = 128, 1536, 2048, 8  # Qwen3-30B-A3B gate_up
     nsets = 2 if quick else 4
@@ -228,15 +192,6 @@ def bench_moe(rows: list, quick: bool) -> None:
         offs = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), ends])
         x = torch.randn(ids.numel(), k, device="cuda").bfloat16()
         t_q = time_graph([lambda q=q: gemm.w4a16_grouped_gemm(x, q, offs) for _, q in sets])
-        impls = {}
-        for impl in ("wdot", "tile_split", "tile"):  # each with its tuned config
-            try:
-                impls[impl] = (
-                    time_graph([lambda q=q: gemm.w4a16_grouped_gemm(x, q, offs, impl=impl) for _, q in sets])
-                    * 1e6
-                )
-            except Exception as ex:
-                print(f"moe {impl}: {type(ex).__name__}: {ex}"[:300], file=sys.stderr)
         try:
             t_bf = time_graph(
                 [lambda w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends) for w, _ in sets]
@@ -256,14 +211,14 @@ def bench_moe(rows: list, quick: bool) -> None:
         active = int((counts > 0).sum())
         wbytes = active * (n * k // 2 + n * k // 16)
         rows.append({"bench": "grouped MoE W4A16", "shape": f"T={tokens} top{topk} E={e} N={n} K={k} active={active}",
-                     "us": t_q * 1e6, "impl_us": impls, "bf16_us": t_bf * 1e6, "x_vs_bf16": t_bf / t_q, "baseline": base,
+                     "us": t_q * 1e6, "bf16_us": t_bf * 1e6, "x_vs_bf16": t_bf / t_q, "baseline": base,
                      "w_TBps": wbytes / t_q / 1e12})  # fmt: skip
         del sets
         torch.cuda.empty_cache()
 
 
 def bench_w4a4(rows: list) -> None:
-    from quads.kernels import dispatch, gemm, nvfp4_quant, rac
+    from quads.kernels.prototype import gemm, linear, rac
 
     n, k = 8192, 8192
     _, fp4, _ = _weight_sets(n, k, 16)
@@ -276,7 +231,7 @@ def bench_w4a4(rows: list) -> None:
             rs = None if q.residual is None else q.residual.global_scale
             res[f"gemm{ratio}"] = time_graph([lambda w=w: gemm.w4a4_gemm(q.x, w, residual=q.scattered, residual_scale=rs)
                                               for w in fp4])  # fmt: skip
-            res[f"e2e{ratio}"] = time_graph([lambda w=w: dispatch.w4a4_linear(x, w, rac_channels=nsel, act_scale="token")
+            res[f"e2e{ratio}"] = time_graph([lambda w=w: linear.w4a4_linear(x, w, rac_channels=nsel, act_scale="token")
                                              for w in fp4])  # fmt: skip
         x16 = torch.randn(m, k, device="cuda").bfloat16()
         w16 = [torch.randn(n, k, device="cuda").bfloat16() for _ in range(8)]
@@ -287,7 +242,6 @@ def bench_w4a4(rows: list) -> None:
         rows.append({"bench": "W4A4 linear incl. act quantize", "shape": f"M={m} N={n} K={k} token scale",
                      "us": res["e2e0.0"] * 1e6, "rac_us": res["e2e0.5"] * 1e6,
                      "rac_over_plain": res["e2e0.5"] / res["e2e0.0"]})  # fmt: skip
-    _ = nvfp4_quant
 
 
 # ------------------------------------------------------------------------------------------ tune
@@ -295,166 +249,59 @@ def bench_w4a4(rows: list) -> None:
 # processes in parallel (Triton's on-disk cache is shared), then timed one by one in this process.
 
 TUNE_SHAPES = [(8192, 8192), (28672, 4096)]
-APPLY = [False]  # --apply-tune: the suites after "tune" run with its winners
-
-
-TUNE_ROUND = ["r2"]  # --tune-round: r1 = the first sweep (tile kernel only), r2 = tile vs wdot
 
 
 def tune_space() -> list[tuple]:
-    """(kind, key, config) for every config the sweep times."""
-    if TUNE_ROUND[0] == "r2":
-        return tune_space_r2()
+    """(kind, key, config) for every config the sweep times (config tuples in launcher-argument order,
+    see ``_tune_call``)."""
     out: list[tuple] = []
     for m in (1, 16):
         for bn in (32, 64, 128):
             for bk in (128, 256):
                 for sk in (1, 2, 4, 8):
                     for nw, ns in ((4, 3), (4, 5), (8, 4)):
-                        out.append(("w4a16", m, ("tile", bn, bk, sk, nw, ns)))
+                        out.append(("w4a16", m, (bn, bk, sk, nw, ns)))
     for bn in (32, 64, 128):
         for bk in (64, 128):
             for sk in (1, 2, 4):
                 for nw, ns in ((4, 3), (8, 3)):
-                    out.append(("w4a16", 64, ("tile", bn, bk, sk, nw, ns)))
+                    out.append(("w4a16", 64, (bn, bk, sk, nw, ns)))
     for bn in (16, 32, 64, 128):
         for bk in (128, 256):
             for nw, ns in ((4, 3), (4, 4), (8, 3)):
-                out.append(("moe", 0, ("tile", bn, bk, nw, ns, 1)))
-    for bm, nw in ((1, 4), (1, 8), (1, 16), (2, 8), (2, 16)):
-        out.append(("quant_row_tile", 0, (bm, None, nw)))
-    for bm, bk, nw in ((1, 256, 4), (1, 512, 4), (1, 1024, 8), (2, 512, 4), (2, 1024, 8), (4, 256, 4)):
-        out.append(("quant_row_loop", 0, (bm, bk, nw)))
-    for bm, bk, nw in (
-        (1, 2048, 8),
-        (2, 1024, 8),
-        (4, 256, 4),
-        (4, 512, 4),
-        (8, 256, 4),
-        (8, 512, 4),
-        (8, 512, 8),
-        (16, 256, 4),
-        (16, 512, 8),
-        (32, 256, 8),
-    ):
-        out.append(("quant_amax_tile", 0, (bm, bk, nw)))
-    for bm, bk, nw in (
-        (1, 4096, 8),
-        (2, 2048, 8),
-        (4, 2048, 8),
-        (4, 1024, 4),
-        (8, 1024, 8),
-        (16, 512, 4),
-        (4, 4096, 16),
-    ):
-        out.append(("row_amax", 0, (bm, bk, nw)))
-    for cfg in (
-        (16, 32, 4, 512),
-        (16, 128, 4, 1024),
-        (16, 256, 8, 1024),
-        (32, 128, 8, 1024),
-        (8, 256, 4, 2048),
-        (16, 64, 4, 2048),
-        (8, 128, 4, 4096),
-    ):
-        out.append(("rac_pass2", 0, cfg))
-    for cfg in ((16, 64, 4), (8, 128, 4), (32, 64, 8), (4, 256, 4), (16, 128, 8), (2, 512, 4)):
-        out.append(("rac_pass4", 0, cfg))
-    return out  # fmt: skip
-
-
-def tune_space_r2() -> list[tuple]:
-    """Round 2: the packed word decode ("wdot") against the best tile configs of round 1, split-K for
-    the grouped kernel, and the quantize / RAC configs around round 1's best."""
-    out: list[tuple] = []
-    for m in (1, 16):
-        out += [("w4a16", m, ("tile", 32, 256, 1, 4, 3)), ("w4a16", m, ("tile", 64, 128, 8, 4, 3))]
-        for bn in (32, 64, 128):
-            for bk in (128, 256):
-                for sk in (1, 2, 4):
-                    for nw, ns in ((4, 3), (4, 4), (8, 3)):
-                        out.append(("w4a16", m, ("wdot", bn, bk, sk, nw, ns)))
-    out += [("w4a16", 64, ("tile", 128, 128, 4, 8, 3)), ("w4a16", 64, ("tile", 128, 128, 1, 4, 3))]
-    for bn in (64, 128):
-        for bk in (128, 256):
-            for sk in (1, 2, 4):
-                for nw, ns in ((4, 3), (8, 3)):
-                    out.append(("w4a16", 64, ("wdot", bn, bk, sk, nw, ns)))
-    out += [("moe", 0, ("tile", 64, 256, 8, 3, 1)), ("moe", 0, ("tile", 64, 128, 4, 3, 1))]
-    for impl in ("wdot", "tile_split"):
-        for bn in (16, 32, 64):
-            for bk in (128, 256):
-                for sk in (1, 2, 4, 8):
-                    for nw, ns in ((4, 3), (8, 3)):
-                        out.append(("moe", 0, (impl, bn, bk, nw, ns, sk)))
-    for cfg in (
-        (1, None, 2),
-        (1, None, 4),
-        (1, None, 8),
-        (2, None, 4),
-        (2, 1024, 8),
-        (2, 512, 4),
-        (1, 1024, 4),
-    ):
+                out.append(("moe", 0, (bn, bk, nw, ns)))
+    for cfg in ((1, None, 2), (1, None, 4), (1, None, 8), (2, None, 4), (2, 1024, 8), (2, 512, 4), (1, 1024, 4)):
         out.append(("quant_row", 0, cfg))
-    for cfg in (
-        (1, 2048, 8),
-        (2, 1024, 8),
-        (4, 256, 4),
-        (8, 512, 8),
-        (1, 1024, 4),
-        (2, 2048, 8),
-        (2, 512, 2),
-    ):
+    for cfg in ((1, 2048, 8), (2, 1024, 8), (4, 256, 4), (8, 512, 8), (1, 1024, 4), (2, 2048, 8), (2, 512, 2)):
         out.append(("quant_amax_tile", 0, cfg))
     for cfg in ((4, 1024, 4), (2, 1024, 4), (8, 1024, 8), (4, 512, 4), (2, 2048, 8)):
         out.append(("row_amax", 0, cfg))
-    for cfg in (
-        (16, 64, 4, 2048),
-        (16, 64, 4, 4096),
-        (8, 64, 4, 2048),
-        (32, 64, 4, 2048),
-        (16, 128, 4, 2048),
-    ):
+    for cfg in ((16, 64, 4, 2048), (16, 64, 4, 4096), (8, 64, 4, 2048), (32, 64, 4, 2048), (16, 128, 4, 2048)):
         out.append(("rac_pass2", 0, cfg))
-    for cfg in (
-        (2, 512, 4),
-        (1, 512, 4),
-        (1, 1024, 4),
-        (1, 1024, 8),
-        (2, 1024, 8),
-        (4, 512, 8),
-        (1, 2048, 8),
-    ):
+    for cfg in ((2, 512, 4), (1, 512, 4), (1, 1024, 4), (1, 1024, 8), (2, 1024, 8), (4, 512, 8), (1, 2048, 8)):
         out.append(("rac_pass4", 0, cfg))
-    return out  # fmt: skip
+    return out
 
 
 def _tune_call(kind: str, key, cfg, data: dict):
     """A closure running one config on ``data`` (built by ``_tune_data``) once."""
-    from quads.kernels import gemm, nvfp4_quant, rac
+    from quads.kernels import nvfp4_quant
+    from quads.kernels.prototype import gemm, rac
 
     if kind == "w4a16":
-        impl, bn, bk, sk, nw, ns = cfg
+        bn, bk, sk, nw, ns = cfg
         x = data["x"][key]
-        return [lambda q=q: gemm.w4a16_gemm(x, q, impl=impl, block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
+        return [lambda q=q: gemm.w4a16_gemm(x, q, block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
                                             num_stages=ns) for q in data["fp4"]]  # fmt: skip
     if kind == "moe":
-        impl, bn, bk, nw, ns, sk = cfg
+        bn, bk, nw, ns = cfg
         x, offs = data["moe_x"][key]
-        kw = {} if impl == "tile" else {"split_k": sk}
-        return [lambda q=q: gemm.w4a16_grouped_gemm(x, q, offs, impl=impl, block_n=bn, block_k=bk, num_warps=nw,
-                                                    num_stages=ns, **kw) for q in data["moe_w"]]  # fmt: skip
+        return [lambda q=q: gemm.w4a16_grouped_gemm(x, q, offs, block_n=bn, block_k=bk, num_warps=nw,
+                                                    num_stages=ns) for q in data["moe_w"]]  # fmt: skip
     xq = data["xq"]
     if kind == "quant_row":
         if cfg[1] is None:
             return lambda: nvfp4_quant.nvfp4_quantize(xq, per_token=True, block_m=cfg[0], num_warps=cfg[2])
-        return lambda: nvfp4_quant.nvfp4_quantize(
-            xq, per_token=True, block_m=cfg[0], block_k=cfg[1], num_warps=cfg[2]
-        )
-    if kind == "quant_row_tile":
-        return lambda: nvfp4_quant.nvfp4_quantize(xq, per_token=True, block_m=cfg[0], num_warps=cfg[2])
-    if kind == "quant_row_loop":
         return lambda: nvfp4_quant.nvfp4_quantize(
             xq, per_token=True, block_m=cfg[0], block_k=cfg[1], num_warps=cfg[2]
         )
@@ -535,70 +382,55 @@ def _tune_warm(items: list, dev: str = "cuda") -> int:
     return bad
 
 
-def apply_tune(rows: list) -> list[str]:
-    """Set the kernel modules' tuning tables to the winners of the tune rows (in this process), so that
-    the suites after "tune" measure the configs that go into the code; returns the assignments."""
-    from quads.kernels import gemm, nvfp4_quant, rac
+def tuning_from_rows(rows: list) -> dict:
+    """The fastest config of each case among the tune rows, as a table in the form of
+    ``quads/kernels/tuning.json`` (cases that were not timed keep the current file's entry)."""
+    from quads.kernels import tuning
 
-    def best(pred, key=lambda r: r["us"]):
-        cand = [r for r in rows if pred(r)]
-        return min(cand, key=key) if cand else None
-
-    def summed(kind: str, shapes: list[str]):
+    def best(kind: str, shapes: list[str] | None = None):
+        """The config with the least summed time over ``shapes`` (all timed rows of ``kind`` if None)."""
         tot: dict = {}
         for r in rows:
-            if r["bench"] == kind and r["shape"] in shapes:
+            if r["bench"] == kind and (shapes is None or r["shape"] in shapes):
                 tot.setdefault(tuple(r["cfg"]), []).append(r["us"])
-        full = {c: sum(v) for c, v in tot.items() if len(v) == len(shapes)}
+        n = max((len(v) for v in tot.values()), default=0)
+        full = {c: sum(v) for c, v in tot.items() if len(v) == n}
         return min(full, key=full.get) if full else None
 
-    out = []
+    table = json.loads(json.dumps(tuning.table()))  # a deep copy
+    gemm_t = table["w4a16_gemm"]
     for m, buckets in ((1, (1, 4)), (16, (16,)), (64, (32, 64))):
         shapes = [f"M={m} N={n} K={k}" for n, k in TUNE_SHAPES]
-        c = summed("tune w4a16", shapes)
+        c = best("tune w4a16", shapes)
         if c is not None:
             for b in buckets:
-                gemm.W4A16_BY_M[b] = (c[0], tuple(c[1:]))
-                out.append(f"gemm.W4A16_BY_M[{b}] = {gemm.W4A16_BY_M[b]!r}")
+                gemm_t[f"m{b}"] = dict(zip(("block_n", "block_k", "split_k", "num_warps", "num_stages"), c))
         for (n, k), sh in zip(TUNE_SHAPES, shapes):
-            r = best(lambda r, sh=sh: r["bench"] == "tune w4a16" and r["shape"] == sh)
-            if r is not None and tuple(r["cfg"]) != c:
-                for b in buckets:
-                    gemm.W4A16_TABLE[(n, k, b)] = (r["cfg"][0], tuple(r["cfg"][1:]))
-                    out.append(f"gemm.W4A16_TABLE[{(n, k, b)!r}] = {gemm.W4A16_TABLE[(n, k, b)]!r}")
-            elif (n, k, buckets[0]) in gemm.W4A16_TABLE:
-                for b in buckets:
-                    gemm.W4A16_TABLE.pop((n, k, b), None)
-                    out.append(f"del gemm.W4A16_TABLE[{(n, k, b)!r}]")
-    names = {"tile": "TILE", "wdot": "WDOT", "tile_split": "TILE_SPLIT"}
-    for decode, shapes in ((True, ["T=1"]), (False, ["T=16", "T=64"])):
-        c = summed("tune moe", shapes)
+            cs = best("tune w4a16", [sh])
+            for b in buckets:
+                key = f"n{n}_k{k}_m{b}"
+                if cs is not None and cs != c:
+                    gemm_t[key] = dict(zip(("block_n", "block_k", "split_k", "num_warps", "num_stages"), cs))
+                elif c is not None:
+                    gemm_t.pop(key, None)
+    for case, shapes in (("decode", ["T=1"]), ("prefill", ["T=16", "T=64"])):
+        c = best("tune moe", shapes)
         if c is not None:
-            impl, cfg = c[0], tuple(c[1:])
-            var = f"GROUPED_{names[impl]}{'_DECODE' if decode else ''}_CONFIG"
-            setattr(gemm, var, cfg)
-            setattr(gemm, "GROUPED_IMPL_DECODE" if decode else "GROUPED_IMPL", impl)
-            out += [f"gemm.{var} = {cfg!r}", f"gemm.GROUPED_IMPL{'_DECODE' if decode else ''} = {impl!r}"]
-    for kinds, var in (
-        (("tune quant_row",), "QUANT_ROW_CONFIG"),
-        (("tune quant_amax_tile",), "QUANT_AMAX_CONFIG"),
-        (("tune row_amax",), "ROW_AMAX_CONFIG"),
-    ):
-        r = best(lambda r, kinds=kinds: r["bench"] in kinds)
-        if r is not None:
-            setattr(nvfp4_quant, var, tuple(r["cfg"]))
-            out.append(f"nvfp4_quant.{var} = {tuple(r['cfg'])!r}")
-    for kind, var in (("tune rac_pass2", "RAC_PASS2_CONFIG"), ("tune rac_pass4", "RAC_PASS4_CONFIG")):
-        c = summed(kind, ["16384x8192 token", "16384x8192 tensor"])
+            table["w4a16_grouped_gemm"][case] = dict(zip(("block_n", "block_k", "num_warps", "num_stages"), c))
+    for kind, case in (("tune quant_row", "per_token"), ("tune quant_amax_tile", "amax_known"),
+                       ("tune row_amax", "row_amax")):  # fmt: skip
+        c = best(kind)
         if c is not None:
-            setattr(rac, var, c)
-            out.append(f"rac.{var} = {c!r}")
-    for line in out:
-        print("APPLY", line, flush=True)
-    return out
+            table["nvfp4_quantize"][case] = dict(zip(("block_m", "block_k", "num_warps"), c))
+    for kind, case, names in (("tune rac_pass2", "pass2", ("block_m", "block_k", "num_warps", "target_programs")),
+                              ("tune rac_pass4", "pass4", ("block_m", "block_s", "num_warps"))):  # fmt: skip
+        c = best(kind, ["16384x8192 token", "16384x8192 tensor"])
+        if c is not None:
+            table["rac_quantize"][case] = dict(zip(names, c))
+    return table
 
 
-def bench_tune(rows: list, workers: int = 12) -> None:
+def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None) -> None:
     import concurrent.futures as cf
     import multiprocessing as mp
     import os
@@ -679,7 +511,7 @@ def bench_tune(rows: list, workers: int = 12) -> None:
                    "TBps": moved / t / 1e12}  # fmt: skip
             if kind.startswith("rac"):
                 ev: dict = {}
-                from quads.kernels import rac
+                from quads.kernels.prototype import rac
 
                 n = 4096
                 rac.rac_quantize(data["xq"], n, act_scale=key2, timings=ev, **{kind[4:]: cfg})
@@ -688,9 +520,12 @@ def bench_tune(rows: list, workers: int = 12) -> None:
                 row["stages_us"] = {a: ev[a].elapsed_time(ev[b]) * 1e3 for a, b in zip(names, names[1:])}
             add(row)
     print(f"tune: done in {time.time() - t0:.0f} s", flush=True)
-    if APPLY[0]:
-        applied = apply_tune(rows)
-        rows.append({"bench": "tune applied", "shape": "", "us": float("nan"), "apply": applied})
+    table = tuning_from_rows(rows)
+    print("tuning " + json.dumps(table), flush=True)
+    if tuning_out:
+        with open(tuning_out, "w") as f:
+            json.dump(table, f, indent=2)
+            f.write("\n")
 
 
 def _fmt(v) -> str:
@@ -700,21 +535,18 @@ def _fmt(v) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("QUADS_EXPERIMENTAL_WDOT", "1")  # the benchmarks also time the experimental wdot path (gemm.WDOT_ENV)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
-    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,sweep", help="comma list of suites")
+    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4", help="comma list of suites (and: tune)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--ms", default="", help="comma list of W4A16 token counts (default: all)")
     ap.add_argument(
         "--workers", type=int, default=12, help="tune suite: parallel compile processes (0: none)"
     )
-    ap.add_argument("--tune-round", default="r2", choices=["r1", "r2"], help="tune suite: which config space")
-    ap.add_argument("--apply-tune", action="store_true", help="suites after tune use its winning configs")
+    ap.add_argument("--tuning-out", default=None,
+                    help="tune suite: write the fastest configs here, in the form of quads/kernels/tuning.json")
     args = ap.parse_args(argv)
     MS[:] = [int(v) for v in args.ms.split(",") if v]
-    TUNE_ROUND[0] = args.tune_round
-    APPLY[0] = args.apply_tune
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU; none found", file=sys.stderr)
         return 2
@@ -725,9 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     suites = args.only.split(",")
     runners = {"quantize": lambda: bench_quantize(rows, copy_bw, args.quick),
-               "w4a16": lambda: bench_w4a16(rows, copy_bw, args.quick), "sweep": lambda: bench_w4a16_sweep(rows),
+               "w4a16": lambda: bench_w4a16(rows, copy_bw, args.quick),
                "moe": lambda: bench_moe(rows, args.quick), "w4a4": lambda: bench_w4a4(rows),
-               "tune": lambda: bench_tune(rows, args.workers)}  # fmt: skip
+               "tune": lambda: bench_tune(rows, args.workers, args.tuning_out)}  # fmt: skip
     for s in suites:
         n0 = len(rows)
         try:

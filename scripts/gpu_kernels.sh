@@ -2,13 +2,14 @@
 # One device call: real-size kernel correctness tests, then every kernel benchmark.
 # Run from the repo root on the GPU machine (image python3, no venv):  bash scripts/gpu_kernels.sh
 # Writes $OUT/{env.txt,tests.log,bench.log,bench.json}; prints the short table last.
-# Knobs: SUITES, BENCH_ARGS (e.g. --ms 1,4,16,64), TEST_K (pytest -k), TEST_TIMEOUT, BENCH_TIMEOUT,
+# Knobs: SUITES (add tune for the config sweep), BENCH_ARGS (e.g. --ms 1,4,16,64; with tune:
+# --tuning-out $OUT/tuning.json), TEST_K (pytest -k), TEST_TIMEOUT, BENCH_TIMEOUT,
 # PARALLEL_TESTS=1 (the tests run beside the benchmark; the "tune" suite compiles its configs
 # meanwhile and waits for the tests to end before it times anything).
 set -u -o pipefail
 OUT=${OUT:-/tmp/quads_gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-SUITES=${SUITES:-quantize,w4a16,moe,w4a4,sweep}
+SUITES=${SUITES:-quantize,w4a16,moe,w4a4}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 t0=$(date +%s)

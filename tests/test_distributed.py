@@ -87,7 +87,7 @@ def worker(out: Path, ckpt: Path, die_at: int = 0, resume: bool = False) -> None
         rollout=RolloutSection(prompts_per_step=4, n_samples=4, max_new_tokens=6),
         optim=OptimSection(lr=2e-2), log=LogSection(tensorboard=False, probe_tokens=16, progress=False),
         steps=3 if die_at or resume else 2, eval_every=0, eval_n=4, dtype="float32", out_dir=str(out / "run"),
-        resume=resume)
+        resume=resume, dist_timeout_s=60.0 if die_at else 120.0)
     if die_at or resume:
         cfg.log.save_every = 1
 
@@ -118,7 +118,7 @@ def free_port() -> int:
 
 def launch(out: Path, ckpt: Path, nproc: int, *extra: str) -> subprocess.Popen:
     """Start a run of ``nproc`` processes (torchrun for more than one); returns the process."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "QUADS_DIST_TIMEOUT_S": "120"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     script = [str(Path(__file__).resolve()), "--worker", str(out), str(ckpt), *extra]
@@ -269,7 +269,7 @@ def test_dead_peer_names_rank_step_and_checkpoint_then_resumes(tmp_path):
     next collective fails with PeerFailureError naming its rank, the step and the checkpoint; the run
     then resumes from that checkpoint under torchrun and finishes."""
     ckpt = tiny_checkpoint(tmp_path / "ckpt")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "QUADS_DIST_TIMEOUT_S": "60",
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     script = [sys.executable, str(Path(__file__).resolve()), "--worker", str(tmp_path), str(ckpt), "--die-at", "2"]
     procs = [subprocess.Popen(script, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,

@@ -5,6 +5,7 @@ before any kernel module is imported; Triton reads it when a kernel is decorated
 With a GPU the same checks run compiled, plus the ``gpu``-marked real-size checks.
 """
 
+import json
 import os
 
 import pytest
@@ -17,16 +18,11 @@ if not HAS_CUDA:
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install quads[kernels])")
 
 from quads.formats import nvfp4  # noqa: E402
-from quads.kernels import dispatch, gemm, nvfp4_quant, rac  # noqa: E402
+from quads.kernels import dispatch, nvfp4_quant, tuning  # noqa: E402
+from quads.kernels.prototype import gemm, linear, rac  # noqa: E402
 from quads.quant.rac import rac_operands  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _experimental_wdot(monkeypatch):
-    """The experimental 'wdot' path is tested where it is right (it is refused on the GPU by default)."""
-    monkeypatch.setenv(gemm.WDOT_ENV, "1")
 if not HAS_CUDA and not isinstance(
     nvfp4_quant._nvfp4_quantize_kernel, triton.runtime.interpreter.InterpretedFunction
 ):
@@ -168,67 +164,61 @@ def _rel(a, b):
 GEMM_RTOL = 1e-5
 
 
-@pytest.mark.parametrize("impl", ["wdot", "gemv", "dot", "tile"])
 @pytest.mark.parametrize("m,n,k,split", [(1, 64, 256, 1), (5, 80, 160, 2), (33, 64, 384, 1)], ids=str)
-def test_w4a16_gemm(m, n, k, split, impl):
+def test_w4a16_gemm(m, n, k, split):
     x = torch.randn(m, k).bfloat16().to(DEV)
     # scales over 5 decades (subnormal E4M3 scales included) and every E2M1 code
     w = nvfp4.quantize((torch.randn(n, k) * torch.logspace(-3, 2, k)).to(DEV))
-    if impl == "gemv" and m > 8:  # the GEMV path is for M <= 8: asked for more, it must say so
-        with pytest.raises(ValueError, match="M <= 8"):
-            gemm.w4a16_gemm(x, w, out_dtype=torch.float32, split_k=split, impl=impl)
-        return
-    a = gemm.w4a16_gemm(x, w, out_dtype=torch.float32, split_k=split, impl=impl)
+    a = gemm.w4a16_gemm(x, w, out_dtype=torch.float32, split_k=split)
     b = gemm.w4a16_gemm_reference(x, w, out_dtype=torch.float32)
-    assert _rel(a, b) < GEMM_RTOL, f"W4A16 {impl} M={m} N={n} K={k} split={split}: rel err {_rel(a, b):.2e}"
+    assert _rel(a, b) < GEMM_RTOL, f"W4A16 M={m} N={n} K={k} split={split}: rel err {_rel(a, b):.2e}"
 
 
-@pytest.mark.parametrize("impl", ["tile", "wdot"])
 @pytest.mark.parametrize(
     "bn,bk,split,nw,ns", [(32, 128, 4, 4, 4), (16, 128, 1, 2, 2), (128, 256, 2, 8, 3)], ids=str
 )
-def test_w4a16_tile_configs(bn, bk, split, nw, ns, impl):
+def test_w4a16_tile_configs(bn, bk, split, nw, ns):
     x = torch.randn(3, 512).bfloat16().to(DEV)
     w = nvfp4.quantize((torch.randn(96, 512) * torch.logspace(-3, 2, 512)).to(DEV))
-    if impl == "wdot" and bk < gemm.WDOT_MIN_BLOCK_K and HAS_CUDA:  # wrong results on sm_90 (PERF.md run 5)
-        with pytest.raises(ValueError, match="block_k"):
-            gemm.w4a16_gemm(x, w, impl=impl, block_n=bn, block_k=bk, split_k=split)
-        return
-    a = gemm.w4a16_gemm(x, w, out_dtype=torch.float32, impl=impl, block_n=bn, block_k=bk, split_k=split,
+    a = gemm.w4a16_gemm(x, w, out_dtype=torch.float32, block_n=bn, block_k=bk, split_k=split,
                         num_warps=nw, num_stages=ns)  # fmt: skip
     b = gemm.w4a16_gemm_reference(x, w, out_dtype=torch.float32)
-    assert _rel(a, b) < GEMM_RTOL, f"W4A16 {impl} {bn, bk, split, nw, ns}: rel err {_rel(a, b):.2e}"
+    assert _rel(a, b) < GEMM_RTOL, f"W4A16 {bn, bk, split, nw, ns}: rel err {_rel(a, b):.2e}"
 
 
-def test_w4a16_word_decode_nan_scale(monkeypatch):
-    """A NaN block scale (0x7F) must reach the output through the word decode (both paths)."""
+def test_w4a16_nan_scale():
+    """A NaN block scale (0x7F) reaches exactly its output column."""
     x = torch.randn(2, 128).bfloat16().to(DEV)
     w = nvfp4.quantize(torch.randn(64, 128).to(DEV))
     w.scales.view(torch.uint8)[3, 2] = 0x7F
-    impls = ("gemv", "dot", "wdot", "auto")
-    if HAS_CUDA:  # wdot loses the NaN on sm_90 (PERF.md run 6): without the opt-in it must refuse to run
-        impls = ("gemv", "dot", "auto")
-        monkeypatch.delenv(gemm.WDOT_ENV)
-        with pytest.raises(ValueError, match="experimental"):
-            gemm.w4a16_gemm(x, w, impl="wdot")
-    for impl in impls:
-        y = gemm.w4a16_gemm(x, w, out_dtype=torch.float32, impl=impl)
-        assert y[:, 3].isnan().all() and not y[:, :3].isnan().any(), impl
+    y = gemm.w4a16_gemm(x, w, out_dtype=torch.float32)
+    assert y[:, 3].isnan().all() and not y[:, :3].isnan().any()
 
 
-@pytest.mark.parametrize("impl,split", [("gemv", 1), ("dot", 1), ("tile", 1), ("wdot", 1), ("wdot", 3),
-                                        ("tile_split", 2)])  # fmt: skip
-def test_w4a16_grouped_gemm(impl, split):
+def test_w4a16_grouped_gemm():
     e, n, k = 4, 48, 256
     w = nvfp4.quantize(torch.randn(e, n, k).to(DEV), amax=torch.rand(e, 1, 1).to(DEV) * 4)
     offs = torch.tensor([0, 3, 3, 20, 21], dtype=torch.int32, device=DEV)  # expert 1 gets no tokens
     x = torch.randn(21, k).bfloat16().to(DEV)
-    kw = (
-        {} if impl in ("gemv", "dot", "tile") else dict(split_k=split, block_k=256 if impl == "wdot" else 128)
-    )
-    a = gemm.w4a16_grouped_gemm(x, w, offs, out_dtype=torch.float32, impl=impl, **kw)
+    a = gemm.w4a16_grouped_gemm(x, w, offs, out_dtype=torch.float32)
     b = gemm.w4a16_grouped_gemm_reference(x, w, offs, out_dtype=torch.float32)
-    assert _rel(a, b) < GEMM_RTOL, f"grouped W4A16 {impl} E={e} N={n} K={k}: rel err {_rel(a, b):.2e}"
+    assert _rel(a, b) < GEMM_RTOL, f"grouped W4A16 E={e} N={n} K={k}: rel err {_rel(a, b):.2e}"
+
+
+def test_tuning_table_has_every_case():
+    """Each launcher finds its launch configs in tuning.json (a missing entry is a clear error)."""
+    for m in (1, 4, 16, 32, 64):
+        assert set(tuning.config("w4a16_gemm", f"m{m}")) == {"block_n", "block_k", "split_k", "num_warps",
+                                                             "num_stages"}  # fmt: skip
+    for case in ("row_amax", "per_token", "amax_known", "tile16"):
+        assert set(tuning.config("nvfp4_quantize", case)) == {"block_m", "block_k", "num_warps"}
+    assert tuning.config("w4a16_linear", "dispatch") == {"fused_max_m": 64}
+    for case in ("decode", "prefill"):
+        assert set(tuning.config("w4a16_grouped_gemm", case)) == {"block_n", "block_k", "num_warps", "num_stages"}
+    assert set(tuning.config("rac_quantize", "pass2")) == {"block_m", "block_k", "num_warps", "target_programs"}
+    assert set(tuning.config("rac_quantize", "pass4")) == {"block_m", "block_s", "num_warps"}
+    with pytest.raises(ValueError, match="no launch config w4a16_gemm.m3"):
+        tuning.config("w4a16_gemm", "m3")
 
 
 @pytest.mark.parametrize("act_scale", ["tensor", "token"])
@@ -242,9 +232,9 @@ def test_w4a4_rac_linear_matches_quant_reference(ratio, act_scale):
     from quads.quant.w4a4 import w4a4_linear as quant_w4a4
 
     with dispatch.kernels("triton"):
-        y = dispatch.w4a4_linear(x, wq, rac_channels=rac_channels(k, ratio), act_scale=act_scale)
+        y = linear.w4a4_linear(x, wq, rac_channels=rac_channels(k, ratio), act_scale=act_scale)
     with dispatch.kernels("reference"):
-        y_ref = dispatch.w4a4_linear(x, wq, rac_channels=rac_channels(k, ratio), act_scale=act_scale)
+        y_ref = linear.w4a4_linear(x, wq, rac_channels=rac_channels(k, ratio), act_scale=act_scale)
         y_quant = quant_w4a4(x, w, rac_ratio=ratio, act_scale=act_scale)
     assert torch.equal(y.float().isnan(), y_ref.float().isnan())
     # bf16 outputs: the two paths may round differently by one bf16 ulp (2**-8 relative)
@@ -265,6 +255,21 @@ def test_dispatch_switch():
         assert dispatch.use_triton(x) == (x.is_cuda and dispatch.HAS_TRITON)
         q = dispatch.nvfp4_quantize(x.to(DEV), per_token=True)
     _same_q(q, nvfp4.quantize(x.to(DEV), per_token=True), "dispatch auto")
+
+
+def test_set_backend_is_the_default_and_blocks_override_it():
+    """``set_backend`` (from ``TrainConfig.kernels``) is the process's backend; ``kernels()`` wins inside."""
+    assert dispatch.backend() == "auto"
+    try:
+        dispatch.set_backend("reference")
+        assert dispatch.backend() == "reference" and not dispatch.use_triton(torch.randn(2, 16).to(DEV))
+        with dispatch.kernels("triton"):
+            assert dispatch.backend() == "triton"
+        assert dispatch.backend() == "reference"
+        with pytest.raises(ValueError, match="unknown kernel backend 'fast'"):
+            dispatch.set_backend("fast")
+    finally:
+        dispatch.set_backend("auto")
 
 
 # ------------------------------------------------------------------------- real sizes (GPU only)
@@ -297,9 +302,8 @@ def test_gpu_gemms_real_size(m, n, k):
     x = torch.randn(m, k, device="cuda").bfloat16()
     w = nvfp4.quantize(torch.randn(n, k, device="cuda").bfloat16())
     b = gemm.w4a16_gemm_reference(x, w, out_dtype=torch.float32)
-    for impl in ("gemv", "dot", "wdot", "auto") if m <= 4 else ("wdot", "auto") if m <= 64 else ("auto",):
-        a = gemm.w4a16_gemm(x, w, out_dtype=torch.float32, impl=impl)
-        assert _rel(a, b) < GEMM_RTOL, f"W4A16 {impl} M={m} N={n} K={k}: {_rel(a, b):.2e}"
+    a = gemm.w4a16_gemm(x, w, out_dtype=torch.float32)
+    assert _rel(a, b) < GEMM_RTOL, f"W4A16 M={m} N={n} K={k}: {_rel(a, b):.2e}"
     xa = nvfp4.quantize(x, per_token=True)
     a = gemm.w4a4_gemm(xa, w, out_dtype=torch.float32)
     b = gemm.w4a4_gemm_reference(xa, w, out_dtype=torch.float32)
@@ -320,6 +324,26 @@ def test_gpu_grouped_real_size(tokens):
     )
     x = torch.randn(ids.numel(), k, device="cuda").bfloat16()
     b = gemm.w4a16_grouped_gemm_reference(x, w, offs, out_dtype=torch.float32)
-    for impl, kw in (("auto", {}), ("wdot", {"split_k": 4}), ("tile_split", {"split_k": 2}), ("tile", {})):
-        a = gemm.w4a16_grouped_gemm(x, w, offs, out_dtype=torch.float32, impl=impl, **kw)
-        assert _rel(a, b) < GEMM_RTOL, f"grouped {impl} T={tokens}: {_rel(a, b):.2e}"
+    a = gemm.w4a16_grouped_gemm(x, w, offs, out_dtype=torch.float32)
+    assert _rel(a, b) < GEMM_RTOL, f"grouped T={tokens}: {_rel(a, b):.2e}"
+
+
+def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
+    """The benchmark's tune suite turns its timed rows into a table of tuning.json's form (the fastest config
+    per case, summed over the shapes); the launchers' own table stays as read from the file."""
+    from quads.bench import _load_bench
+
+    bench = _load_bench()
+    before = json.dumps(tuning.table(), sort_keys=True)
+    fast, slow = (64, 128, 2, 4, 5), (32, 256, 1, 4, 3)
+    rows = [{"bench": "tune w4a16", "shape": f"M={m} N={n} K={k}", "cfg": list(c), "us": us}
+            for n, k in bench.TUNE_SHAPES for m in (1, 16, 64) for c, us in ((fast, 9.0), (slow, 10.0))]
+    rows.append({"bench": "tune rac_pass4", "shape": "16384x8192 token", "cfg": [2, 512, 4], "us": 1.0})
+    rows.append({"bench": "tune rac_pass4", "shape": "16384x8192 tensor", "cfg": [2, 512, 4], "us": 1.0})
+    table = bench.tuning_from_rows(rows)
+    want = dict(zip(("block_n", "block_k", "split_k", "num_warps", "num_stages"), fast))
+    assert all(table["w4a16_gemm"][f"m{b}"] == want for b in (1, 4, 16, 32, 64))
+    assert not any(key.startswith("n") for key in table["w4a16_gemm"])  # one winner for both shapes
+    assert table["rac_quantize"]["pass4"] == {"block_m": 2, "block_s": 512, "num_warps": 4}
+    assert table["nvfp4_quantize"] == tuning.table()["nvfp4_quantize"]  # not timed: kept
+    assert json.dumps(tuning.table(), sort_keys=True) == before

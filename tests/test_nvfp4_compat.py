@@ -206,11 +206,16 @@ def test_global_scale_forms(mode):
 
 
 @pytest.mark.parametrize("mode", nvfp4_compat.MODES)
-def test_nvfp4_quantize_dispatches_to_compat(mode):
+def test_ops_quantize_dispatches_to_compat(mode):
+    """The quant layers' entry picks nvfp4_compat by mode; nvfp4 itself is the canonical mode only."""
+    from quads.quant import ops
+
     x = _make("heavy", (4, 64), torch.bfloat16)
-    a, b = nvfp4.quantize(x, mode=mode), nvfp4_compat.quantize(x, mode=mode)
+    a, b = ops.nvfp4_quantize(x, mode=mode), nvfp4_compat.quantize(x, mode=mode)
     assert a.mode == mode and torch.equal(a.codes, b.codes) and torch.equal(a.global_scale, b.global_scale)
-    assert nvfp4.qdq(x, mode=mode).dtype == torch.bfloat16
+    assert ops.nvfp4_qdq(x, mode=mode).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=f"mode '{mode}' is a compatibility mode: call quads.formats.nvfp4_compat"):
+        nvfp4.quantize(x, mode=mode)
 
 
 # ---------------------------------------------------------------- bad input

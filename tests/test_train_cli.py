@@ -134,3 +134,26 @@ def test_resume_with_another_architecture(tmp_path, capsys):
     assert "step_000002" in (run / "checkpoints" / "latest").read_text()
     assert train("--out-dir", tmp_path / "empty", "--resume", "true") == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_kernel_backend_and_dist_timeout_are_config_fields(tmp_path, capsys):
+    """The kernel backend and the collective timeout are typed fields: recorded in config.yaml, applied by the
+    trainer, and a bad value names its field (no environment variable decides them)."""
+    from quads.kernels import dispatch
+
+    ckpt = make_ckpt(tmp_path / "ckpt")
+    run = tmp_path / "run"
+    try:
+        assert train("--steps", 1, "--model.checkpoint", ckpt, "--out-dir", run, "--kernels", "reference",
+                     "--dist-timeout-s", 30, *TINY) == 0
+        assert dispatch.backend() == "reference"
+    finally:
+        dispatch.set_backend("auto")
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["kernels"] == "reference" and saved["dist_timeout_s"] == 30.0
+    assert train("--kernels", "fast", "--out-dir", tmp_path / "bad") == 2
+    assert "kernels: expected one of ['auto', 'triton', 'reference'], got 'fast'" in capsys.readouterr().err
+    assert train("--dist-timeout-s", 0, "--out-dir", tmp_path / "bad") == 2
+    assert "dist_timeout_s must be > 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="kernels must be auto, triton or reference; got 'fast'"):
+        TrainConfig(kernels="fast")

@@ -2,8 +2,8 @@
 
 Formats (see docs/EXPORT.md): ``compressed-tensors`` (nvfp4-pack-quantized), ``modelopt`` (NVFP4 unified
 HF checkpoint), ``bf16``. The NVFP4 formats hold, for every targeted linear, exactly the codes, E4M3 block
-scales and FP32 global scale the rollout engine computed (``nvfp4.quantize(w.to(compute dtype),
-mode=recipe mode, tile=recipe tile)``), re-expressed in the format's conventions; every other tensor is BF16.
+scales and FP32 global scale the rollout engine computed (``quads.quant.ops.nvfp4_quantize(w.to(compute
+dtype), mode=recipe mode, tile=recipe tile)``), re-expressed in the format's conventions; every other tensor is BF16.
 transformers loads the ``bf16`` format; its compressed-tensors loader drops the global scale of per-expert NVFP4
 weights, so a compressed-tensors export with NVFP4 experts is refused unless ``engines_only`` says it is meant for
 vLLM / SGLang only (``compressed_tensors.check_transformers_loadable``); it has no ModelOpt loader (it refuses those).

@@ -2,7 +2,7 @@
 
 The quantized unit is the tensor the rollout engine quantizes: a fused expert tensor
 (``...mlp.experts.gate_up_proj`` [E, 2I, H] or ``down_proj`` [E, H, I]) or a linear weight [N, K], cast to
-the compute dtype and passed to ``nvfp4.quantize(w, mode=spec.mode, tile=spec.tile)``, so its codes,
+the compute dtype and quantized in ``spec.mode`` with ``spec.tile`` (``quads.quant.ops``), so its codes,
 E4M3 block scales and FP32 decode global scale are the ones the rollout used. The result is then split
 per expert into the linears serving engines expect: ``experts.{e}.gate_proj`` = rows [:I] of the
 expert's gate_up, ``up_proj`` = rows [I:], ``down_proj``; codes and scales split along N untouched,

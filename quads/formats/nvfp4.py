@@ -104,7 +104,6 @@ def check_input(x: torch.Tensor, tile: tuple[int, int], mode: str) -> None:
         )
 
 
-_check_input = check_input  # old private name, kept for callers
 
 
 def check_amax(amax: torch.Tensor | float, x: torch.Tensor, per_token: bool) -> torch.Tensor:
@@ -197,13 +196,16 @@ def quantize(
     ``per_token``: one global scale per row (amax over the last dim), ``global_scale`` is ``[..., 1]``.
     ``amax``: use this amax instead of measuring it (e.g. a shared scale for a residual, or a
     calibrated static scale); must broadcast against the measured one.
-    Compatibility modes other than ``te`` live in ``quads.formats.nvfp4_compat``.
+    ``mode`` must be ``te``: the other modes are other libraries' quantizers, in
+    ``quads.formats.nvfp4_compat`` (built on this module); ``quads.quant.ops.nvfp4_quantize`` picks
+    the module by mode.
     """
     check_input(x, tile, mode)
     if mode != "te":
-        from quads.formats import nvfp4_compat
-
-        return nvfp4_compat.quantize(x, mode=mode, tile=tuple(tile), per_token=per_token, amax=amax)
+        raise ValueError(
+            f"nvfp4.quantize is the canonical (te) quantizer; mode {mode!r} is a compatibility mode: call "
+            f"quads.formats.nvfp4_compat.quantize(x, mode={mode!r}) or quads.quant.ops.nvfp4_quantize"
+        )
     xf = x.float()
     mag = xf.abs()
     nan = torch.isnan(mag)

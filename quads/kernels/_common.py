@@ -1,7 +1,7 @@
 """Triton helpers shared by the NVFP4 kernels: exact E4M3 / E2M1 rounding and decoding.
 
 Everything here is plain IEEE fp32 / integer arithmetic, so it runs the same compiled for sm_90 and
-under ``TRITON_INTERPRET=1``:
+under Triton's CPU interpreter:
 
 - Triton's ``.to(tl.float8e4nv)`` is not used for the block scales: under the interpreter it
   mis-rounds values whose mantissa carries into the exponent (127.8 -> 64 instead of 128, seen with
@@ -19,7 +19,8 @@ under ``TRITON_INTERPRET=1``:
 from __future__ import annotations
 
 import importlib.util
-import os
+
+import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -34,9 +35,23 @@ E4M3_SUBNORMAL_MAGIC = 16384.0
 EXACT = {"enable_fp_fusion": False}
 
 
-def interpreting() -> bool:
-    """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def interpreted(t: torch.Tensor) -> bool:
+    """Whether a kernel launched on ``t`` runs under Triton's CPU interpreter: Triton compiles only for
+    GPUs, so a kernel on CPU tensors is interpreted. Kernels take this as a constexpr to pick the
+    interpreter-safe form of an operation (same values); it is read from the tensor, not from the
+    environment."""
+    return not t.is_cuda
+
+
+def interpreter_on() -> bool:
+    """Whether Triton decorated the kernels for its CPU interpreter (Triton's own switch,
+    ``TRITON_INTERPRET=1``, read by Triton when a kernel is decorated); without it a kernel cannot
+    run on CPU tensors."""
+    if not HAS_TRITON:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(e4m3_rne, InterpretedFunction)
 
 
 if HAS_TRITON:

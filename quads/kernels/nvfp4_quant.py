@@ -36,6 +36,7 @@ from quads.formats.constants import (
     SWIZZLE_COLS,
     SWIZZLE_ROWS,
 )
+from quads.kernels import tuning
 from quads.kernels._common import EXACT, HAS_TRITON
 
 INV6 = float(torch.tensor(1.0 / F4_E2M1_MAX, dtype=torch.float32))  # fp32(1/6), as the reference
@@ -238,7 +239,7 @@ if HAS_TRITON:
 
 def _require_triton() -> None:
     if not HAS_TRITON:
-        raise RuntimeError("Triton is not installed; use quads.formats.nvfp4 (or QUADS_KERNELS=reference)")
+        raise RuntimeError("Triton is not installed; use quads.formats.nvfp4 (or kernel backend 'reference')")
 
 
 def _rows_view(x: torch.Tensor) -> torch.Tensor:
@@ -246,14 +247,7 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-# Launch configs, from the H200 sweeps (docs/PERF.md): (BLOCK_M, BLOCK_K, num_warps).
-ROW_AMAX_CONFIG = (4, 1024, 4)
-# one-tile quantize kernel: per token with whole rows in one tile (K <= QUANT_ROW_MAX_K), or a 2D grid of
-# tiles when the amax is known (given, or measured by ``row_amax`` first). QUANT_ROW_CONFIG with
-# BLOCK_K None: whole rows in one tile; a BLOCK_K below K: the looping kernel.
-QUANT_ROW_CONFIG = (1, None, 4)
-QUANT_AMAX_CONFIG = (1, 2048, 8)
-QUANT_TILE16_CONFIG = (16, 256, 4)
+# Per token, rows up to this length are held whole in one tile (registers); longer ones loop over K.
 QUANT_ROW_MAX_K = 16384
 
 
@@ -265,10 +259,10 @@ def row_amax(
     x2 = _rows_view(x)
     m, k = x2.shape
     out = torch.empty(m, dtype=torch.float32, device=x.device)
-    bm0, bk0, nw0 = ROW_AMAX_CONFIG
-    bm, bk = block_m or bm0, min(block_k or bk0, triton.next_power_of_2(k))
+    cfg = tuning.config("nvfp4_quantize", "row_amax")
+    bm, bk = block_m or cfg["block_m"], min(block_k or cfg["block_k"], triton.next_power_of_2(k))
     _row_amax_kernel[(triton.cdiv(m, bm),)](
-        x2, out, m, k, x2.stride(0), BLOCK_M=bm, BLOCK_K=bk, num_warps=num_warps or nw0, **EXACT
+        x2, out, m, k, x2.stride(0), BLOCK_M=bm, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"], **EXACT
     )
     return out.reshape(x.shape[:-1])
 
@@ -310,7 +304,7 @@ def nvfp4_quantize(
     x ``[..., R, K]`` a zero-padded ``[..., Rp * Cp]`` float8 buffer (``swizzled_scale_shape(R, K/16)``).
     """
     _require_triton()
-    nvfp4._check_input(x, tile, "te")
+    nvfp4.check_input(x, tile, "te")
     if scale_layout not in ("linear", "swizzled"):
         raise ValueError(f"scale_layout must be 'linear' or 'swizzled', got {scale_layout!r}")
     x2 = _rows_view(x)
@@ -343,29 +337,28 @@ def nvfp4_quantize(
         scales = torch.empty(m, cp, dtype=torch.uint8, device=dev)
     sdec = torch.empty(m, dtype=torch.float32, device=dev)
     kp = triton.next_power_of_2(k)
-    row_bk = block_k or QUANT_ROW_CONFIG[1]
+    row_cfg = tuning.config("nvfp4_quantize", "per_token")
+    row_bk = block_k or row_cfg["block_k"]
     if per_row and (tile16 or kp > QUANT_ROW_MAX_K or (row_bk is not None and row_bk < k)):
         # rows longer than one tile (or the config says so): the looping kernel (row amax sweep, then
         # the quantize sweep, which re-reads the rows from L2)
-        bm = block_m or (16 if tile16 else QUANT_ROW_CONFIG[0])
+        bm = block_m or (16 if tile16 else row_cfg["block_m"])
         bk = min(row_bk or 256, kp)
         _nvfp4_quantize_kernel[(triton.cdiv(m, bm),)](
             x2, amax_rows, codes, scales, sdec, m, k, x2.stride(0), stride_amax, r_mat, rp, cp,
             PER_ROW_AMAX=per_row, TILE16=tile16, SWIZZLE=scale_layout == "swizzled",
-            BLOCK_M=bm, BLOCK_K=bk, num_warps=num_warps or (4 if tile16 else QUANT_ROW_CONFIG[2]), **EXACT,
+            BLOCK_M=bm, BLOCK_K=bk, num_warps=num_warps or (4 if tile16 else row_cfg["num_warps"]), **EXACT,
         )  # fmt: skip
     else:
-        bm0, bk0, nw0 = (
-            QUANT_ROW_CONFIG if per_row else (QUANT_TILE16_CONFIG if tile16 else QUANT_AMAX_CONFIG)
-        )
-        bm = block_m or bm0
-        bk = kp if per_row else min(block_k or bk0, kp)
+        cfg = row_cfg if per_row else tuning.config("nvfp4_quantize", "tile16" if tile16 else "amax_known")
+        bm = block_m or cfg["block_m"]
+        bk = kp if per_row else min(block_k or cfg["block_k"], kp)
         if tile16 and bm % 16:
             raise ValueError(f"16x16 tiles need block_m % 16 == 0, got {bm}")
         _nvfp4_quantize_tile_kernel[(triton.cdiv(m, bm), triton.cdiv(k, bk))](
             x2, amax_rows, codes, scales, sdec, m, k, x2.stride(0), stride_amax, r_mat, rp, cp,
             PER_ROW_AMAX=per_row, TILE16=tile16, SWIZZLE=scale_layout == "swizzled",
-            BLOCK_M=bm, BLOCK_K=bk, num_warps=num_warps or nw0, **EXACT,
+            BLOCK_M=bm, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"], **EXACT,
         )  # fmt: skip
     g = sdec.reshape(*x.shape[:-1], 1)
     target = out_gshape

@@ -186,6 +186,10 @@ class TrainConfig:
     resume: bool = False  # continue the run in out_dir from its latest checkpoint
     # rollout engine: quads' own, or an in-process vLLM with quads' recipes (pip install 'quads[vllm]', quads.vllm)
     rollout_backend: Literal["quads", "vllm"] = "quads"
+    # quads.kernels.dispatch: auto = Triton on CUDA tensors when it imports, else PyTorch; triton = always
+    # Triton (raises without it); reference = PyTorch only. Bit-exact across backends: speed only.
+    kernels: Literal["auto", "triton", "reference"] = "auto"  # kernel backend of the NVFP4 quantize ops
+    dist_timeout_s: float = 600.0  # under torchrun: a collective that waits this long on a dead peer raises
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -202,6 +206,10 @@ class TrainConfig:
             raise ValueError(f"threads must be >= 0; got {self.threads}")
         if self.rollout_backend not in ("quads", "vllm"):
             raise ValueError(f"rollout_backend must be quads or vllm; got {self.rollout_backend!r}")
+        if self.kernels not in ("auto", "triton", "reference"):
+            raise ValueError(f"kernels must be auto, triton or reference; got {self.kernels!r}")
+        if not self.dist_timeout_s > 0:
+            raise ValueError(f"dist_timeout_s must be > 0 seconds; got {self.dist_timeout_s}")
         if self.rollout_backend == "vllm" and self.dtype == "float64":
             raise ValueError("rollout_backend=vllm needs dtype float32 or bfloat16 (vLLM has no float64)")
         b = self.rollout.prompts_per_step * self.rollout.n_samples

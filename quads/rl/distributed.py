@@ -80,7 +80,7 @@ def init(device: str = "cpu", timeout_s: float | None = None) -> DistInfo:
     ``MASTER_ADDR``/``MASTER_PORT``); gloo for CPU, NCCL for CUDA with the device from ``LOCAL_RANK``.
 
     Returns ``DistInfo(device=device)`` when ``WORLD_SIZE`` is unset or 1. Idempotent.
-    ``timeout_s`` (default ``QUADS_DIST_TIMEOUT_S`` or 600) bounds every collective.
+    ``timeout_s`` (``TrainConfig.dist_timeout_s``; default ``DEFAULT_TIMEOUT_S``) bounds every collective.
     """
     world = env_world_size()
     if world <= 1:
@@ -101,7 +101,7 @@ def init(device: str = "cpu", timeout_s: float | None = None) -> DistInfo:
     else:
         raise ValueError(f"distributed training supports cpu (gloo) and cuda (NCCL); got device={device!r}")
     if not dist.is_initialized():
-        t = timeout_s if timeout_s is not None else float(os.environ.get("QUADS_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        t = timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S
         kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=t)}
         if backend == "nccl":
             kwargs["device_id"] = torch.device(device)

@@ -37,6 +37,7 @@ import torch
 
 from quads.config import save_config, to_dict
 from quads.io import atomic_write_text, check_output_dir
+from quads.kernels import dispatch
 from quads.metrics.mismatch import mismatch_metrics
 from quads.metrics.report import write_report
 from quads.model.checkpoint import save_checkpoint
@@ -60,7 +61,7 @@ from quads.rollout import RolloutBatch, RolloutEngine, SamplingParams
 
 # config fields that may differ when resuming (they do not change what the next steps compute)
 RESUMABLE_CHANGES = ("resume", "steps", "log", "guard", "device", "threads", "out_dir", "eval_every", "eval_n",
-                     "time_limit_s")
+                     "time_limit_s", "kernels", "dist_timeout_s")
 NONDETERMINISTIC = ("time/", "perf/")  # metric prefixes that differ between identical runs
 
 
@@ -145,7 +146,8 @@ class GRPOTrainer:
         self.cfg = cfg
         self.on_step_end = on_step_end
         self.quiet = quiet
-        self.dist = distributed.init(cfg.device)  # under torchrun: join the process group (else a no-op)
+        self.dist = distributed.init(cfg.device, cfg.dist_timeout_s)  # under torchrun: join the process group
+        dispatch.set_backend(cfg.kernels)  # the kernel backend of the quantize ops, from the run's config
         distributed.check_config(cfg, self.dist)
         cfg.device = self.dist.device  # cuda -> cuda:<LOCAL_RANK> under torchrun
         self.run_dir = distributed.broadcast_object(Path(cfg.out_dir) if cfg.out_dir else default_run_dir(cfg),

@@ -9,8 +9,6 @@ itself and runs the engine in-process, so the entry point is only needed when vL
 
 from __future__ import annotations
 
-QUANT_METHOD_NAME = "quads"
-
 
 def register() -> None:
     """Make ``quantization="quads"`` known to vLLM in this process."""

@@ -35,7 +35,8 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from quads.quant.apply import PROTECTED_NAMES
 from quads.quant.recipe import Recipe, get_recipe
-from quads.vllm.plugin import QUANT_METHOD_NAME
+
+QUANT_METHOD_NAME = "quads"  # the name vLLM knows the method by: quantization="quads"
 
 ROUTED_SUFFIX = ".routed_experts"
 

@@ -19,7 +19,7 @@ norm first, ties to the lower channel), and ``R[:, S]``'s codes/scales/global sc
    same Xq bits as pass 2, with no re-quantization), per-token residual amax if asked (a first sweep
    over S), quantizes ``R[:, S]`` in blocks of 16 consecutive selected channels, and
    optionally scatters ``e2m1 * s_r`` as BF16 to ``[T, K]`` (the GEMM's residual operand, see
-   ``gemm.w4a4_gemm``).
+   ``quads.kernels.prototype.gemm.w4a4_gemm``).
 
 Bytes: X is read 3 times (passes 1, 2 and the gather of 4, which touches most sectors at ratio 0.5)
 against once for a plain per-token quantize: the token reduction in front of the selection forces a
@@ -34,7 +34,8 @@ import torch
 
 from quads.formats import nvfp4
 from quads.formats.constants import F8E4M3_DTYPE, NVFP4_BLOCK
-from quads.kernels._common import EXACT, HAS_TRITON, interpreting
+from quads.kernels import tuning
+from quads.kernels._common import EXACT, HAS_TRITON, interpreted
 from quads.kernels.nvfp4_quant import row_amax
 
 if HAS_TRITON:
@@ -191,12 +192,6 @@ def _nvfp4(codes, scales, g, shape, dtype) -> nvfp4.NVFP4Tensor:
     )
 
 
-# Launch configs from the H200 sweep (docs/PERF.md): pass 2 (BLOCK_M tokens, BLOCK_K channels, num_warps,
-# target programs), pass 4 (BLOCK_M tokens, BLOCK_S selected channels, num_warps).
-RAC_PASS2_CONFIG = (16, 64, 4, 4096)
-RAC_PASS4_CONFIG = (1, 1024, 4)
-
-
 def rac_quantize(
     x: torch.Tensor,
     n: int,
@@ -210,7 +205,9 @@ def rac_quantize(
 ) -> RACQuantized:
     """Fused NVFP4 + dynamic RAC quantize of ``x`` ``[T, K]`` with ``n`` residual channels (Triton).
 
-    ``pass2`` / ``pass4`` override ``RAC_PASS2_CONFIG`` / ``RAC_PASS4_CONFIG``; ``timings`` (a dict,
+    ``pass2`` (BLOCK_M tokens, BLOCK_K channels, num_warps, target programs) / ``pass4`` (BLOCK_M
+    tokens, BLOCK_S selected channels, num_warps) override the launch configs of ``tuning.json``
+    (``rac_quantize.pass2`` / ``.pass4``); ``timings`` (a dict,
     CUDA only) receives a CUDA event before each stage, for the benchmark's per-stage times."""
 
     def mark(name: str) -> None:
@@ -220,7 +217,7 @@ def rac_quantize(
             timings[name] = ev
 
     if not HAS_TRITON:
-        raise RuntimeError("Triton is not installed; use rac_quantize_reference (or QUADS_KERNELS=reference)")
+        raise RuntimeError("Triton is not installed; use rac_quantize_reference (or kernel backend 'reference')")
     if x.dim() != 2 or x.shape[1] % NVFP4_BLOCK or n % NVFP4_BLOCK or not 0 <= n <= x.shape[1]:
         raise ValueError(f"rac_quantize needs x [T, K] with K % 16 == 0 and 0 <= n <= K, n % 16 == 0; "
                          f"got x {tuple(x.shape)}, n={n}")  # fmt: skip
@@ -233,7 +230,10 @@ def rac_quantize(
     mark("row_amax")
     ra = row_amax(x)  # [T]
     amax_rows, stride_amax = (ra, 1) if per_token else (ra.amax().reshape(1), 0)
-    bm, bk, nw2, target = pass2 or RAC_PASS2_CONFIG
+    if pass2 is None:
+        c = tuning.config("rac_quantize", "pass2")
+        pass2 = (c["block_m"], c["block_k"], c["num_warps"], c["target_programs"])
+    bm, bk, nw2, target = pass2
     bk = min(bk, triton.next_power_of_2(k))
     k_tiles = triton.cdiv(k, bk)
     if splits is None:
@@ -260,12 +260,15 @@ def rac_quantize(
     rcodes = torch.empty(t, n // 2, dtype=torch.uint8, device=dev)
     rscales = torch.empty(t, n // NVFP4_BLOCK, dtype=torch.uint8, device=dev)
     scat = torch.zeros(t, k, dtype=torch.bfloat16, device=dev) if scatter else rcodes
-    bm4, bs, nw4 = pass4 or RAC_PASS4_CONFIG
+    if pass4 is None:
+        c = tuning.config("rac_quantize", "pass4")
+        pass4 = (c["block_m"], c["block_s"], c["num_warps"])
+    bm4, bs, nw4 = pass4
     bs = min(bs, triton.next_power_of_2(n))
     mark("pass4")
     _rac_residual_kernel[(triton.cdiv(t, bm4),)](
         x, codes, scales, sel, ramax, rcodes, rscales, sdec, scat, t, k, n, x.stride(0),
-        PER_TOKEN=per_token, SCATTER=scatter, BLOCK_M=bm4, BLOCK_S=bs, INTERP=interpreting(), num_warps=nw4, **EXACT,
+        PER_TOKEN=per_token, SCATTER=scatter, BLOCK_M=bm4, BLOCK_S=bs, INTERP=interpreted(x), num_warps=nw4, **EXACT,
     )  # fmt: skip
     mark("end")
     gr = sdec[t:].reshape(t, 1).clone() if per_token else sdec[t].clone()
@@ -293,7 +296,7 @@ def rac_quantize_reference(
     rq = nvfp4.quantize(r[:, sel], per_token=per_token)
     scat = None
     if scatter:
-        from quads.kernels.gemm import decoded
+        from quads.kernels.prototype.gemm import decoded
 
         scat = torch.zeros(x.shape, dtype=torch.bfloat16, device=x.device)
         scat[:, sel] = decoded(rq).to(torch.bfloat16)

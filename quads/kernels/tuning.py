@@ -1,0 +1,35 @@
+"""Launch configs of the Triton kernels, read from the data file ``tuning.json`` beside this module.
+
+Entries are ``tuning.json[kernel][case]`` = keyword arguments of the kernel's launcher (``block_m``,
+``block_k``, ``num_warps``, ...). The benchmark's ``tune`` suite (``benchmarks/bench_kernels.py --only
+tune``) times candidate configs by passing them as explicit launcher arguments and writes the fastest
+of each case as a file of the same form (``--tuning-out``); copying it over ``tuning.json`` adopts
+them, and docs/PERF.md records which run measured which config. A launch config changes speed only:
+the quantizers are bit-exact under every config, and a GEMM's split-K changes only the fp32 summation
+order, within the GEMM's documented tolerance.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+PATH = Path(__file__).with_name("tuning.json")
+
+
+@functools.cache
+def table() -> dict[str, dict[str, dict]]:
+    """The parsed ``tuning.json`` (read once per process)."""
+    return json.loads(PATH.read_text())
+
+
+def config(kernel: str, case: str) -> dict:
+    """The launch config of ``kernel`` for ``case`` (a fresh dict); a clear error if it is missing."""
+    try:
+        return dict(table()[kernel][case])
+    except KeyError:
+        raise ValueError(
+            f"no launch config {kernel}.{case} in {PATH}; restore the file from git or rerun the "
+            "benchmark's tune suite (benchmarks/bench_kernels.py --only tune --tuning-out FILE)"
+        ) from None
