@@ -37,8 +37,11 @@ class EvalConfig:
     recipe: str | None = None  # rollout precision recipe (quads.quant); None = the checkpoint as stored
     seed: int = 0  # sampling seed
     device: str = "cpu"
+    threads: int = 0  # torch CPU threads; 0 = torch default
 
     def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = torch default); got {self.threads}")
         if self.n_prompts < 1 or self.n_samples < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
             raise ValueError("n_prompts, n_samples, batch_size and max_new_tokens must be >= 1")
         self.k = tuple(sorted(set(int(k) for k in self.k)))
@@ -116,6 +119,8 @@ def _load(cfg: EvalConfig):
 
     if not cfg.checkpoint:
         raise ValueError("--checkpoint is required (a folder written by quads pretrain / train)")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     model, extra = load_checkpoint(cfg.checkpoint, device=cfg.device)
     tokenizer = load_tokenizer(cfg.checkpoint)
     if cfg.recipe is not None:

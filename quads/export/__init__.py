@@ -48,6 +48,7 @@ class ExportConfig:
     max_shard_mb: float = 4096.0  # safetensors shard size (MiB)
     force: bool = False  # replace an existing non-empty --out
     seed: int = 0
+    threads: int = 0  # torch CPU threads; 0 = torch default
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -60,6 +61,8 @@ class ExportConfig:
             raise ValueError("--qdq applies to --format bf16 only (the NVFP4 formats always hold the NVFP4 bits)")
         if self.max_shard_mb <= 0 or self.calib_tokens <= 0:
             raise ValueError("--max-shard-mb and --calib-tokens must be > 0")
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0 (0 = torch default); got {self.threads}")
 
 
 @dataclass
@@ -129,6 +132,8 @@ def _linear_names(sd: dict[str, torch.Tensor], plan: ExportPlan) -> list[str]:
 
 
 def export(cfg: ExportConfig) -> ExportResult:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     src = load_source(cfg.checkpoint)
     notes: list[str] = []
     fmt = FORMATS[cfg.format]
@@ -193,6 +198,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-mb", type=float, default=4096.0, help="safetensors shard size (MiB)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
 
 
 def config_from_args(args: argparse.Namespace) -> ExportConfig:
@@ -202,7 +208,7 @@ def config_from_args(args: argparse.Namespace) -> ExportConfig:
         nvfp4_mode=args.nvfp4_mode,
         tile=tuple(int(x) for x in args.tile.split("x")) if args.tile else None,
         activations=args.activations, calib_data=args.calib_data, calib_tokens=args.calib_tokens,
-        qdq=args.qdq, max_shard_mb=args.max_shard_mb, force=args.force, seed=args.seed,
+        qdq=args.qdq, max_shard_mb=args.max_shard_mb, force=args.force, seed=args.seed, threads=args.threads,
     )
 
 
