@@ -27,7 +27,7 @@ from quads.model.tokenizer import load_tokenizer
 from quads.model.transformer import MoEForCausalLM
 from quads.quant import Recipe, get_recipe, quantize_model
 from quads.rl.config import TrainConfig
-from quads.tasks import Task, get_task
+from quads.tasks import Task, examples_up_to, get_task
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -88,7 +88,8 @@ def warm_start_checkpoint(cfg: TrainConfig, task: Task | None = None) -> Path:
     difficulty = cfg.task.difficulty if cfg.task.difficulty is not None else getattr(task, "difficulty", None)
     want = {"preset": cfg.model.preset, "model": cfg.model.preset, "task": cfg.task.name,
             "difficulty": difficulty, "dataset": cfg.task.dataset, "steps": cfg.warm_start.steps,
-            "lr": cfg.warm_start.lr, "batch_size": cfg.warm_start.batch_size, "seed": cfg.seed,
+            "lr": cfg.warm_start.lr, "batch_size": cfg.warm_start.batch_size,
+            "train_size": cfg.warm_start.train_size, "seed": cfg.seed,
             "device": cfg.device, "cache_dir": cfg.warm_start.cache_dir, "threads": cfg.threads or None,
             "progress": cfg.log.progress,
             "eval_size": 0}  # quads train measures held-out pass@1 itself, through the rollout recipe
@@ -102,6 +103,9 @@ def resolve(cfg: TrainConfig, *, allow_warm_start: bool = True) -> Resolved:
     task = build_task(cfg)
     if not task.examples("train", 1):
         raise ValueError(f"task {cfg.task.name!r} has no training examples")
+    if not examples_up_to(task, "test", 1):  # the held-out eval needs at least one prompt
+        raise ValueError(f"task {cfg.task.name!r} has no held-out (test) examples: a prompt is held out when its "
+                         "hash falls in the test fraction (10%); give the dataset more records")
     recipe = build_recipe(cfg)
     if cfg.model.checkpoint is not None:
         ckpt = Path(cfg.model.checkpoint)
