@@ -61,8 +61,7 @@ class TaskSection:
     name: str = "arithmetic"  # a registered task (quads.tasks.get_task)
     difficulty: int | None = None  # task difficulty level; None = the task's default
     dataset: str | None = None  # jsonl/parquet file with verl-style fields, replaces the generated train split
-    train_size: int = 4000  # distinct training prompts drawn from the task (all it has when fewer); the sampler
-    # goes through them in seeded epochs
+    train_size: int = 4000  # distinct training prompts of the task (all it has when fewer), in seeded epochs
 
     def __post_init__(self) -> None:
         _positive("task", train_size=self.train_size)
@@ -140,9 +139,9 @@ class GuardSection:
     gap_max: float | None = None  # threshold on mismatch/logp_gap_max
     k3: float | None = 0.1  # threshold on mismatch/k3
     action: Literal["warn", "abort"] = "warn"  # warn: log and continue; abort: checkpoint and stop (exit 3)
-    # a non-finite loss or gradient norm in a mini-batch: skip its optimizer step (counted in optim/skipped),
-    # or abort: no optimizer step, checkpoint of the step before, stop (exit 3)
-    nonfinite: Literal["skip", "abort"] = "abort"
+    # NaN/Inf loss or grad norm in a mini-batch: no optimizer step; skip: count it in optim/skipped and go on;
+    # abort: checkpoint the end of the step before and stop (exit 3)
+    nonfinite: Literal["skip", "abort"] = "abort"  # skip: drop that optimizer step; abort: checkpoint and stop
 
     def __post_init__(self) -> None:
         if self.action not in ("warn", "abort"):
