@@ -1,8 +1,9 @@
 """The ``quads`` command line: ``quads train | compare | diagnose | eval | pretrain | bench | export``.
 
 Each subcommand lives in the module named in ``COMMANDS`` and exposes ``register(parser)`` (add its
-flags to an ``argparse`` sub-parser) and ``run(args) -> int``. Modules are imported lazily so that
-``quads --help`` stays fast and one broken optional dependency does not take down every command.
+flags to an ``argparse`` sub-parser) and ``run(args) -> int``. Only the module of the command being run is
+imported (most import torch, a second or more), so ``quads --help`` stays fast and one broken optional
+dependency does not take down every command.
 
 Exit codes: 0 done, 2 a user mistake (``quads.errors.UsageError``, raised at any depth, printed as one
 line), 130 interrupted (Ctrl-C; one line), anything else as the command documents.
@@ -26,8 +27,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the subcommand named in ``argv`` (default ``sys.argv[1:]``) gets its flags."""
     from quads import __version__
+
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
 
     parser = argparse.ArgumentParser(
         prog="quads",
@@ -38,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(_module=module)
+        if name != chosen:
+            continue
         try:
             importlib.import_module(module).register(p)
         except ModuleNotFoundError as e:
@@ -48,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()

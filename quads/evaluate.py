@@ -45,8 +45,11 @@ class EvalConfig:
     seed: int = 0  # sampling seed
     device: str = "cpu"
     sandbox: Literal["full", "no-cgroup", "process"] = "full"  # code isolation, weaker = opt-in (docs/TASKS.md)
+    threads: int = 0  # torch CPU threads; 0 = torch default
 
     def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = torch default); got {self.threads}")
         if self.n_prompts < 1 or self.n_samples < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
             raise ValueError("n_prompts, n_samples, batch_size and max_new_tokens must be >= 1")
         self.k = tuple(sorted(set(int(k) for k in self.k)))
@@ -126,6 +129,8 @@ def _load(cfg: EvalConfig):
         raise UsageError("--checkpoint is required (a folder written by quads pretrain / train, or a Hugging Face "
                          "model folder)")
     check_device(cfg.device, "device")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     model, tokenizer, extra = load_model(cfg.checkpoint, device=cfg.device, field="--checkpoint")
     if cfg.recipe is not None:
         from quads.quant import quantize_model

@@ -3,8 +3,9 @@
 Each training sequence is ``<bos> prompt response <eos>`` in character ids; teacher forcing with
 cross-entropy on the response and ``<eos>`` only (prompt and padding positions are masked), mean
 over those tokens. AdamW, linear warmup then cosine decay to 10% of ``lr``, gradient clipping at 1.
-Batches are drawn with replacement from ``train_size`` training examples by a seeded generator, so a
-run is a function of its config. The checkpoint is cached under
+Batches are drawn with replacement from ``train_size`` distinct training examples (all the task's train
+split when it offers fewer, as code and the small arithmetic and countdown levels do) by a seeded
+generator, so a run is a function of its config. The checkpoint is cached under
 ``<cache_dir>/<sha256(config)[:16]>/`` (``cache_dir``: ``$QUADS_CACHE/pretrain``, else
 ``~/.cache/quads/pretrain``): a second call with the same config returns the folder at once. At the
 end the held-out greedy pass@1 is measured with the rollout engine and stored in the checkpoint's
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from quads.config import add_dataclass_args, build_config, to_dict
+from quads.tasks.base import examples_up_to
 
 FORMAT_VERSION = 1  # bump when the SFT recipe or data format changes, so old cache entries are not reused
 
@@ -42,7 +44,7 @@ class PretrainConfig:
     lr: float = 3e-3  # peak AdamW learning rate
     warmup_steps: int = 30  # linear warmup steps
     weight_decay: float = 0.0  # AdamW weight decay
-    train_size: int = 20000  # distinct training examples drawn from the task's train split
+    train_size: int = 20000  # distinct training examples drawn from the task's train split (all it has when fewer)
     seed: int = 0  # init, data order and task generation seed
     eval_size: int = 200  # held-out prompts for the final greedy pass@1 (0 = skip)
     max_new_tokens: int = 64  # response cap of that evaluation
@@ -153,7 +155,11 @@ def _train(cfg: PretrainConfig, log_every: int):
     torch.manual_seed(cfg.seed)
     tok = CharTokenizer()
     task = _task(cfg)
-    data = [encode_sft(tok, e.prompt, task.demonstration(e)) for e in task.examples("train", cfg.train_size)]
+    examples = examples_up_to(task, "train", cfg.train_size)
+    if cfg.progress and len(examples) < cfg.train_size:
+        print(f"pretrain {cfg.task}: the task's train split offers {len(examples)} distinct prompts "
+              f"(train_size {cfg.train_size}); training on all of them", file=sys.stderr)
+    data = [encode_sft(tok, e.prompt, task.demonstration(e)) for e in examples]
     model = MoEForCausalLM(ModelConfig.preset(cfg.preset, vocab_size=tok.vocab_size, dtype=cfg.dtype))
     model.to(cfg.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -184,6 +190,9 @@ def warm_start(cfg: PretrainConfig) -> Path:
     folder = cfg.folder()
     if (folder / "config.json").is_file():
         return folder
+    if cfg.progress:
+        print(f"pretrain {cfg.task}: no cached warm start for this config; training the {cfg.preset} model "
+              f"for {cfg.steps} steps (then cached in {folder})", file=sys.stderr)
     start = time.monotonic()
     model, tok, task, history = train_sft(cfg)
     return save_warm_start(cfg, model, tok, task, history, train_seconds=time.monotonic() - start)
@@ -199,7 +208,7 @@ def save_warm_start(cfg: PretrainConfig, model, tokenizer, task, history: list[t
     if cfg.eval_size > 0:
         from quads.evaluate import evaluate_model
 
-        res = evaluate_model(model.eval(), tokenizer, task, task.examples("test", cfg.eval_size),
+        res = evaluate_model(model.eval(), tokenizer, task, examples_up_to(task, "test", cfg.eval_size),
                              max_new_tokens=cfg.max_new_tokens)
         result["heldout_pass@1"] = res.pass_at[1]
         result["heldout_mean_response_chars"] = res.mean_response_chars

@@ -119,3 +119,20 @@ def test_registry_errors_list_valid_names():
         get_task("arithmetic").examples("valid", 3)
     with pytest.raises(ValueError, match="distinct"):
         ArithmeticTask(1).examples("test", 500)  # level 1 has ~150 distinct prompts
+
+
+@pytest.mark.parametrize("name,kwargs,train,test", [("arithmetic", {"difficulty": 1}, 140, 15),
+                                                     ("code", {}, 223, 62)])
+def test_examples_up_to_returns_the_whole_small_split(name, kwargs, train, test):
+    """A split smaller than asked: ``examples_up_to`` gives all of it (disjoint from the other split,
+    deterministic); ``examples`` names how many it offers."""
+    from quads.tasks import examples_up_to
+
+    task = get_task(name, **kwargs)
+    tr, te = examples_up_to(task, "train", 20000), examples_up_to(task, "test", 200)
+    assert (len(tr), len(te)) == (train, test)
+    assert len({e.prompt for e in tr}) == train and {e.prompt for e in tr}.isdisjoint({e.prompt for e in te})
+    assert [e.prompt for e in examples_up_to(get_task(name, **kwargs), "train", 20000)] == [e.prompt for e in tr]
+    assert [e.prompt for e in examples_up_to(task, "train", 10)] == [e.prompt for e in tr[:10]]
+    with pytest.raises(ValueError, match=f"offers only {train} distinct prompts"):
+        task.examples("train", train + 1)

@@ -157,3 +157,41 @@ def test_kernel_backend_and_dist_timeout_are_config_fields(tmp_path, capsys):
     assert "dist_timeout_s must be > 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="kernels must be auto, triton or reference; got 'fast'"):
         TrainConfig(kernels="fast")
+def test_resuming_a_finished_run_reports_its_last_step_and_cleans_temp_folders(tmp_path, capsys):
+    ckpt = make_ckpt(tmp_path / "ckpt")
+    run = tmp_path / "run"
+    assert train("--steps", 1, "--model.checkpoint", ckpt, "--out-dir", run, *TINY) == 0
+    first = capsys.readouterr().out
+    last_line = next(x for x in first.splitlines() if x.startswith("last step:"))
+    stale = run / ".policy.k1ll3d.tmp"  # what a kill during the policy write leaves
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"torn")
+    assert train("--out-dir", run, "--resume", "true", "--quiet") == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out
+    assert last_line in out  # the finished run's last step, not "reward nan"
+    assert not stale.exists()
+
+
+def test_adv_eps_zero_is_refused(tmp_path, capsys):
+    ckpt = make_ckpt(tmp_path / "ckpt")
+    run = tmp_path / "run"
+    assert train("--grpo.adv-eps", 0, "--model.checkpoint", ckpt, "--steps", 1, "--out-dir", run, *TINY) == 2
+    err = capsys.readouterr().err
+    assert "grpo.adv_eps" in err and "> 0" in err
+    assert not run.exists()
+
+
+def test_a_dataset_without_held_out_prompts_is_refused_before_the_run_folder(tmp_path, capsys):
+    import json
+
+    from quads.tasks import split_of
+
+    prompts = [p for p in (f"Q: {i}+1=\n" for i in range(50)) if split_of(p, 0.1, "0:") == "train"][:5]
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in prompts))
+    run = tmp_path / "run"
+    assert train("--task.name", "dataset", "--task.dataset", data, "--model.checkpoint", make_ckpt(tmp_path / "c"),
+                 "--out-dir", run, *TINY[2:]) == 2  # TINY without its --task.name
+    assert "no held-out (test) examples" in capsys.readouterr().err
+    assert not run.exists()

@@ -1,6 +1,7 @@
 """The GRPO trainer end to end on a tiny model: learning, exact resume, atomic checkpoints."""
 
 import json
+import math
 import random
 from dataclasses import replace
 
@@ -178,3 +179,115 @@ def test_time_limit_stops_early_with_eval_checkpoint_and_policy(tmp_path, digits
     assert sorted(read_metrics(resumed.run_dir)) == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="time_limit_s"):
         replace(cfg, time_limit_s=-1)
+
+
+def test_default_checkpoint_period_lets_a_crashed_run_resume_exactly(tmp_path, digits_task):
+    """With the default log.save_every, a run that crashes between checkpoints continues exactly."""
+    every = LogSection().save_every
+    assert every > 0, "the default run must write checkpoints before its end"
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    over = dict(steps=every + 2, eval_every=0)
+    straight = GRPOTrainer(tiny_config(tmp_path / "a", ckpt, **over), quiet=True).run()
+
+    def crash(step, metrics):
+        if step == every + 1:
+            raise Crash("simulated crash one step after the first periodic checkpoint")
+
+    cfg_b = tiny_config(tmp_path / "b", ckpt, **over)
+    with pytest.raises(Crash):
+        GRPOTrainer(cfg_b, on_step_end=crash, quiet=True).run()
+    assert ckpt_mod.latest_checkpoint(cfg_b.out_dir).name == f"step_{every:06d}"
+    resumed = GRPOTrainer(replace(cfg_b, resume=True), quiet=True).run()
+    a, b = read_metrics(straight.run_dir), read_metrics(resumed.run_dir)
+    assert sorted(a) == sorted(b) == list(range(every + 3))
+    for step in (every + 1, every + 2):
+        assert ({k: v for k, v in a[step].items() if not k.startswith(NONDETERMINISTIC)}
+                == {k: v for k, v in b[step].items() if not k.startswith(NONDETERMINISTIC)}), step
+
+
+def test_resume_before_the_first_checkpoint_starts_again_from_step_0(tmp_path, digits_task):
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    over = dict(steps=3, eval_every=0, log=LogSection(tensorboard=False, probe_tokens=16, progress=False,
+                                                      save_every=0))
+    straight = GRPOTrainer(tiny_config(tmp_path / "a", ckpt, **over), quiet=True).run()
+
+    def crash(step, metrics):
+        if step == 2:
+            raise Crash("simulated crash before any checkpoint")
+
+    cfg_b = tiny_config(tmp_path / "b", ckpt, **over)
+    with pytest.raises(Crash):
+        GRPOTrainer(cfg_b, on_step_end=crash, quiet=True).run()
+    assert ckpt_mod.latest_checkpoint(cfg_b.out_dir) is None
+    resumed = GRPOTrainer(replace(cfg_b, resume=True), quiet=True).run()
+    lines = (resumed.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2, 3]  # the crashed run's records were replaced
+    a, b = read_metrics(straight.run_dir), read_metrics(resumed.run_dir)
+    for step in range(4):
+        assert ({k: v for k, v in a[step].items() if not k.startswith(NONDETERMINISTIC)}
+                == {k: v for k, v in b[step].items() if not k.startswith(NONDETERMINISTIC)}), step
+    with pytest.raises(ValueError, match="holds no run"):
+        GRPOTrainer(tiny_config(tmp_path / "c", ckpt, resume=True), quiet=True)
+
+
+@pytest.fixture
+def nan_loss_at(monkeypatch):
+    """``nan_loss_at(step)``: the GRPO loss of that RL step's (single) mini-batch becomes NaN."""
+    from quads.rl import trainer as trainer_mod
+
+    real, calls, when = trainer_mod.grpo_loss, [0], []
+
+    def grpo_loss(*a, **k):
+        loss, m = real(*a, **k)
+        calls[0] += 1
+        return (loss * float("nan") if calls[0] in when else loss), m
+
+    monkeypatch.setattr(trainer_mod, "grpo_loss", grpo_loss)
+    return when.append
+
+
+def test_nonfinite_loss_aborts_with_a_checkpoint_that_resumes_exactly(tmp_path, digits_task, nan_loss_at):
+    from quads.rl.trainer import NonFiniteError
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    over = dict(steps=3, eval_every=0)
+    straight = GRPOTrainer(tiny_config(tmp_path / "a", ckpt, **over), quiet=True).run()
+    nan_loss_at(5)  # the straight run made calls 1-3 (one mini-batch per step): call 5 is the next run's step 2
+    cfg_b = tiny_config(tmp_path / "b", ckpt, **over)
+    assert cfg_b.guard.nonfinite == "abort"  # the default
+    with pytest.raises(NonFiniteError, match=r"step 2: non-finite loss nan.*checkpoint of step 1.*nonfinite skip"):
+        GRPOTrainer(cfg_b, quiet=True).run()
+    assert ckpt_mod.latest_checkpoint(cfg_b.out_dir).name == "step_000001"
+    assert sorted(read_metrics(tmp_path / "b" / "run")) == [0, 1]
+    policy, _ = load_checkpoint(tmp_path / "b" / "run" / "policy")
+    assert all(torch.isfinite(p).all() for p in policy.parameters())
+    resumed = GRPOTrainer(replace(cfg_b, resume=True), quiet=True).run()
+    a, b = read_metrics(straight.run_dir), read_metrics(resumed.run_dir)
+    for step in (2, 3):
+        assert ({k: v for k, v in a[step].items() if not k.startswith(NONDETERMINISTIC)}
+                == {k: v for k, v in b[step].items() if not k.startswith(NONDETERMINISTIC)}), step
+
+
+def test_nonfinite_loss_skips_the_optimizer_step_when_asked(tmp_path, digits_task, nan_loss_at):
+    from quads.rl.config import GuardSection
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    nan_loss_at(2)
+    cfg = tiny_config(tmp_path, ckpt, steps=3, eval_every=0, guard=GuardSection(nonfinite="skip"))
+    res = GRPOTrainer(cfg, quiet=True).run()
+    m = read_metrics(res.run_dir)
+    assert [m[s]["optim/skipped"] for s in (1, 2, 3)] == [0.0, 1.0, 0.0]
+    assert [m[s]["optim/steps"] for s in (1, 2, 3)] == [1.0, 1.0, 2.0]
+    assert math.isnan(m[2]["loss/total"]) or math.isnan(m[2]["optim/grad_norm"])
+    assert all(math.isfinite(m[3][k]) for k in ("loss/total", "optim/grad_norm", "reward/mean"))
+    policy, _ = load_checkpoint(res.policy_dir)
+    assert all(torch.isfinite(p).all() for p in policy.parameters())
+    assert "nonfinite: skip" in (res.run_dir / "config.yaml").read_text()
+
+
+def test_adv_eps_must_be_positive():
+    from quads.rl.grpo import GRPOLossConfig
+
+    for bad in (0.0, -1e-6, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="grpo.adv_eps"):
+            GRPOLossConfig(adv_eps=bad)

@@ -53,6 +53,7 @@ class ExportConfig:
     force: bool = False  # replace an earlier quads export at --out (nothing else is ever replaced)
     seed: int = 0
     engines_only: bool = False  # compressed-tensors: allow NVFP4 experts, which transformers mis-decodes (vLLM/SGLang only)
+    threads: int = 0  # torch CPU threads; 0 = torch default
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -65,6 +66,8 @@ class ExportConfig:
             raise ValueError("--qdq applies to --format bf16 only (the NVFP4 formats always hold the NVFP4 bits)")
         if self.max_shard_mb <= 0 or self.calib_tokens <= 0:
             raise ValueError("--max-shard-mb and --calib-tokens must be > 0")
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0 (0 = torch default); got {self.threads}")
 
 
 @dataclass
@@ -135,6 +138,8 @@ def _linear_names(sd: dict[str, torch.Tensor], plan: ExportPlan) -> list[str]:
 
 def export(cfg: ExportConfig) -> ExportResult:
     check_out(Path(cfg.out), cfg.force, Path(cfg.checkpoint))  # before the expensive work
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     src = load_source(cfg.checkpoint)
     notes: list[str] = []
     fmt = FORMATS[cfg.format]
@@ -206,6 +211,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines-only", action="store_true",
                         help="compressed-tensors: write NVFP4 experts for vLLM / SGLang although transformers "
                              "loads them with wrong scales (refused otherwise)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
 
 
 def config_from_args(args: argparse.Namespace) -> ExportConfig:
@@ -215,7 +221,7 @@ def config_from_args(args: argparse.Namespace) -> ExportConfig:
         nvfp4_mode=args.nvfp4_mode,
         tile=tuple(int(x) for x in args.tile.split("x")) if args.tile else None,
         activations=args.activations, calib_data=args.calib_data, calib_tokens=args.calib_tokens,
-        qdq=args.qdq, max_shard_mb=args.max_shard_mb, force=args.force, seed=args.seed,
+        qdq=args.qdq, max_shard_mb=args.max_shard_mb, force=args.force, seed=args.seed, threads=args.threads,
         engines_only=args.engines_only,
     )
 

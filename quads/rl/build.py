@@ -28,7 +28,7 @@ from quads.model.config import ModelConfig
 from quads.model.transformer import MoEForCausalLM
 from quads.quant import Recipe, get_recipe, quantize_model
 from quads.rl.config import TrainConfig
-from quads.tasks import Task, get_task, require_sandbox
+from quads.tasks import Task, examples_up_to, get_task, require_sandbox
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -97,7 +97,8 @@ def warm_start_checkpoint(cfg: TrainConfig, task: Task | None = None) -> Path:
     difficulty = cfg.task.difficulty if cfg.task.difficulty is not None else getattr(task, "difficulty", None)
     want = {"preset": cfg.model.preset, "model": cfg.model.preset, "task": cfg.task.name,
             "difficulty": difficulty, "dataset": cfg.task.dataset, "steps": cfg.warm_start.steps,
-            "lr": cfg.warm_start.lr, "batch_size": cfg.warm_start.batch_size, "seed": cfg.seed,
+            "lr": cfg.warm_start.lr, "batch_size": cfg.warm_start.batch_size,
+            "train_size": cfg.warm_start.train_size, "seed": cfg.seed,
             "device": cfg.device, "cache_dir": cfg.warm_start.cache_dir, "threads": cfg.threads or None,
             "progress": cfg.log.progress,
             "eval_size": 0}  # quads train measures held-out pass@1 itself, through the rollout recipe
@@ -131,16 +132,13 @@ def resolve(cfg: TrainConfig, *, allow_warm_start: bool = True) -> Resolved:
 
 
 def check_splits(cfg: TrainConfig, task: Task) -> None:
-    """The task offers ``task.train_size`` training prompts and a non-empty held-out split."""
+    """The task offers training prompts and a non-empty held-out split (a task that offers fewer than
+    ``task.train_size`` trains on all it has: ``examples_up_to``)."""
     where = f"task.dataset {cfg.task.dataset!r}" if cfg.task.name == "dataset" else f"task {cfg.task.name!r}"
-    try:
-        train = task.examples("train", cfg.task.train_size)
-    except ValueError as e:
-        raise UsageError(f"task.train_size {cfg.task.train_size}: {e}") from None
-    if not train:
+    if not examples_up_to(task, "train", 1):
         raise UsageError(f"{where} has no training examples")
-    if not task.examples("test", 1):
-        n = len(train) + len(task.examples("test"))
+    if not examples_up_to(task, "test", 1):  # the held-out eval needs at least one prompt
+        n = len(examples_up_to(task, "train", cfg.task.train_size))
         raise UsageError(f"{where}: no example falls in the held-out split ({n} examples; the split keeps a "
                          f"fixed fraction, {getattr(task, 'test_fraction', '?')}, by prompt hash), so the run "
                          "could not be evaluated; add examples (a few dozen at least)")

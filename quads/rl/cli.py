@@ -3,7 +3,8 @@
 Flags map one to one onto ``TrainConfig`` fields (``--optim.lr 1e-4``, ``--recipe.name bf16``,
 ``--correction.kind icepop``); YAML files hold the same nested keys. With ``--resume true`` and no
 ``--config``, the run folder's own ``config.yaml`` is the base, so ``quads train --out-dir RUN --resume
-true`` continues a crashed run. Exit codes: 0 done, 2 bad input, 3 mismatch guard abort.
+true`` continues a crashed run (from step 0 when it stopped before its first checkpoint). Exit codes: 0 done,
+2 bad input, 3 guard abort (mismatch guard, or a non-finite loss with ``guard.nonfinite=abort``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def load_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quads.rl.trainer import GRPOTrainer, MismatchGuardError
+    from quads.rl.trainer import GRPOTrainer, GuardError
 
     try:
         cfg = load_config(args)
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
           f"{trainer.res.recipe.rollout.describe()}); task {cfg.task.name}", file=sys.stderr)
     try:
         res = trainer.run()
-    except MismatchGuardError as e:
+    except GuardError as e:
         print(f"quads train: {e}", file=sys.stderr)
         return 3
     last = res.last

@@ -46,10 +46,12 @@ class WarmStartSection:
     steps: int = 600  # SFT steps on the task's demonstrations (cached by config hash)
     lr: float = 3e-3  # SFT learning rate
     batch_size: int = 32  # SFT sequences per step
+    train_size: int = 20000  # distinct SFT prompts drawn from the task's train split (all it has when fewer)
     cache_dir: str | None = None  # warm-start cache root; None = $QUADS_CACHE/pretrain or ~/.cache/quads/pretrain
 
     def __post_init__(self) -> None:
-        _positive("warm_start", steps=self.steps, lr=self.lr, batch_size=self.batch_size)
+        _positive("warm_start", steps=self.steps, lr=self.lr, batch_size=self.batch_size,
+                  train_size=self.train_size)
 
 
 @dataclass
@@ -59,7 +61,7 @@ class TaskSection:
     name: str = "arithmetic"  # a registered task (quads.tasks.get_task)
     difficulty: int | None = None  # task difficulty level; None = the task's default
     dataset: str | None = None  # jsonl/parquet file with verl-style fields, replaces the generated train split
-    train_size: int = 4000  # training prompts drawn from the task (sampled with replacement by the sampler)
+    train_size: int = 4000  # distinct training prompts of the task (all it has when fewer), in seeded epochs
     sandbox: Literal["full", "no-cgroup", "process"] = "full"  # code isolation, weaker = opt-in (docs/TASKS.md)
 
     def __post_init__(self) -> None:
@@ -138,10 +140,15 @@ class GuardSection:
     gap_max: float | None = None  # threshold on mismatch/logp_gap_max
     k3: float | None = 0.1  # threshold on mismatch/k3
     action: Literal["warn", "abort"] = "warn"  # warn: log and continue; abort: checkpoint and stop (exit 3)
+    # NaN/Inf loss or grad norm in a mini-batch: no optimizer step; skip: count it in optim/skipped and go on;
+    # abort: checkpoint the end of the step before and stop (exit 3)
+    nonfinite: Literal["skip", "abort"] = "abort"  # skip: drop that optimizer step; abort: checkpoint and stop
 
     def __post_init__(self) -> None:
         if self.action not in ("warn", "abort"):
             raise ValueError(f"guard.action must be warn or abort; got {self.action!r}")
+        if self.nonfinite not in ("skip", "abort"):
+            raise ValueError(f"guard.nonfinite must be skip or abort; got {self.nonfinite!r}")
 
 
 @dataclass
@@ -150,7 +157,7 @@ class LogSection:
 
     tensorboard: bool = True  # also write TensorBoard event files under <out_dir>/tb
     probe_tokens: int = 1024  # size of the fixed probe for mismatch/logp_gap_max_probe
-    save_every: int = 0  # checkpoint every N steps (0: only at the end and on abort)
+    save_every: int = 5  # checkpoint every N steps, at the end and on abort (0: only at the end and on abort)
     progress: bool = True  # tqdm progress bar with reward and gap
 
     def __post_init__(self) -> None:

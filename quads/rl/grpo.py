@@ -84,8 +84,9 @@ class GRPOLossConfig:
             raise ValueError(
                 f"grpo.kl_coef and grpo.entropy_coef must be >= 0; got {self.kl_coef}, {self.entropy_coef}"
             )
-        if self.adv_eps < 0.0:
-            raise ValueError(f"grpo.adv_eps must be >= 0; got {self.adv_eps}")
+        if not 0.0 < self.adv_eps < float("inf"):
+            raise ValueError(f"grpo.adv_eps must be a finite number > 0 (a group whose rewards are all equal has "
+                             f"std 0, and its advantages 0 / (0 + adv_eps) would be NaN); got {self.adv_eps}")
         if self.agg not in ("token_mean", "seq_mean"):
             raise ValueError(f"grpo.agg must be 'token_mean' or 'seq_mean'; got {self.agg!r}")
 

@@ -26,6 +26,7 @@ import functools
 import json
 import math
 import random
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from quads.config import save_config, to_dict
+from quads.config import from_dict, save_config, to_dict
 from quads.io import atomic_write_text, check_output_dir
 from quads.kernels import dispatch
 from quads.metrics.mismatch import mismatch_metrics
@@ -58,6 +59,7 @@ from quads.rl.interrupt import StopRequest
 from quads.rl.logprobs import SequenceBatch, forward_logprobs, to_sequence_batch
 from quads.rl.sampler import PromptSampler
 from quads.rollout import RolloutBatch, RolloutEngine, SamplingParams
+from quads.tasks import examples_up_to
 
 # config fields that may differ when resuming (they do not change what the next steps compute)
 RESUMABLE_CHANGES = ("resume", "steps", "log", "guard", "device", "threads", "out_dir", "eval_every", "eval_n",
@@ -65,8 +67,16 @@ RESUMABLE_CHANGES = ("resume", "steps", "log", "guard", "device", "threads", "ou
 NONDETERMINISTIC = ("time/", "perf/")  # metric prefixes that differ between identical runs
 
 
-class MismatchGuardError(RuntimeError):
+class GuardError(RuntimeError):
+    """A guard stopped the run (``quads train`` exits with code 3)."""
+
+
+class MismatchGuardError(GuardError):
     """The rollout/trainer mismatch crossed a threshold with ``guard.action=abort``."""
+
+
+class NonFiniteError(GuardError):
+    """A non-finite loss or gradient norm with ``guard.nonfinite=abort``."""
 
 
 @dataclass
@@ -99,17 +109,21 @@ def default_run_dir(cfg: TrainConfig) -> Path:
 
 
 def check_run_dir(cfg: TrainConfig, run_dir: Path) -> dict[str, Any] | None:
-    """The checkpoint state to resume from (None for a fresh run); refuses to clobber another run."""
+    """The checkpoint state to resume from; None for a fresh run, or for a resumed run that stopped before its
+    first checkpoint (it starts again from step 0). Refuses to clobber another run."""
     check_output_dir(run_dir, "out_dir")
     if not cfg.resume:
         if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
             raise ValueError(f"out_dir {str(run_dir)!r} already holds a run; pass --resume true to continue it "
+                             "(from its latest checkpoint, or from step 0 when it stopped before the first one), "
                              "or choose another --out-dir")
         return None
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
-        raise ValueError(f"resume: no checkpoint in {str(run_dir / 'checkpoints')!r}; start the run without "
-                         "--resume (or check --out-dir)")
+        if (run_dir / "config.yaml").is_file():
+            return None  # the run stopped before its first checkpoint: start it again
+        raise ValueError(f"resume: {str(run_dir)!r} holds no run (no config.yaml, no checkpoint); start the run "
+                         "without --resume (or check --out-dir)")
     return load_train_state(ckpt)
 
 
@@ -123,6 +137,10 @@ def check_resume(cfg: TrainConfig, state: dict[str, Any], model_config: dict[str
                          f"architecture than the run's ({'; '.join(diff)}); resume with the run's original "
                          "model.checkpoint or start a new run in another --out-dir")
     old, new = state["config"], to_dict(cfg)
+    try:  # fields added to TrainConfig after the run started take their defaults
+        old = to_dict(from_dict(TrainConfig, old))
+    except ValueError:
+        pass
     diff = [f"{k}: run {old.get(k)!r}, now {new[k]!r}" for k in new
             if k not in RESUMABLE_CHANGES and old.get(k) != new[k]]
     if diff:
@@ -190,13 +208,27 @@ class GRPOTrainer:
         if self.dist.enabled:  # FSDP2 re-gathers into the same tensor: QAT's cache key cannot see the update
             distributed.invalidate_qat_cache_on_step(self.opt, self.trainer)
         self.opt_steps = 0
-        self.sampler = PromptSampler(self.task.examples("train", cfg.task.train_size), seed=cfg.seed)
-        self.eval_set = self.task.examples("test", cfg.eval_n)
+        train = examples_up_to(self.task, "train", cfg.task.train_size)
+        self.sampler = PromptSampler(train, seed=cfg.seed)
+        self.eval_set = examples_up_to(self.task, "test", cfg.eval_n)
+        if len(train) < cfg.task.train_size or len(self.eval_set) < cfg.eval_n:
+            self._say(f"task {cfg.task.name}: {len(train)} distinct training prompts and {len(self.eval_set)} "
+                      f"held-out ones (task.train_size {cfg.task.train_size}, eval_n {cfg.eval_n}: the task "
+                      "offers no more)")
         self.start_step = 0
+        self.last_metrics: dict[str, float] = {}
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.dist.is_main:
+            remove_stale_temps(self.run_dir)
         if self.resume_state is not None:
             self._restore(self.resume_state)
         else:
+            if cfg.resume:  # the run stopped before its first checkpoint
+                self._say(f"resume: {self.run_dir} has no checkpoint yet (the run stopped before its first one, "
+                          f"log.save_every {cfg.log.save_every}); starting it again from step 0")
+                if self.dist.is_main:
+                    (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+                    shutil.rmtree(self.run_dir / "tb", ignore_errors=True)
             self._sync_weights()
         if self.dist.is_main:
             save_config(cfg, self.run_dir / "config.yaml")
@@ -238,21 +270,29 @@ class GRPOTrainer:
             keep = []
             for line in path.read_text().splitlines():
                 try:
-                    if int(json.loads(line)["step"]) <= self.start_step:
+                    rec = json.loads(line)
+                    if int(rec["step"]) <= self.start_step:
                         keep.append(line)
-                except (json.JSONDecodeError, KeyError, ValueError):
+                        if int(rec["step"]) == self.start_step:
+                            self.last_metrics.update({k: v for k, v in rec.items() if k != "step"})
+                except (json.JSONDecodeError, KeyError, ValueError, TypeError):
                     continue  # torn line from the crash
             atomic_write_text(path, "".join(x + "\n" for x in keep))
 
-    def save(self, step: int) -> Path | None:
-        """Checkpoint (full, unsharded state, written by rank 0 only); None on the other ranks."""
+    def _step_state(self) -> dict[str, Any]:
+        """The state a step changes besides the weights and the optimizer: what ``save`` writes with them."""
+        return {"opt_steps": self.opt_steps, "sampler": self.sampler.state_dict(), "rng": rng_state(),
+                "rollout_buffers": {k: v.detach().clone() for k, v in self.rollout_model.named_buffers()}}
+
+    def save(self, step: int, step_state: dict[str, Any] | None = None) -> Path | None:
+        """Checkpoint (full, unsharded state, written by rank 0 only); None on the other ranks.
+
+        ``step_state``: a ``_step_state()`` taken earlier, at the end of ``step``, while the weights and the
+        optimizer state are still those of ``step`` (a step aborted before its first optimizer step)."""
         state = {
             "model": distributed.full_model_state(self.trainer, self.dist),
             "optimizer": distributed.full_optimizer_state(self.trainer, self.opt, self.dist),
-            "opt_steps": self.opt_steps,
-            "sampler": self.sampler.state_dict(),
-            "rng": rng_state(),
-            "rollout_buffers": {k: v.detach().clone() for k, v in self.rollout_model.named_buffers()},
+            **(step_state or self._step_state()),
             "model_config": self.res.model_config.to_dict(),
             "base_checkpoint": str(self.res.checkpoint),
             "eval_history": self.eval_history,
@@ -327,7 +367,7 @@ class GRPOTrainer:
         sums: dict[str, float] = {}
         count = 0
         t0 = time.perf_counter()
-        tokens = 0
+        tokens = skipped = 0
         for _ in range(o.ppo_epochs):
             for i in range(o.mini_batches):
                 rows = slice(i * mb, (i + 1) * mb)
@@ -345,13 +385,23 @@ class GRPOTrainer:
                 self.opt.zero_grad(set_to_none=True)
                 total.backward()
                 clip = o.grad_clip if o.grad_clip > 0 else float("inf")
-                gn = torch.nn.utils.clip_grad_norm_(self.params, clip)
-                lr = self._lr()
-                for g in self.opt.param_groups:
-                    g["lr"] = lr
-                self.opt.step()
-                self.opt_steps += 1
-                m["optim/grad_norm"] = distributed.scalar(gn)  # a DTensor under FSDP2
+                gn = distributed.scalar(torch.nn.utils.clip_grad_norm_(self.params, clip))  # a DTensor under FSDP2
+                loss_value = float(total.detach())
+                # every rank takes (or skips) the same optimizer steps
+                if distributed.all_reduce(float(not (math.isfinite(loss_value) and math.isfinite(gn))),
+                                          self.dist, "max") > 0:
+                    self.opt.zero_grad(set_to_none=True)
+                    skipped += 1
+                    if cfg.guard.nonfinite == "abort":
+                        raise NonFiniteError(f"non-finite loss {loss_value:.4g} / grad norm {gn:.4g} in mini-batch "
+                                             f"{i + 1} of {o.mini_batches}")
+                else:
+                    lr = self._lr()
+                    for g in self.opt.param_groups:
+                        g["lr"] = lr
+                    self.opt.step()
+                    self.opt_steps += 1
+                m["optim/grad_norm"] = gn
                 m["loss/aux"] = float(res.aux_loss)
                 m = distributed.reduce_loss_metrics(m, self.dist)  # global token means (identity in one process)
                 for k, v in m.items():
@@ -361,7 +411,8 @@ class GRPOTrainer:
         t_train = time.perf_counter() - t0
         rep = self._sync_weights()
         out = {k: v / count for k, v in sums.items()}
-        out.update({"optim/lr": self._lr(), "optim/steps": float(self.opt_steps), "time/train_s": t_train,
+        out.update({"optim/lr": self._lr(), "optim/steps": float(self.opt_steps), "optim/skipped": float(skipped),
+                    "time/train_s": t_train,
                     "time/sync_s": rep.seconds, "perf/train_tokens_per_s": tokens / max(t_train, 1e-9)})
         return out
 
@@ -415,7 +466,7 @@ class GRPOTrainer:
         cfg = self.cfg
         self.eval_history: list[float] = []
         self.setup()
-        if self.start_step == 0:
+        if self.resume_state is None:
             ev = self.evaluate()
             self.eval_history.append(ev["eval/pass@1"])
             self._log(0, ev)
@@ -423,14 +474,21 @@ class GRPOTrainer:
         bar = tqdm(range(self.start_step + 1, cfg.steps + 1), initial=self.start_step, total=cfg.steps,
                    disable=self.quiet or not cfg.log.progress or not self.dist.is_main, desc="quads train",
                    dynamic_ncols=True)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = dict(self.last_metrics)
         last = self.start_step
+        if self.start_step >= cfg.steps:
+            self._say(f"the run already has {self.start_step} steps (steps={cfg.steps}); pass --steps N with "
+                      f"N > {self.start_step} to continue it")
         t_start = time.monotonic()
         stop = StopRequest.install(enabled=not self.dist.enabled)  # Ctrl-C: finish the step, save, stop
         try:
             for step in bar:
+                before = self._step_state()  # the end of the previous step, for a non-finite abort
                 with distributed.collective_guard(self.dist, f"step {step}", latest_checkpoint(self.run_dir)):
-                    metrics = self.step(step)
+                    try:
+                        metrics = self.step(step)
+                    except NonFiniteError as e:
+                        self._abort_nonfinite(step, before, e)
                 last = step
                 out_of_time = cfg.time_limit_s > 0 and step < cfg.steps and distributed.all_reduce(
                     float(time.monotonic() - t_start >= cfg.time_limit_s), self.dist, "max") > 0
@@ -469,6 +527,19 @@ class GRPOTrainer:
                 self.writer.close()
         return self._finish(last, metrics)
 
+    def _abort_nonfinite(self, step: int, before: dict[str, Any], err: NonFiniteError) -> None:
+        """Stop on a non-finite loss or gradient: checkpoint the end of the previous step, then raise."""
+        if self.opt_steps == before["opt_steps"]:  # no optimizer step of this step was taken
+            self.save(step - 1, before)
+            self._finish(step - 1)
+            where = f"checkpoint of step {step - 1} and report in {self.run_dir}"
+        else:  # an earlier mini-batch of this step already updated the weights
+            ckpt = latest_checkpoint(self.run_dir)
+            where = f"latest checkpoint: {ckpt}" if ckpt else "no checkpoint was written yet"
+        raise NonFiniteError(f"step {step}: {err}; the optimizer step was not taken and the run stopped "
+                             f"(guard.nonfinite=abort); {where}. Resume with --resume true --guard.nonfinite skip "
+                             "to skip such steps, or fix the cause (optim.lr, grpo.adv_eps, the data)") from None
+
     def _finish(self, step: int, last: dict[str, float] | None = None) -> TrainResult:
         policy_dir = self.run_dir / "policy"
         full = distributed.full_model_state(self.trainer, self.dist)  # collective under torchrun
@@ -484,3 +555,15 @@ class GRPOTrainer:
         report = distributed.broadcast_object(report, self.dist)
         ev = self.eval_history or [math.nan]
         return TrainResult(self.run_dir, report, policy_dir, step, ev[0], ev[-1], last or {})
+
+
+def remove_stale_temps(run_dir: Path) -> None:
+    """Remove what a killed atomic write left in the run folder (``.policy.*.tmp``, ``.config.yaml.*.tmp`` ...).
+
+    Only this run writes there; a checkpoint's own temp folders are removed by ``save_train_state``."""
+    for folder in (run_dir, run_dir / "report"):
+        for stale in folder.glob(".*.tmp"):
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)

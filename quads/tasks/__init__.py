@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from quads.tasks.arithmetic import ArithmeticTask
-from quads.tasks.base import Example, Score, Task, split_of
+from quads.tasks.base import Example, Score, Task, examples_up_to, split_of
 from quads.tasks.code import CodeTask
 from quads.tasks.countdown import CountdownTask
 from quads.tasks.datasets import DatasetTask, load_dataset
@@ -45,5 +45,6 @@ def get_task(name: str, **kwargs: Any) -> Task:
         raise ValueError(f"task {name!r}: bad arguments {sorted(kwargs)}: {e}") from None
 
 
-__all__ = ["Example", "Score", "Task", "TASKS", "get_task", "load_dataset", "require_sandbox", "split_of",
+__all__ = ["Example", "Score", "Task", "TASKS", "examples_up_to", "get_task", "load_dataset", "require_sandbox",
+           "split_of",
            "ArithmeticTask", "CountdownTask", "CodeTask", "DatasetTask"]

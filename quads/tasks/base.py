@@ -75,11 +75,17 @@ def safe_score(fn, example: Example, response: str) -> Score:
         return Score(0.0, False, f"verifier error: {type(e).__name__}: {e}")
 
 
+EXHAUSTED_DRAWS = 2000  # fewest draws without a new prompt before a generated split counts as exhausted
+
+
 class GeneratedTask:
     """Base for tasks whose examples come from a seeded generator ``_make(rng) -> Example``.
 
     ``examples(split, n)`` draws from ``random.Random(f"{seed}:{split}")`` and keeps the draws whose
-    prompt hashes into ``split`` (``split_of``), dropping duplicates, until it has ``n`` of them.
+    prompt hashes into ``split`` (``split_of``), dropping duplicates, until it has ``n`` of them. The split
+    counts as exhausted when as many draws again as it took to find the last new prompt (at least
+    ``EXHAUSTED_DRAWS``) bring no new one, or after ``50 * n + 1000`` draws: then ``examples`` raises,
+    naming how many prompts the split offers, or with ``at_most=True`` returns all it found.
     """
 
     name = "generated"
@@ -94,7 +100,8 @@ class GeneratedTask:
     def _make(self, rng: random.Random) -> Example:
         raise NotImplementedError
 
-    def examples(self, split: Split, n: int | None = None) -> list[Example]:
+    def examples(self, split: Split, n: int | None = None, *, at_most: bool = False) -> list[Example]:
+        """``n`` distinct examples of ``split``; fewer (all the split offers) with ``at_most=True``."""
         check_split(split)
         n = self.default_n[split] if n is None else n
         if n < 0:
@@ -102,19 +109,23 @@ class GeneratedTask:
         rng = random.Random(f"{self.name}:{self.seed}:{split}")
         out: list[Example] = []
         seen: set[str] = set()
-        attempts, max_attempts = 0, 50 * n + 1000
+        attempts, last_new, max_attempts = 0, 0, 50 * n + 1000
         while len(out) < n:
-            attempts += 1
-            if attempts > max_attempts:
+            if attempts >= max_attempts or attempts - last_new > max(EXHAUSTED_DRAWS, last_new):
+                if at_most:
+                    break
                 raise ValueError(
-                    f"{self.name}: found only {len(out)} distinct {split} prompts after {max_attempts} "
-                    f"draws, {n} asked; ask for fewer examples (or a level with more distinct prompts)"
+                    f"{self.name}: the {split} split offers only {len(out)} distinct prompts (none new in the "
+                    f"last {attempts - last_new} of {attempts} draws), {n} asked; ask for at most {len(out)} "
+                    "(or a level with more distinct prompts)"
                 )
+            attempts += 1
             ex = self._make(rng)
             if ex.prompt in seen or split_of(ex.prompt, self.test_fraction) != split:
                 continue
             seen.add(ex.prompt)
             out.append(ex)
+            last_new = attempts
         return out
 
     def score(self, example: Example, response: str) -> Score:
@@ -125,3 +136,14 @@ class GeneratedTask:
 
     def demonstration(self, example: Example) -> str:
         return example.meta["demonstration"]
+
+
+def examples_up_to(task: Task, split: Split, n: int) -> list[Example]:
+    """Up to ``n`` distinct examples of ``split``: all the split offers when that is fewer.
+
+    Generated tasks stop drawing once the split is exhausted (``GeneratedTask.examples(at_most=True)``);
+    a dataset's split is its records; any other task is asked for ``n`` as is.
+    """
+    if isinstance(task, GeneratedTask):
+        return task.examples(split, n, at_most=True)
+    return task.examples(split, n)

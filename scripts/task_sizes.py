@@ -1,0 +1,48 @@
+"""Distinct train / test prompts each built-in task level offers, up to a cap (``quads.tasks.examples_up_to``).
+
+    python scripts/task_sizes.py [--cap 20000] [--seed 0]
+
+A generated split counts as exhausted when as many draws again as found its last new prompt bring none
+(``quads.tasks.base.GeneratedTask``); a level that reaches the cap is shown as ``>= cap``. Prints a
+markdown table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quads.tasks import examples_up_to, get_task  # noqa: E402
+from quads.tasks.arithmetic import LEVELS as ARITHMETIC_LEVELS  # noqa: E402
+from quads.tasks.countdown import LEVELS as COUNTDOWN_LEVELS  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cap", type=int, default=20000, help="largest count asked per split (the warm start's default)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    cases = ([("arithmetic", d) for d in sorted(ARITHMETIC_LEVELS)]
+             + [("countdown", d) for d in sorted(COUNTDOWN_LEVELS)] + [("code", None)])
+    rows = []
+    print("| task | level | train prompts | test prompts | seconds |\n|---|---|---|---|---|")
+    for name, level in cases:
+        task = get_task(name, seed=args.seed, **({} if level is None else {"difficulty": level}))
+        t0 = time.perf_counter()
+        n = {split: len(examples_up_to(task, split, args.cap)) for split in ("train", "test")}
+        dt = time.perf_counter() - t0
+        shown = {k: f">= {v}" if v == args.cap else str(v) for k, v in n.items()}
+        print(f"| {name} | {level if level is not None else '-'} | {shown['train']} | {shown['test']} | {dt:.1f} |",
+              flush=True)
+        rows.append({"task": name, "level": level, **n, "seconds": round(dt, 2)})
+    print(json.dumps({"metric": "task_sizes", "cap": args.cap, "seed": args.seed, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
