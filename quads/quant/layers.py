@@ -21,6 +21,7 @@ import os
 import torch
 from torch import nn
 
+from quads.model import moe
 from quads.quant import grouped, ops
 from quads.quant.linear import spec_linear
 from quads.quant.rac import StaticChannelSelector, rac_channels
@@ -49,8 +50,24 @@ class WeightStore:
         return (p._version, p.data_ptr(), p.device, p.dtype)
 
     def refresh(self) -> torch.Tensor:
-        """Quantize the current parameter now."""
-        self.w_q, self.packed = ops.quantize_weight(self.param, self.spec, self.dtype)
+        """Quantize the current parameter now.
+
+        On the rollout side the new operand is copied into the existing tensors when their shapes
+        match, so a CUDA graph that captured them (the engine's decode step) reads the synced weights
+        with no re-capture.
+        """
+        w_q, packed = ops.quantize_weight(self.param, self.spec, self.dtype)
+        if self.side == "rollout" and _same_layout(self.w_q, w_q) and (packed is None) == (self.packed is None):
+            self.w_q.copy_(w_q)
+            if packed is not None:
+                for name in ("codes", "scales", "global_scale"):
+                    old, new = getattr(self.packed, name), getattr(packed, name)
+                    if _same_layout(old, new):
+                        old.copy_(new)
+                    else:
+                        setattr(self.packed, name, new)
+        else:
+            self.w_q, self.packed = w_q, packed
         self.key = self._key()
         self.n_quantize += 1
         return self.w_q
@@ -66,6 +83,11 @@ class WeightStore:
         elif self.w_q.device != self.param.device:
             return self.refresh()
         return self.w_q
+
+
+def _same_layout(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    return (a is not None and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+            and a.data_ptr() != b.data_ptr())
 
 
 class _QuantizedBase(nn.Module):
@@ -249,6 +271,54 @@ class QuantizedExperts(_QuantizedBase):
             gate, up = self._gemm("gate_up_proj", e, hidden_states[idx], gu_q, gu_w[e]).chunk(2, dim=-1)
             y = self._gemm("down_proj", e, self.act_fn(gate) * up, dn_q, dn_w[e])
             scatter_expert_output(out, idx, y, w_route)
+        return out
+
+    def supports_static(self) -> bool:
+        """Whether ``forward_static`` implements this spec (the batched layout's specs)."""
+        return self.side == "rollout" and grouped.supports(self.spec)
+
+    def forward_static(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+        """``forward`` without a host sync or a data-dependent shape (the engine's captured decode step).
+
+        The slots are sorted on the device (``quads.model.moe.static_routes``). Unquantized
+        activations: one grouped GEMM per projection over the sorted rows (``moe.grouped_mm``, the
+        same ``x @ Wop.T`` in ``x.dtype``). Quantized activations: the padded layout of
+        ``quads.quant.grouped`` at the fixed capacity C = T (zero rows change no amax or residual
+        norm, so every quantized operand is the loop's) and ``grouped_linear``. Outputs summed per
+        token in ascending expert order, as the loop does.
+        """
+        if not self.supports_static():
+            raise ValueError(f"forward_static: spec {self.spec.describe()} on the {self.side} side has no "
+                             "capturable expert path; decode with cuda_graphs=False")
+        T, k = top_k_index.shape
+        routes = moe.static_routes(top_k_index, self.num_experts)
+        xs = hidden_states[routes.order // k]  # [T*k, H] sorted by expert, masked slots last
+
+        def gemm(name: str, a: torch.Tensor) -> torch.Tensor:
+            store = self.stores[name]
+            if self.spec.act == "none":
+                return moe.grouped_mm(a, store.get(), routes)
+            sel = self.selectors[name] if name in self.selectors else None
+            order = observe = None
+            if sel is not None:
+                order = sel.order
+                counts = routes.offsets[1:] - routes.offsets[:-1]
+                observe = lambda r: sel.observe_all(r, counts)  # noqa: E731
+            y = grouped.grouped_linear(routes.pad(a), getattr(self, name), store.get(), self.spec,
+                                       static_order=order, observe=observe)
+            return routes.unpad(y)
+
+        gate, up = gemm("gate_up_proj", xs).chunk(2, dim=-1)
+        ys = gemm("down_proj", self.act_fn(gate) * up)  # [T*k, H] sorted, zero rows at masked slots
+        w = top_k_weights.reshape(-1)[routes.order]
+        contrib = (ys * w[:, None].to(ys.dtype)).to(hidden_states.dtype)
+        per_slot = torch.empty_like(contrib).index_copy_(0, routes.order, contrib).view(T, k, -1)
+        by_expert = torch.argsort(top_k_index, dim=-1, stable=True)  # each token's slots, ascending id
+        parts = per_slot.gather(1, by_expert[..., None].expand(T, k, per_slot.shape[-1]))
+        out = torch.zeros_like(hidden_states)
+        for j in range(k):
+            out = out + parts[:, j]
         return out
 
     def _forward_grouped(self, hidden_states: torch.Tensor, layout: grouped.ExpertLayout) -> torch.Tensor:
