@@ -17,8 +17,9 @@ rollout: the rollout engine (``quads.rollout.RolloutEngine``) on MoE presets (``
   paths of the eager decode (``quads.quant.grouped`` vs the loop). On Hopper every NVFP4 GEMM is
   emulated (dequantized operands, fp32 GEMM: no FP4 tensor cores), so these are the costs of this
   implementation, not the speed of FP4 hardware.
-profile (``--suites profile``): torch.profiler over one 32-token generation per preset and
-  ``--profile-recipes`` recipe, graphs on and off: GPU kernels, launches and host syncs per decode step.
+profile (``--suites profile``): torch.profiler per preset and ``--profile-recipes`` recipe, graphs on
+  and off: GPU kernels, launches and host syncs per decode step (difference of a 48- and a 16-token
+  generation over the 32 extra steps, so prefill and read-back cancel).
 trainer: one GRPO-shaped trainer step on a fixed batch (``--batch`` sequences of ``--seq-len``
   tokens): full-sequence forward of the response log-probs under BF16 autocast over fp32 master
   weights, a policy-gradient loss, backward, grad clip, AdamW step; BF16 against W4A16-QAT
@@ -74,7 +75,8 @@ def _sync(device: str) -> None:
 def _model(preset: str, device: str, dtype: str, seed: int = 0) -> MoEForCausalLM:
     torch.manual_seed(seed)
     cfg = ModelConfig.preset(preset, vocab_size=CharTokenizer().vocab_size, dtype=dtype)
-    return MoEForCausalLM(cfg).to(device)
+    with torch.device(device):  # initialised where it runs (a 1b model's CPU init takes longer than its run)
+        return MoEForCausalLM(cfg)
 
 
 def _set_experts_path(model: torch.nn.Module, path: str) -> None:
@@ -157,6 +159,8 @@ def bench_rollout(args, rows: list) -> None:
     for preset in [p.strip() for p in args.preset.split(",") if p.strip()]:
         for path in paths:
             for name, spec in ROLLOUT_RECIPES.items():
+                if args.recipes and name not in args.recipes.split(","):
+                    continue
                 model = _model(preset, args.device, "bfloat16").requires_grad_(False)
                 quantize_model(model, Recipe(f"bench-{name}", rollout=spec), side="rollout", verbose=False)
                 _set_experts_path(model, path)
@@ -234,16 +238,36 @@ def _rollout_line(r: dict) -> str:
             f"floor {r['floor_ms']:.3f} ms ({r['x_floor']:.1f}x)  [{r['decode_path']}]")
 
 
-def profile_decode(args, rows: list) -> None:
-    """torch.profiler over one generation per (preset, recipe, graphs): kernels and host syncs per step."""
+def _trace_counts(eng, prompts, sp, device: str) -> tuple[dict, object, list]:
+    """Event counts of one profiled ``generate`` (after the caller's warm-up)."""
     from torch.profiler import ProfilerActivity, profile
 
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        b = eng.generate(prompts, sp)
+        _sync(device)
+    ev = prof.key_averages()
+    names = {
+        "gpu_kernels": lambda e: e.device_type == torch.autograd.DeviceType.CUDA,
+        "kernel_launches": lambda e: e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                               "cuLaunchKernelEx"),
+        "graph_launches": lambda e: e.key == "cudaGraphLaunch",
+        "syncs": lambda e: e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
+        "memcpy": lambda e: e.key in ("cudaMemcpyAsync", "cudaMemcpy"),
+    }
+    counts = {k: sum(e.count for e in ev if f(e)) for k, f in names.items()}
+    top = sorted(ev, key=lambda e: -e.self_device_time_total)[:10]
+    return counts, b, [(e.key[:80], e.count, round(e.self_device_time_total / 1e3, 3)) for e in top]
+
+
+def profile_decode(args, rows: list) -> None:
+    """torch.profiler over generations of 16 and 48 new tokens per (preset, recipe, graphs): kernels,
+    launches and host syncs per decode step = the difference of the two traces / 32 steps (prefill,
+    set-up and read-back cancel out)."""
     tok = CharTokenizer()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, tok.vocab_size, (args.prompt_len,), generator=g).tolist()
                for _ in range(args.prompts)]
-    sp = SamplingParams(n=args.n, max_new_tokens=32, ignore_eos=True, seed=0)
-    sync_names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+    short, long = (SamplingParams(n=args.n, max_new_tokens=m, ignore_eos=True, seed=0) for m in (16, 48))
     for preset in [p.strip() for p in args.preset.split(",") if p.strip()]:
         for name in [r.strip() for r in args.profile_recipes.split(",") if r.strip()]:
             spec = ROLLOUT_RECIPES[name]
@@ -253,24 +277,14 @@ def profile_decode(args, rows: list) -> None:
                 row = {"suite": "profile", "preset": preset, "recipe": name, "graphs": graphs}
                 try:
                     eng = RolloutEngine(model, tok, device=args.device, cuda_graphs=graphs)
-                    eng.generate(prompts, sp)
-                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                        b = eng.generate(prompts, sp)
-                        _sync(args.device)
-                    ev = prof.key_averages()
-                    steps = max(b.stats.decode_steps, 1)
-                    kernels = sum(e.count for e in ev if e.device_type == torch.autograd.DeviceType.CUDA)
-                    syncs = sum(e.count for e in ev if e.key in sync_names)
-                    d2h = sum(e.count for e in ev if e.key in ("cudaMemcpyAsync", "cudaMemcpy"))
-                    launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
-                                                                    "cudaLaunchKernelExC", "cuLaunchKernelEx"))
-                    glaunch = sum(e.count for e in ev if e.key == "cudaGraphLaunch")
-                    row.update(decode_steps=steps, decode_path=b.stats.decode_path,
-                               gpu_kernels_per_step=kernels / steps, kernel_launches_per_step=launches / steps,
-                               graph_launches_per_step=glaunch / steps, syncs_per_step=syncs / steps,
-                               memcpy_per_step=d2h / steps, decode_ms_per_step=b.stats.decode_s / steps * 1e3)
-                    top = sorted(ev, key=lambda e: -e.self_device_time_total)[:12]
-                    row["top_device"] = [(e.key[:80], e.count, round(e.self_device_time_total / 1e3, 3)) for e in top]
+                    eng.generate(prompts, long)  # warm-up (the cache bucket serves both lengths)
+                    c16, b16, _ = _trace_counts(eng, prompts, short, args.device)
+                    c48, b48, top = _trace_counts(eng, prompts, long, args.device)
+                    steps = b48.stats.decode_steps - b16.stats.decode_steps
+                    row.update({f"{k}_per_step": (c48[k] - c16[k]) / steps for k in c48})
+                    row.update(decode_path=b48.stats.decode_path, steps_diff=steps,
+                               decode_ms_per_step=b48.stats.decode_s / b48.stats.decode_steps * 1e3,
+                               top_device_48tok=top)
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {e}"[:800]
                 rows.append(row)
@@ -342,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", default="grouped",
                     help="rollout expert paths of the host-dispatched decode, comma list: grouped (batched), "
                          "loop (one GEMM pair per expert)")
+    ap.add_argument("--recipes", default="", help="rollout: only these recipes, comma list (default: all)")
     ap.add_argument("--decodes", default="auto",
                     help="rollout decode paths, comma list: auto (static on CUDA), static, eager (the reference)")
     ap.add_argument("--graphs", default="on,off", help="static decode on CUDA: CUDA graphs on, off or on,off")

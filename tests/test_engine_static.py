@@ -131,12 +131,14 @@ def test_static_cache_keeps_rows_and_refresh_keeps_storage():
         cache.select(torch.tensor([0]))
     # weight sync writes into the tensors a captured graph reads: same storages, new values
     trainer = tiny(seed=3, dtype="float32")
-    before = weights_key(model)
     experts = next(m for m in model.modules() if isinstance(m, QuantizedExperts))
-    old = experts.stores["gate_up_proj"].w_q.clone()
+    store = experts.stores["gate_up_proj"]
+    old = store.w_q.clone()
+    w32 = store.get_f32()  # the fp32 operand copy of the emulated GEMMs: refreshed in place as well
+    before = weights_key(model)
     sync_weights(trainer, model)
-    assert weights_key(model) == before
-    assert not torch.equal(experts.stores["gate_up_proj"].w_q, old)
+    assert weights_key(model) == before and store.get_f32() is w32
+    assert not torch.equal(store.w_q, old) and torch.equal(w32, store.w_q.float())
 
 
 def test_decode_plan_and_errors():

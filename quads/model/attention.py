@@ -208,6 +208,14 @@ class Attention(nn.Module):
         v = v.view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, nkv, S, D]
+        if rows is not None and L == 1 and self.n_kv != self.n_heads:
+            # one new token: the g = nh / nkv query heads of a key/value head become g queries of it,
+            # [B, nkv, g, D] against [B, nkv, S, D] (the same dot products and softmaxes as GQA, with
+            # no copy of the whole cache per query head, which GQA's fallback kernel would make)
+            g = self.n_heads // self.n_kv
+            out = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, g, self.head_dim), k, v, attn_mask=mask)
+            out = torch.where(rows[:, None, None, None], out, 0.0).reshape(B, self.n_heads, 1, self.head_dim)
+            return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
         causal = mask is None and L > 1  # mask None: plain causal (L > 1) or one query seeing every key
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                              enable_gqa=self.n_kv != self.n_heads)

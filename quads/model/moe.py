@@ -103,6 +103,7 @@ class StaticRoutes:
     pos: torch.Tensor
     capacity: int
     n_experts: int
+    ends: torch.Tensor  # [E] int32 cumulative ends of experts 0..E-1 (``torch._grouped_mm``'s offsets)
 
     @property
     def valid(self) -> torch.Tensor:
@@ -126,13 +127,18 @@ def static_routes(top_k_index: torch.Tensor, n_experts: int) -> StaticRoutes:
     """Sort the slots of ``top_k_index`` [T, k] (ids in [0, E], E = masked) by expert, on the device."""
     T, k = top_k_index.shape
     flat = top_k_index.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    expert = flat[order]
-    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))  # bincount without its host sync
+    # a counting sort (the stable sort of a few small keys): one compare, one cumsum, one scatter
+    hits = (flat[:, None] == torch.arange(n_experts + 1, device=flat.device)).long()  # [T*k, E+1]
+    before = hits.cumsum(0)  # slots of each expert up to and including this one
+    counts = before[-1]
     offsets = torch.cumsum(counts, 0) - counts  # [E+1] starts; offsets[E] = valid slots
-    pos = torch.arange(T * k, device=flat.device) - offsets[expert]
-    return StaticRoutes(order=order, expert=expert, offsets=offsets, pos=pos, capacity=T, n_experts=n_experts)
+    pos_of_slot = (before.gather(1, flat[:, None]).squeeze(1) - 1)  # rank of each slot within its expert
+    dest = offsets[flat] + pos_of_slot  # sorted position of each slot
+    order = torch.empty_like(flat).scatter_(0, dest, torch.arange(T * k, device=flat.device))
+    expert = flat[order]
+    pos = pos_of_slot[order]
+    return StaticRoutes(order=order, expert=expert, offsets=offsets, pos=pos, capacity=T, n_experts=n_experts,
+                        ends=offsets[1:].to(torch.int32))
 
 
 def grouped_mm(xs: torch.Tensor, w: torch.Tensor, routes: StaticRoutes) -> torch.Tensor:
@@ -146,8 +152,7 @@ def grouped_mm(xs: torch.Tensor, w: torch.Tensor, routes: StaticRoutes) -> torch
     w = w.to(xs.dtype)
     fast = xs.dtype == torch.bfloat16 if xs.is_cuda else xs.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if fast:
-        ends = routes.offsets[1:].to(torch.int32)  # cumulative ends of experts 0..E-1
-        y = torch._grouped_mm(xs, w.transpose(-2, -1), offs=ends)
+        y = torch._grouped_mm(xs, w.transpose(-2, -1), offs=routes.ends)
         return torch.where(routes.valid[:, None], y, 0.0)  # rows past the last offset are not written
     return routes.unpad(torch.bmm(routes.pad(xs), w.mT))
 

@@ -36,6 +36,7 @@ class WeightStore:
     def __init__(self, owner: nn.Module, name: str, spec: LinearSpec, dtype: torch.dtype, side: str) -> None:
         self.owner, self.name, self.spec, self.dtype, self.side = owner, name, spec, dtype, side
         self.w_q: torch.Tensor | None = None  # dequantized operand, [N, K] or [E, N, K]
+        self.w_q32: torch.Tensor | None = None  # its fp32 copy for fp32 GEMMs (``get_f32``; rollout side)
         self.packed = None  # NVFP4Tensor for NVFP4 weights (codes, scales, global scales)
         self.key: tuple | None = None
         self.n_quantize = 0  # how many times this weight was quantized (tests, benchmarks)
@@ -68,9 +69,24 @@ class WeightStore:
                         setattr(self.packed, name, new)
         else:
             self.w_q, self.packed = w_q, packed
+        if self.w_q32 is not None:
+            if self.w_q32.shape == self.w_q.shape and self.w_q32.device == self.w_q.device:
+                self.w_q32.copy_(self.w_q)
+            else:
+                self.w_q32 = None
         self.key = self._key()
         self.n_quantize += 1
         return self.w_q
+
+    def get_f32(self) -> torch.Tensor:
+        """The operand in fp32, kept beside it (same values; refreshed in place with it), so the
+        emulated fp32 GEMMs of the captured decode step do not convert the weights at every step."""
+        w = self.get()
+        if w.dtype == torch.float32 or self.spec.weight == "none":  # unquantized: the live parameter
+            return w.float()
+        if self.w_q32 is None or self.w_q32.shape != w.shape or self.w_q32.device != w.device:
+            self.w_q32 = w.float()
+        return self.w_q32
 
     def get(self) -> torch.Tensor:
         if self.spec.weight == "none":
@@ -305,7 +321,7 @@ class QuantizedExperts(_QuantizedBase):
                 order = sel.order
                 counts = routes.offsets[1:] - routes.offsets[:-1]
                 observe = lambda r: sel.observe_all(r, counts)  # noqa: E731
-            y = grouped.grouped_linear(routes.pad(a), getattr(self, name), store.get(), self.spec,
+            y = grouped.grouped_linear(routes.pad(a), getattr(self, name), store.get_f32(), self.spec,
                                        static_order=order, observe=observe)
             return routes.unpad(y)
 

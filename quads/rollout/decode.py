@@ -56,7 +56,7 @@ def weights_key(model: torch.nn.Module) -> tuple:
     for m in model.modules():
         if isinstance(m, _QuantizedBase):
             for store in m.stores.values():
-                key.append(None if store.w_q is None else store.w_q.data_ptr())
+                key += [None if t is None else t.data_ptr() for t in (store.w_q, store.w_q32)]
             key += [bool(getattr(sel, "observing", False)) for sel in m.selectors.values()]
     return tuple(key)
 

@@ -408,7 +408,8 @@ class RolloutEngine:
         t2 = time.perf_counter()
         resp_mask = mask[:, P:]
         prompt_ids = [list(p) for p in samples]
-        response_ids = [input_ids[i, P:][resp_mask[i]].tolist() for i in range(B)]
+        resp_host, keep_host = input_ids[:, P:].tolist(), resp_mask.tolist()  # two readbacks, not 2 per row
+        response_ids = [[t for t, m in zip(r, k) if m] for r, k in zip(resp_host, keep_host)]
         finish = ["stop" if s else "length" for s in stopped.tolist()]
         stats = RolloutStats(prefill_s=t1 - t0, decode_s=t2 - t1, n_prompt_tokens=sum(map(len, samples)),
                              n_response_tokens=int(resp_mask.sum()), decode_steps=steps,
