@@ -122,6 +122,10 @@ def test_masked_slots_and_static_expert_paths():
         assert (ref[2] == 0).all() and (got[2] == 0).all()
     r = static_routes(idx, E)
     assert r.offsets[-1].item() == T * 2 - 3 and r.valid.sum().item() == T * 2 - 3
+    big = torch.randint(0, 33, (128, 4))  # the counting sort is the stable sort, exactly
+    rb = static_routes(big, 32)
+    assert torch.equal(rb.order, torch.argsort(big.reshape(-1), stable=True))
+    assert torch.equal(rb.expert, big.reshape(-1)[rb.order])
 
 
 def test_static_cache_keeps_rows_and_refresh_keeps_storage():
