@@ -139,8 +139,8 @@ def check_splits(cfg: TrainConfig, task: Task) -> None:
         raise UsageError(f"{where} has no training examples")
     if not examples_up_to(task, "test", 1):  # the held-out eval needs at least one prompt
         n = len(examples_up_to(task, "train", cfg.task.train_size))
-        raise UsageError(f"{where}: no example falls in the held-out split ({n} examples; the split keeps a "
-                         f"fixed fraction, {getattr(task, 'test_fraction', '?')}, by prompt hash), so the run "
+        raise UsageError(f"{where} has no held-out (test) examples: none of its {n} examples falls in the "
+                         f"held-out split (the split keeps a fixed fraction, {getattr(task, 'test_fraction', '?')}, by prompt hash), so the run "
                          "could not be evaluated; add examples (a few dozen at least)")
 
 
