@@ -69,7 +69,8 @@ if [ -z "${CKPT:-}" ]; then
 fi
 [ -f "$CKPT/config.json" ] || { echo "no warm-start checkpoint at '$CKPT'"; exit 1; }
 if [ -n "$CHECK_PID" ]; then
-  wait $CHECK_PID || { echo "grouped expert check FAILED: QUADS_GROUPED_EXPERTS=0"; export QUADS_GROUPED_EXPERTS=0; }
+  wait $CHECK_PID || { echo "grouped expert check FAILED: the runs use recipe.expert_path=loop, diagnose is skipped";
+                       SET_COMMON="$SET_COMMON,recipe.expert_path=loop"; DIAG=0; }
   tail -1 "$OUT/grouped_check.log"
 fi
 

@@ -8,9 +8,6 @@ from pathlib import Path
 QUADS = Path(__file__).resolve().parents[1] / "quads"
 READ = re.compile(r"""(?:environ\.get\(|environ\[|getenv\()\s*([^,)\]]*)""")  # the name argument, as written
 CONVENTIONAL = {"QUADS_CACHE", "WORLD_SIZE", "RANK", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"}
-# still read at the time of writing, removed by the expert-path part of issue 15 (quads/quant/layers.py);
-# delete the entry when that lands
-PENDING = {"QUADS_GROUPED_EXPERTS"}
 
 
 def test_library_reads_no_switch_from_the_environment():
@@ -20,5 +17,5 @@ def test_library_reads_no_switch_from_the_environment():
             name = arg.strip().strip("\"'")  # a name held in a constant stays as written, and is not allowed
             reads.setdefault(name, []).append(str(path.relative_to(QUADS.parent)))
     assert reads, "the pattern found no environment read at all: it is broken"
-    extra = {k: v for k, v in reads.items() if k not in CONVENTIONAL | PENDING}
+    extra = {k: v for k, v in reads.items() if k not in CONVENTIONAL}
     assert not extra, f"environment switches in the library (make them typed config fields): {extra}"

@@ -148,16 +148,22 @@ def test_grouped_triton_quantizer_matches_reference():
     assert torch.equal(got, want)
 
 
-def test_env_switch(monkeypatch):
-    ro = _experts(SPECS["w4a4"], torch.float32)
+def test_expert_path_is_a_recipe_field():
+    """The rollout's expert path comes from ``Recipe.expert_path`` (recorded with the recipe in a run's
+    config.yaml), not from the environment; auto = grouped on CUDA tensors only."""
+    from quads.model.config import ModelConfig
+    from quads.model.transformer import MoEForCausalLM
+    from quads.quant import get_recipe, quantize_model
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=H, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32,
+                      n_experts=E, top_k=K_TOP, moe_intermediate_size=INTER, max_seq_len=16)
     x = torch.randn(3, H)
-    monkeypatch.setenv("QUADS_GROUPED_EXPERTS", "1")
-    assert ro._use_grouped(x)
-    monkeypatch.setenv("QUADS_GROUPED_EXPERTS", "0")
-    assert not ro._use_grouped(x)
-    monkeypatch.setenv("QUADS_GROUPED_EXPERTS", "yes")
-    with pytest.raises(ValueError, match="QUADS_GROUPED_EXPERTS"):
-        ro._use_grouped(x)
+    for path, want in (("grouped", True), ("loop", False), ("auto", False)):  # auto on a CPU tensor: the loop
+        model = MoEForCausalLM(cfg).requires_grad_(False)
+        quantize_model(model, get_recipe("nvfp4", expert_path=path), side="rollout")
+        assert bool(model.model.layers[0].mlp.experts._use_grouped(x)) is want, path
+    with pytest.raises(ValueError, match="expert_path"):
+        get_recipe("nvfp4", expert_path="yes")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU runs the same checks above)")

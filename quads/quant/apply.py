@@ -165,7 +165,10 @@ def quantize_model(
     new_modules = []
     for name, module, kind in plan:  # build all first: a bad layer raises before the model changes
         cls = QuantizedExperts if kind == "experts" else QuantizedLinear
-        new_modules.append((name, cls(module, spec, side=side, weight_dtype=recipe.torch_weight_dtype), kind))
+        new = cls(module, spec, side=side, weight_dtype=recipe.torch_weight_dtype)
+        if kind == "experts":
+            new.grouped = {"auto": None, "grouped": True, "loop": False}[recipe.expert_path]
+        new_modules.append((name, new, kind))
     for name, new, kind in new_modules:
         _set_submodule(model, name, new)
         n = sum(p.numel() for p in new.parameters())

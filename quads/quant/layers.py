@@ -16,7 +16,6 @@ Weight operands (``WeightStore``):
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import nn
@@ -230,8 +229,9 @@ class QuantizedExperts(_QuantizedBase):
 
     On the rollout side (no gradients) all experts run at once in a padded batched layout
     (``quads.quant.grouped``: same quantized operands, ~30x fewer kernel launches per layer at decode)
-    when ``grouped`` allows it (None: ``$QUADS_GROUPED_EXPERTS``, default ``auto`` = on CUDA tensors
-    only, where launches dominate; on the CPU the padding costs more than the loop) and the padding stays under ``pad_limit`` times the real rows;
+    when ``grouped`` allows it (set from ``Recipe.expert_path``; None = auto: on CUDA tensors only, where
+    launches dominate; on the CPU the padding costs more than the loop) and the padding stays under
+    ``pad_limit`` times the real rows;
     otherwise, and always on the trainer side, the experts loop runs.
     """
 
@@ -259,16 +259,11 @@ class QuantizedExperts(_QuantizedBase):
         self.act_fn = getattr(experts, "act_fn", None) or nn.SiLU()
         self._setup(experts, spec, side, weight_dtype, groups=self.num_experts)
 
-    grouped: bool | None = None  # rollout side: batched expert GEMMs; None = $QUADS_GROUPED_EXPERTS (auto|1|0)
+    grouped: bool | None = None  # rollout side: batched expert GEMMs (Recipe.expert_path); None = on CUDA only
     pad_limit: float = 8.0  # ... while E * C <= pad_limit * routed slots
 
     def _use_grouped(self, hidden_states: torch.Tensor) -> bool:
-        on = self.grouped
-        if on is None:
-            env = os.environ.get("QUADS_GROUPED_EXPERTS", "auto")
-            if env not in ("auto", "0", "1"):
-                raise ValueError(f"QUADS_GROUPED_EXPERTS={env!r}; valid: auto (CUDA only), 1 (always), 0 (never)")
-            on = hidden_states.is_cuda if env == "auto" else env == "1"
+        on = hidden_states.is_cuda if self.grouped is None else self.grouped
         return (on and self.side == "rollout" and grouped.supports(self.spec)
                 and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.gate_up_proj.requires_grad)))
 

@@ -107,6 +107,9 @@ class LinearSpec:
         return s
 
 
+EXPERT_PATHS = ("auto", "grouped", "loop")
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A named pair of ``LinearSpec``s (trainer, rollout) and the modules they apply to."""
@@ -118,6 +121,10 @@ class Recipe:
     # dtype the master weights are cast to before quantization, on both sides (the weight-sync wire
     # dtype); the dequantized weights are held in this dtype too. Unquantized weights are not cast.
     weight_dtype: str = "bfloat16"
+    # rollout side, eager decode: the routed experts as one padded batched GEMM per projection
+    # ("grouped", quads.quant.grouped), the per-expert loop ("loop"), or "auto" (grouped on CUDA, where
+    # launches dominate; the loop on the CPU). Same quantized operands; the GEMM accumulation order differs.
+    expert_path: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -137,6 +144,7 @@ class Recipe:
             )
         object.__setattr__(self, "targets", targets)
         _choice("weight_dtype", self.weight_dtype, tuple(WEIGHT_DTYPES))
+        _choice("expert_path", self.expert_path, EXPERT_PATHS)
         t, r = self.trainer, self.rollout
         if t.weight != "none" and r.weight != "none" and t.weight_key() != r.weight_key():
             raise ValueError(

@@ -78,11 +78,12 @@ class RecipeSection:
     act_scale: Literal["tensor", "token"] | None = None  # NVFP4 activation global scale, both sides
     weight_tile: Literal["1x16", "16x16"] | None = None  # NVFP4 weight block shape, both sides
     targets: list[str] | None = None  # module-name patterns to quantize (default: routed experts)
+    expert_path: Literal["auto", "grouped", "loop"] | None = None  # rollout experts: batched GEMMs or the loop (auto: grouped on CUDA)
 
     def overrides(self) -> dict:
         """Keyword overrides for ``quads.quant.get_recipe``."""
         out: dict = {}
-        for k in ("rac_ratio", "rac_selection", "act_scale", "targets"):
+        for k in ("rac_ratio", "rac_selection", "act_scale", "targets", "expert_path"):
             v = getattr(self, k)
             if v is not None:
                 out[k] = tuple(v) if k == "targets" else v
