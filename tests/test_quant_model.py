@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from quads.model import ModelConfig, MoEForCausalLM
+from quads.model import ModelConfig, MoEForCausalLM, gemm
 from quads.quant import (
     PRESETS,
     QuantizedExperts,
@@ -107,9 +107,10 @@ def test_every_recipe_forward_backward(kind, recipe, side):
         layer = m.model.layers[i]
         assert isinstance(layer.mlp.experts, QuantizedExperts)
         assert layer.mlp.experts.gate_up_proj is before[f"model.layers.{i}.mlp.experts.gate_up_proj"]
-        assert type(layer.self_attn.q_proj) is nn.Linear and type(layer.self_attn.o_proj) is nn.Linear
+        plain = (nn.Linear, gemm.Linear)  # transformers' layers, quads' own
+        assert type(layer.self_attn.q_proj) in plain and type(layer.self_attn.o_proj) in plain
         assert not isinstance(layer.mlp.gate, QuantizedLinear | QuantizedExperts)
-    assert type(m.lm_head) is nn.Linear and type(m.model.embed_tokens) is nn.Embedding
+    assert type(m.lm_head) in (nn.Linear, gemm.Linear) and type(m.model.embed_tokens) is nn.Embedding
     assert {n: p for n, p in m.named_parameters()} == before  # same names, same Parameter objects
     logits = _logits(m, ids)
     assert torch.isfinite(logits).all()
@@ -151,7 +152,7 @@ def test_builtin_shared_expert_only_when_targeted():
     names = [x.name for x in s.modules]
     assert "model.layers.0.mlp.shared_expert.gate_proj" in names
     assert isinstance(m.model.layers[0].mlp.shared_expert.down_proj, QuantizedLinear)
-    assert type(m.model.layers[0].mlp.gate) is nn.Linear
+    assert type(m.model.layers[0].mlp.gate) is gemm.Linear
 
 
 def test_wildcard_keeps_router_embeddings_lm_head():
@@ -159,7 +160,7 @@ def test_wildcard_keeps_router_embeddings_lm_head():
     s = quantize_model(m, get_recipe("w4a16-qat", targets=["*"]), "trainer", verbose=False)
     assert isinstance(m.model.layers[0].self_attn.q_proj, QuantizedLinear)
     assert isinstance(m.model.layers[1].mlp.experts, QuantizedExperts)
-    assert type(m.model.layers[0].mlp.gate) is nn.Linear and type(m.lm_head) is nn.Linear
+    assert type(m.model.layers[0].mlp.gate) is gemm.Linear and type(m.lm_head) is gemm.Linear
     assert "lm_head" in s.protected
     _logits(m, _ids()).sum().backward()
 

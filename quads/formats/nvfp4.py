@@ -58,8 +58,8 @@ from quads.formats.constants import (
 MODES = ("te", "torchao", "vllm", "modelopt", "compressed_tensors")
 TILES = ((1, 16), (16, 16))
 
-# RNE thresholds on |y| for the E2M1 grid: code = number of thresholds passed. Where the lower
-# neighbour's code is even a tie rounds down (strict >), where it is odd a tie rounds up (>=).
+# RNE thresholds on |y| for the E2M1 grid: code = number of thresholds passed. Where the lower neighbour's
+# code is even a tie rounds down (strict >), where it is odd a tie rounds up (>=). ``e2m1_rne`` computes this rule.
 _E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
@@ -133,14 +133,32 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
 
 
+def e2m1_rne(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 magnitudes in [0, 6] -> (E2M1 value, 3-bit code as int32), RNE, by the FP32 adder.
+
+    With ``p = 2^e`` the binade of ``max(m, 1)`` (e = 0, 1, 2) and ``c = 2^(e+22)``, ``m + c`` has an ulp of
+    ``2^(e-1)``, the E2M1 step of that binade (0.5 below 2, including the subnormals 0 and 0.5; 1 below 4;
+    2 up to 6), so the FP32 add rounds ``m`` to the grid with ties to even, and the bits of ``m + c``
+    above those of ``c`` count the steps q. The code is ``q + 2e``. Same results as the threshold
+    comparisons of ``e2m1_round`` (tested exhaustively over fp32 values in [0, 6] around every tie).
+    A NaN in ``m`` gives an unspecified value and code.
+    """
+    p_bits = torch.clamp_min(m, 1.0).view(torch.int32) & 0x7F800000  # bits of 2^e
+    c_bits = p_bits + (22 << 23)  # bits of 2^(e+22)
+    c = c_bits.view(torch.float32)
+    s = m + c
+    code = s.view(torch.int32) - c_bits
+    code += (p_bits >> 22) - 254  # + 2e: (p_bits >> 22) == 254 + 2e
+    return s - c, code
+
+
 def e2m1_round(y: torch.Tensor) -> torch.Tensor:
-    """fp32 values already clamped to [-6, 6] -> 4-bit codes (uint8, sign in bit 3), RNE. NaN -> 0 | sign."""
-    mag = y.abs()
-    code = torch.zeros_like(y, dtype=torch.uint8)
-    for t, inclusive in _E2M1_THRESHOLDS:
-        code += (mag >= t if inclusive else mag > t).to(torch.uint8)
-    sign = torch.signbit(y).to(torch.uint8) << 3
-    return code | sign
+    """fp32 values -> 4-bit codes (uint8, sign in bit 3), RNE; |y| > 6 and +-inf give magnitude code 7,
+    NaN gives 0 | sign. The rounding is ``e2m1_rne``; ``_E2M1_THRESHOLDS`` state the same rule."""
+    y = y.float()
+    code = e2m1_rne(torch.nan_to_num(y.abs().clamp_max(F4_E2M1_MAX), nan=0.0))[1]
+    code |= (y.view(torch.int32) >> 28) & 0x8
+    return code.to(torch.uint8)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -183,6 +201,45 @@ def _block_has_nan(xf: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
     return _tile_reduce(torch.isnan(_blocks(xf)).any(dim=-1).to(torch.uint8), tile).bool()
 
 
+def _te_quantize(
+    x: torch.Tensor, tile: tuple[int, int], per_token: bool, amax: torch.Tensor | float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Steps 1-4 of the canonical cast: ``(xf, value, code, scales, s_dec, nan)``.
+
+    ``value`` fp32 E2M1 magnitudes and ``code`` their int32 codes (no sign), ``[..., K/16, 16]``;
+    ``scales`` E4M3 with the NaN policy applied; ``nan`` the NaN mask of ``x`` (None when it has none).
+    """
+    xf = x.float()
+    mag = xf.abs()
+    bamax_1x16 = _blocks(mag).amax(dim=-1)  # [..., K/16]; a NaN in a block propagates to its max
+    nan = None
+    if bool(torch.isnan(bamax_1x16).any()):  # NaN ignored by every amax (CUDA fmaxf)
+        nan = torch.isnan(mag)
+        mag = mag.masked_fill(nan, 0.0)
+        bamax_1x16 = _blocks(mag).amax(dim=-1)
+    if amax is None:
+        amax_t = bamax_1x16.amax(dim=-1, keepdim=True) if per_token else bamax_1x16.amax()
+    else:
+        amax_t = check_amax(amax, x, per_token)
+    s_enc = global_encode_scale(amax_t)  # [] or [..., 1]
+    s_dec = 1.0 / s_enc
+    if per_token and s_dec.dim() == 0:
+        s_dec = s_dec.expand(*xf.shape[:-1], 1).clone()
+        s_enc = s_enc.expand(*xf.shape[:-1], 1)
+    bamax = _tile_reduce(bamax_1x16, tile)  # [..., K/16]
+    inv6 = torch.tensor(1.0 / F4_E2M1_MAX, dtype=torch.float32, device=x.device)
+    s_fp32 = torch.clamp(bamax * (s_enc * inv6), -F8E4M3_MAX, F8E4M3_MAX)
+    scales = s_fp32.to(F8E4M3_DTYPE)
+    enc = torch.fmin(1.0 / (scales.float() * s_dec), torch.tensor(FLT_MAX, device=x.device))  # [..., K/16]
+    # |clamp(x * enc, -6, 6)|: enc > 0, so |x * enc| == |x| * enc exactly
+    m = (_blocks(mag) * enc.unsqueeze(-1)).clamp_max_(F4_E2M1_MAX)
+    value, code = e2m1_rne(m)
+    if nan is not None:  # NaN policy: E4M3 NaN scale for the block/tile of a NaN
+        scales = torch.where(_block_has_nan(xf, tile), torch.tensor(float("nan"), device=x.device), scales.float())
+        scales = scales.to(F8E4M3_DTYPE)
+    return xf, value, code, scales, s_dec, nan
+
+
 def quantize(
     x: torch.Tensor,
     *,
@@ -206,35 +263,13 @@ def quantize(
             f"nvfp4.quantize is the canonical (te) quantizer; mode {mode!r} is a compatibility mode: call "
             f"quads.formats.nvfp4_compat.quantize(x, mode={mode!r}) or quads.quant.ops.nvfp4_quantize"
         )
-    xf = x.float()
-    mag = xf.abs()
-    nan = torch.isnan(mag)
-    has_nan = bool(nan.any())
-    if has_nan:
-        mag = mag.masked_fill(nan, 0.0)
-    bamax_1x16 = _blocks(mag).amax(dim=-1)  # [..., K/16], NaN ignored
-    if amax is None:
-        amax_t = bamax_1x16.amax(dim=-1, keepdim=True) if per_token else bamax_1x16.amax()
-    else:
-        amax_t = check_amax(amax, x, per_token)
-    s_enc = global_encode_scale(amax_t)  # [] or [..., 1]
-    s_dec = 1.0 / s_enc
-    if per_token and s_dec.dim() == 0:
-        s_dec = s_dec.expand(*xf.shape[:-1], 1).clone()
-        s_enc = s_enc.expand(*xf.shape[:-1], 1)
-    bamax = _tile_reduce(bamax_1x16, tile)  # [..., K/16]
-    inv6 = torch.tensor(1.0 / F4_E2M1_MAX, dtype=torch.float32, device=x.device)
-    s_fp32 = torch.clamp(bamax * (s_enc * inv6), -F8E4M3_MAX, F8E4M3_MAX)
-    scales = s_fp32.to(F8E4M3_DTYPE)
-    enc = torch.fmin(1.0 / (scales.float() * s_dec), torch.tensor(FLT_MAX, device=x.device))  # [..., K/16]
-    y = torch.clamp(_blocks(xf) * enc.unsqueeze(-1), -F4_E2M1_MAX, F4_E2M1_MAX)
-    codes = e2m1_round(y).reshape(xf.shape)
-    if has_nan:  # NaN policy: code 0x0 for the NaN element, E4M3 NaN scale for its block/tile
-        codes = torch.where(nan, torch.zeros_like(codes), codes)
-        scales = torch.where(_block_has_nan(xf, tile), torch.tensor(float("nan"), device=x.device), scales.float())
-        scales = scales.to(F8E4M3_DTYPE)
+    xf, _, code, scales, s_dec, nan = _te_quantize(x, tile, per_token, amax)
+    code = code.reshape(xf.shape)
+    code |= (xf.view(torch.int32) >> 28) & 0x8  # the sign bit of x (that of y = x * enc, enc > 0)
+    if nan is not None:  # NaN policy: code 0x0 for the NaN element
+        code.masked_fill_(nan, 0)
     return NVFP4Tensor(
-        codes=pack(codes),
+        codes=pack(code),
         scales=scales,
         global_scale=s_dec,
         shape=x.shape,
@@ -260,9 +295,20 @@ def qdq(
     tile: tuple[int, int] = (1, 16),
     per_token: bool = False,
     amax: torch.Tensor | float | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Quantize then dequantize, returned in ``x``'s dtype."""
-    return dequantize(quantize(x, mode=mode, tile=tile, per_token=per_token, amax=amax), x.dtype)
+    """Quantize then dequantize, returned in ``dtype`` (default ``x.dtype``).
+
+    Canonical mode: the same bits as ``dequantize(quantize(x))``, computed without the codes
+    (``copysign(e2m1 value, x) * float(s) * S_dec``; a NaN block's NaN scale makes the block NaN).
+    """
+    dtype = x.dtype if dtype is None else dtype
+    check_input(x, tile, mode)
+    if mode != "te":
+        return dequantize(quantize(x, mode=mode, tile=tile, per_token=per_token, amax=amax), dtype)
+    xf, value, _, scales, s_dec, _ = _te_quantize(x, tile, per_token, amax)
+    blk = value.copysign_(_blocks(xf)) * scales.float().unsqueeze(-1)
+    return (blk.reshape(xf.shape) * s_dec).to(dtype)
 
 
 # ---------------------------------------------------------------- swizzled scale layout

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quads.model.config import ModelConfig
+from quads.model.gemm import Linear
 
 
 class RMSNorm(nn.Module):
@@ -179,10 +180,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         H, q, kv = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(H, q, bias=False)
-        self.k_proj = nn.Linear(H, kv, bias=False)
-        self.v_proj = nn.Linear(H, kv, bias=False)
-        self.o_proj = nn.Linear(q, H, bias=False)
+        self.q_proj = Linear(H, q, bias=False)
+        self.k_proj = Linear(H, kv, bias=False)
+        self.v_proj = Linear(H, kv, bias=False)
+        self.o_proj = Linear(q, H, bias=False)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "head":
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quads.model import gemm
 from quads.model.config import ModelConfig
 
 
@@ -53,8 +54,8 @@ class MoEExperts(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            gate, up = F.linear(x_sorted[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-            ys.append(F.linear(F.silu(gate) * up, self.down_proj[e]))  # [n, H]
+            gate, up = gemm.linear(x_sorted[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
+            ys.append(gemm.linear(F.silu(gate) * up, self.down_proj[e]))  # [n, H]
             start += n
         if not ys:
             return torch.zeros_like(hidden_states)
@@ -163,9 +164,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = gemm.Linear(hidden, intermediate, bias=False)
+        self.up_proj = gemm.Linear(hidden, intermediate, bias=False)
+        self.down_proj = gemm.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -214,14 +215,14 @@ class MoEBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=False)
+        self.gate = gemm.Linear(cfg.hidden_size, cfg.n_experts, bias=False)
         self.experts = MoEExperts(cfg.n_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = None
         self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             if cfg.shared_expert_gate:
-                self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+                self.shared_expert_gate = gemm.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                 device_dispatch: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ from torch import nn
 
 from quads.model.attention import Attention, KVCache, RMSNorm, StaticKVCache, build_attn_mask, rope_cos_sin
 from quads.model.config import ModelConfig
+from quads.model.gemm import Linear
 from quads.model.moe import MoEBlock, MoEExperts, load_balance_loss
 
 
@@ -67,7 +68,7 @@ class MoEForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = MoEModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.reset_parameters()
         self.to(cfg.torch_dtype)
         if cfg.tie_word_embeddings:

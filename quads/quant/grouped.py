@@ -33,6 +33,7 @@ import torch
 
 from quads.formats import nvfp4
 from quads.kernels import dispatch
+from quads.model import gemm
 from quads.quant import ops
 from quads.quant.rac import rac_channels, residual_norms
 from quads.quant.recipe import LinearSpec
@@ -169,9 +170,9 @@ def grouped_linear(
     calibration statistics. Numerics: see the module docstring.
     """
     if spec.is_identity:
-        return torch.bmm(x, w.to(x.dtype).mT)
+        return gemm.bmm(x, w.to(x.dtype).mT)
     if spec.act == "none":
-        return torch.bmm(x, w_q.to(x.dtype).mT)
+        return gemm.bmm(x, w_q.to(x.dtype).mT)
     xf = x.float()
     if spec.act == "fp8":
         x_op = ops.fp8_act_qdq(xf.reshape(-1, xf.shape[-1]), spec.fp8_scheme).reshape(xf.shape)

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
+from quads.model import gemm
 from quads.quant.fp8_linear import fp8_linear
 from quads.quant.qat import qat_linear
 from quads.quant.recipe import LinearSpec
@@ -35,7 +35,7 @@ def spec_linear(
 ) -> torch.Tensor:
     """``x`` ``[..., K]`` times master weight ``w`` ``[N, K]`` (operand ``w_q``) under ``spec``."""
     if spec.is_identity:
-        return F.linear(x, w, bias)
+        return gemm.linear(x, w, bias)
     if spec.act == "none":
         return qat_linear(x, w, w_q=w_q, bias=bias)
     if spec.act == "nvfp4":

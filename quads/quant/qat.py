@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
+from quads.model import gemm
 from quads.quant import ops
 
 # compute(x2d, need_operands) -> (y2d, x_op or None, w_op or None); shapes [T, N], [T, K], [N, K]
@@ -38,9 +38,9 @@ class _STELinearFn(torch.autograd.Function):
         x_op, w_op = ctx.saved_tensors
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            gx = (g @ w_op.to(g.dtype)).to(ctx.x_dtype)
+            gx = gemm.matmul(g, w_op.to(g.dtype)).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            gw = (g.T @ x_op.to(g.dtype)).to(ctx.w_dtype)
+            gw = gemm.matmul(g.T, x_op.to(g.dtype)).to(ctx.w_dtype)
         return gx, gw, None
 
 
@@ -92,6 +92,6 @@ def qat_linear(
         if quantize_acts:
             x_op = ops.nvfp4_qdq(x_op, mode=mode, per_token=act_scale == "token")
         w_op = w_q.to(x2.dtype)
-        return F.linear(x_op, w_op), x_op, w_op
+        return gemm.linear(x_op, w_op), x_op, w_op
 
     return ste_linear(x, w, compute, bias)

@@ -1,0 +1,79 @@
+"""Matrix products in the compute dtype, fast on every x86 CPU: ``linear``, ``matmul``, ``bmm``, ``Linear``.
+
+torch runs a BF16 GEMM on the CPU through oneDNN only when the CPU has native BF16 arithmetic
+(AVX-512 with BF16, AMX, AVX2-VNNI-2); elsewhere (e.g. an AVX2-only AMD EPYC) it falls back to a generic
+kernel that is 15-100x slower than an FP32 GEMM of the same shape (benchmarks/bench_cpu.py,
+benchmarks/results/). On such a CPU these functions compute a BF16 product as the FP32 product of
+the BF16 operands, rounded to BF16 once: the numbers of a BF16 GEMM with FP32 accumulation (what
+oneDNN and the fallback kernel compute), up to FP32 summation order, which differs between GEMM
+libraries anyway. Under CPU autocast to BF16 the operands are rounded to BF16 first, as autocast
+does. Everything else (FP32 / FP64 operands, CUDA, CPUs with BF16 GEMMs) goes to torch's own op
+unchanged. Gradients follow: the FP32 route back-propagates through the same casts, so each
+gradient is rounded to its operand's dtype as the BF16 GEMM's gradient would be.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@functools.cache
+def native_bf16_gemm() -> bool:
+    """Whether torch's CPU BF16 GEMM runs on oneDNN (native BF16 arithmetic) rather than its slow fallback."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN: the fallback kernel
+        return False
+
+
+def fp32_route(*tensors: torch.Tensor) -> bool:
+    """Whether a product of ``tensors`` is a CPU BF16 GEMM that this CPU can only run slowly."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return False
+    bf16 = all(t.dtype == torch.bfloat16 for t in tensors)
+    if not bf16 and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
+        bf16 = all(t.dtype in (torch.float32, torch.bfloat16) for t in tensors)  # what autocast casts to BF16
+    return bf16 and not native_bf16_gemm()
+
+
+def _as_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+           fp32: bool | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)``; ``fp32`` forces the route (None: ``fp32_route``), for tests."""
+    if not (fp32_route(x, w) if fp32 is None else fp32):
+        return F.linear(x, w, bias)
+    with torch.autocast("cpu", enabled=False):
+        y = F.linear(_as_fp32(x), _as_fp32(w), None if bias is None else _as_fp32(bias))
+    return y.to(torch.bfloat16)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, *, fp32: bool | None = None) -> torch.Tensor:
+    """``a @ b``; ``fp32`` as in ``linear``."""
+    if not (fp32_route(a, b) if fp32 is None else fp32):
+        return a @ b
+    with torch.autocast("cpu", enabled=False):
+        y = _as_fp32(a) @ _as_fp32(b)
+    return y.to(torch.bfloat16)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, *, fp32: bool | None = None) -> torch.Tensor:
+    """``torch.bmm(a, b)``; ``fp32`` as in ``linear``."""
+    if not (fp32_route(a, b) if fp32 is None else fp32):
+        return torch.bmm(a, b)
+    with torch.autocast("cpu", enabled=False):
+        y = torch.bmm(_as_fp32(a), _as_fp32(b))
+    return y.to(torch.bfloat16)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose product is ``gemm.linear`` (same parameters, state dict and ``isinstance``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
