@@ -39,10 +39,10 @@ def nvfp4_dequantize(q: nvfp4.NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def nvfp4_qdq(x: torch.Tensor, dtype: torch.dtype | None = None, **opts) -> torch.Tensor:
-    """Quantize-dequantize, result in ``dtype`` (default ``x.dtype``); without Triton the fused
-    ``nvfp4.qdq`` (the same bits, no codes materialized)."""
+    """Quantize-dequantize, result in ``dtype`` (default ``x.dtype``); canonical mode without Triton: the
+    fused ``nvfp4.qdq`` (the same bits, no codes materialized)."""
     dtype = x.dtype if dtype is None else dtype
-    if not dispatch.use_triton(x):
+    if opts.get("mode", "te") == "te" and not dispatch.use_triton(x):
         return nvfp4.qdq(x, dtype=dtype, **opts)
     return nvfp4_dequantize(nvfp4_quantize(x, **opts), dtype)
 
