@@ -3,14 +3,23 @@
     python benchmarks/bench_e2e.py [--suites rollout,trainer] [--preset 100m] [--device cuda] [--json F]
     quads bench e2e ...                                   (the same)
 
-rollout: the rollout engine (``quads.rollout.RolloutEngine``) on one MoE preset (random weights: the
-  speed does not depend on them, and ``ignore_eos`` fixes every response at ``--new-tokens``), one
-  model per rollout precision: BF16, FP8 W8A8, NVFP4 W4A16 (weights only), NVFP4 W4A4, NVFP4 W4A4 +
-  RAC 50%. ``--prompts`` x ``--n`` samples of ``--prompt-len`` tokens each; the median of ``--reps``
-  generations after one warm-up; tokens/s counts response tokens over prefill + decode. ``--experts
-  grouped,loop`` times both expert paths of the rollout side (``quads.quant.grouped`` vs the loop).
-  On Hopper every NVFP4 GEMM is emulated (dequantized operands, fp32 GEMM: no FP4 tensor cores), so
-  these are the costs of this implementation, not the speed of FP4 hardware.
+rollout: the rollout engine (``quads.rollout.RolloutEngine``) on MoE presets (``--preset 100m,1b``;
+  random weights: the speed does not depend on them, and ``ignore_eos`` fixes every response at
+  ``--new-tokens``), one model per rollout precision: BF16, FP8 W8A8, NVFP4 W4A16 (weights only), NVFP4
+  W4A4, NVFP4 W4A4 + RAC 50%. ``--prompts`` x ``--n`` samples of ``--prompt-len`` tokens each; the
+  median of ``--reps`` generations after one warm-up generation of the same shape (which captures the
+  CUDA graph); tokens/s counts response tokens over prefill + decode. Each row: the decode path
+  (``--decodes``: auto = static on CUDA, eager = the reference), CUDA graphs on/off (``--graphs``), ms
+  per decode step, and its floor: bytes of weights (in the recipe's storage format) + KV cache (the
+  cache length the step attends over) read per step, over the copy bandwidth measured in the same
+  run; ``x_floor`` = step time / floor. ``--long-tokens`` adds a longer-response row for
+  ``--long-recipes`` (the KV-cache side). ``--experts grouped,loop`` times both host-dispatched expert
+  paths of the eager decode (``quads.quant.grouped`` vs the loop). On Hopper every NVFP4 GEMM is
+  emulated (dequantized operands, fp32 GEMM: no FP4 tensor cores), so these are the costs of this
+  implementation, not the speed of FP4 hardware.
+profile (``--suites profile``): torch.profiler per preset and ``--profile-recipes`` recipe, graphs on
+  and off: GPU kernels, launches and host syncs per decode step (difference of a 48- and a 16-token
+  generation over the 32 extra steps, so prefill and read-back cancel).
 trainer: one GRPO-shaped trainer step on a fixed batch (``--batch`` sequences of ``--seq-len``
   tokens): full-sequence forward of the response log-probs under BF16 autocast over fp32 master
   weights, a policy-gradient loss, backward, grad clip, AdamW step; BF16 against W4A16-QAT
@@ -66,11 +75,12 @@ def _sync(device: str) -> None:
 def _model(preset: str, device: str, dtype: str, seed: int = 0) -> MoEForCausalLM:
     torch.manual_seed(seed)
     cfg = ModelConfig.preset(preset, vocab_size=CharTokenizer().vocab_size, dtype=dtype)
-    return MoEForCausalLM(cfg).to(device)
+    with torch.device(device):  # initialised where it runs (a 1b model's CPU init takes longer than its run)
+        return MoEForCausalLM(cfg)
 
 
 def _set_experts_path(model: torch.nn.Module, path: str) -> None:
-    """Rollout expert path: "grouped" (batched, the CUDA default) or "loop" (one GEMM pair per expert)."""
+    """Rollout expert path of the host-dispatched (eager) decode: "grouped" (batched) or "loop"."""
     from quads.quant.layers import QuantizedExperts
 
     for m in model.modules():
@@ -78,38 +88,209 @@ def _set_experts_path(model: torch.nn.Module, path: str) -> None:
             m.grouped = path == "grouped"
 
 
+_FORMAT_BYTES = {"nvfp4": 0.5 + 1 / 16, "fp8": 1.0}  # bytes per weight element: codes + block scales
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step must read, in the recipe's storage format: every quantized
+    weight at its format's size (NVFP4: 4-bit codes + one E4M3 scale per 16; FP8: 1 byte), every other
+    parameter at its dtype's size; the embedding table counts only when tied to the lm_head (a
+    step reads B of its rows)."""
+    from quads.quant.layers import _QuantizedBase
+
+    counted: set[int] = set()
+    total = 0.0
+    for m in model.modules():
+        if isinstance(m, _QuantizedBase):
+            for name in m.weight_names:
+                p = getattr(m, name)
+                counted.add(id(p))
+                per = _FORMAT_BYTES.get(m.spec.weight, float(p.element_size()))
+                total += p.numel() * per
+    emb = model.model.embed_tokens.weight
+    for p in model.parameters():
+        if id(p) in counted or (p is emb and model.lm_head.weight is not emb):
+            continue
+        counted.add(id(p))
+        total += p.numel() * p.element_size()
+    return int(total)
+
+
+def kv_bytes(cfg, batch: int, cache_len: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one decode step reads over ``cache_len`` columns of ``batch`` rows."""
+    return 2 * cfg.n_layers * batch * cfg.n_kv_heads * cache_len * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
+def copy_bandwidth(device: str, mib: int = 1024) -> float:
+    """Device copy bandwidth (bytes read + written per second), median of 5 copies of ``mib`` MiB."""
+    n = (mib if device.startswith("cuda") else min(mib, 128)) * 2**20
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    ts = []
+    for _ in range(5):
+        _sync(device)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        _sync(device)
+        ts.append(time.perf_counter() - t0)
+    return 2 * n / statistics.median(ts)
+
+
+def _configs(args) -> list[tuple[str, bool]]:
+    """(decode path, cuda graphs) pairs to time."""
+    out = []
+    for decode in [d.strip() for d in args.decodes.split(",") if d.strip()]:
+        graphs = [g.strip() == "on" for g in args.graphs.split(",") if g.strip()]
+        if decode == "eager" or not args.device.startswith("cuda"):
+            graphs = [False]
+        out += [(decode, g) for g in dict.fromkeys(graphs)]
+    return out
+
+
 def bench_rollout(args, rows: list) -> None:
     tok = CharTokenizer()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, tok.vocab_size, (args.prompt_len,), generator=g).tolist()
                for _ in range(args.prompts)]
-    sp = SamplingParams(n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0, record_routing=True)
+    bw = copy_bandwidth(args.device)
     paths = [p.strip() for p in args.experts.split(",") if p.strip()]
-    for path in paths:
-        for name, spec in ROLLOUT_RECIPES.items():
-            model = _model(args.preset, args.device, "bfloat16").requires_grad_(False)
-            quantize_model(model, Recipe(f"bench-{name}", rollout=spec), side="rollout", verbose=False)
-            _set_experts_path(model, path)
-            eng = RolloutEngine(model, tok, device=args.device)
-            eng.generate(prompts[: max(1, len(prompts) // 4)], sp)  # warm-up (kernels, allocator)
-            tps, dec = [], []
-            for _ in range(args.reps):
-                b = eng.generate(prompts, sp)
-                tps.append(b.stats.tokens_per_s)
-                dec.append(b.stats.decode_s / max(b.stats.decode_steps, 1) * 1e3)
-            rows.append({"suite": "rollout", "recipe": name, "experts": path, "spec": spec.describe(),
-                         "tokens_per_s": statistics.median(tps), "decode_ms_per_step": statistics.median(dec),
-                         "samples": len(prompts) * args.n, "new_tokens": args.new_tokens})
-            del eng, model
-    for path in paths:
-        mine = [r for r in rows if r["suite"] == "rollout" and r["experts"] == path]
-        base = next(r["tokens_per_s"] for r in mine if r["recipe"] == "bf16")
-        for r in mine:
-            r["vs_bf16"] = r["tokens_per_s"] / base
-            if path != paths[0]:
-                first = next(q for q in rows if q["suite"] == "rollout" and q["experts"] == paths[0]
-                             and q["recipe"] == r["recipe"])
+    long_recipes = {r.strip() for r in args.long_recipes.split(",") if r.strip()}
+    for preset in [p.strip() for p in args.preset.split(",") if p.strip()]:
+        for path in paths:
+            for name, spec in ROLLOUT_RECIPES.items():
+                if args.recipes and name not in args.recipes.split(","):
+                    continue
+                model = _model(preset, args.device, "bfloat16").requires_grad_(False)
+                quantize_model(model, Recipe(f"bench-{name}", rollout=spec), side="rollout", verbose=False)
+                _set_experts_path(model, path)
+                wb = weight_bytes(model)
+                long = min(args.long_tokens, model.config.max_seq_len - args.prompt_len)  # tiny: 496
+                lengths = [args.new_tokens] + ([long] if args.long_tokens and name in long_recipes else [])
+                configs = _configs(args)
+                for decode, graphs in configs:
+                    for new_tokens in lengths:
+                        if new_tokens != args.new_tokens and not graphs and any(g for _, g in configs):
+                            continue  # the longer row runs with graphs only (the engine's default)
+                        rows.append(_time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs,
+                                                  new_tokens, preset, wb, bw))
+                        print(_rollout_line(rows[-1]), flush=True)
+                        _ratios(rows, paths)
+                        _write_json(args, rows)  # partial results survive a time limit
+                del model
+    _ratios(rows, paths)
+
+
+def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, new_tokens, preset, wb, bw) -> dict:
+    row = {"suite": "rollout", "preset": preset, "recipe": name, "experts": path, "decode": decode,
+           "graphs": graphs, "spec": spec.describe(), "samples": len(prompts) * args.n, "new_tokens": new_tokens}
+    sp = SamplingParams(n=args.n, max_new_tokens=new_tokens, ignore_eos=True, seed=0, record_routing=True)
+    try:
+        eng = RolloutEngine(model, tok, device=args.device, decode=decode, cuda_graphs=graphs)
+        first = eng.generate(prompts, sp)  # warm-up on the timed batch shape: kernels, allocator, graph capture
+        tps, dec, pre = [], [], []
+        for _ in range(args.reps):
+            b = eng.generate(prompts, sp)
+            tps.append(b.stats.tokens_per_s)
+            dec.append(b.stats.decode_s / max(b.stats.decode_steps, 1) * 1e3)
+            pre.append(b.stats.prefill_s * 1e3)
+    except Exception as e:  # a failing configuration is a result too: record it, time the others
+        row["error"] = f"{type(e).__name__}: {e}"[:800]
+        return row
+    B = len(prompts) * args.n
+    cache_len = b.cache_len or (args.prompt_len + new_tokens)
+    kvb = kv_bytes(model.config, B, cache_len, model.dtype)
+    floor_ms = (wb + kvb) / bw * 1e3
+    ms = statistics.median(dec)
+    row.update(tokens_per_s=statistics.median(tps), decode_ms_per_step=ms, prefill_ms=statistics.median(pre),
+               decode_path=b.stats.decode_path, graph_captures_warm=b.stats.graph_captures,
+               graph_captures_first=first.stats.graph_captures, weight_bytes=wb, kv_bytes=kvb,
+               cache_len=cache_len, copy_gbps=bw / 1e9, floor_ms=floor_ms, x_floor=ms / floor_ms)
+    return row
+
+
+def _ratios(rows: list, paths: list[str]) -> None:
+    """vs_bf16: tokens/s over the bf16 row of the same preset, path, decode, graphs and length;
+    vs_<first path>: over the same recipe on the first expert path."""
+    roll = [r for r in rows if r["suite"] == "rollout" and "tokens_per_s" in r]
+
+    def same(r, q, *keys):
+        return all(r[k] == q[k] for k in keys)
+
+    for r in roll:
+        cfg = ("preset", "experts", "decode", "graphs", "new_tokens")
+        base = next((q for q in roll if q["recipe"] == "bf16" and same(r, q, *cfg)), None)
+        if base is not None:
+            r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
+        if r["experts"] != paths[0]:
+            first = next((q for q in roll if q["experts"] == paths[0]
+                          and same(r, q, "preset", "recipe", "decode", "graphs", "new_tokens")), None)
+            if first is not None:
                 r[f"vs_{paths[0]}"] = r["tokens_per_s"] / first["tokens_per_s"]
+
+
+def _rollout_line(r: dict) -> str:
+    head = (f"rollout {r['preset']:>5} {r['recipe']:>11} ({r['experts']}, {r['decode']}, "
+            f"graphs {'on' if r['graphs'] else 'off'}, {r['new_tokens']} tok)")
+    if "error" in r:
+        return f"{head}: ERROR {r['error']}"
+    return (f"{head}: {r['tokens_per_s']:9.0f} tok/s  {r['decode_ms_per_step']:7.2f} ms/step  "
+            f"floor {r['floor_ms']:.3f} ms ({r['x_floor']:.1f}x)  [{r['decode_path']}]")
+
+
+def _trace_counts(eng, prompts, sp, device: str) -> tuple[dict, object, list]:
+    """Event counts of one profiled ``generate`` (after the caller's warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        b = eng.generate(prompts, sp)
+        _sync(device)
+    ev = prof.key_averages()
+    names = {
+        "gpu_kernels": lambda e: e.device_type == torch.autograd.DeviceType.CUDA,
+        "kernel_launches": lambda e: e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                               "cuLaunchKernelEx"),
+        "graph_launches": lambda e: e.key == "cudaGraphLaunch",
+        "syncs": lambda e: e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
+        "memcpy": lambda e: e.key in ("cudaMemcpyAsync", "cudaMemcpy"),
+    }
+    counts = {k: sum(e.count for e in ev if f(e)) for k, f in names.items()}
+    top = sorted(ev, key=lambda e: -e.self_device_time_total)[:10]
+    return counts, b, [(e.key[:80], e.count, round(e.self_device_time_total / 1e3, 3)) for e in top]
+
+
+def profile_decode(args, rows: list) -> None:
+    """torch.profiler over generations of 16 and 48 new tokens per (preset, recipe, graphs): kernels,
+    launches and host syncs per decode step = the difference of the two traces / 32 steps (prefill,
+    set-up and read-back cancel out)."""
+    tok = CharTokenizer()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, tok.vocab_size, (args.prompt_len,), generator=g).tolist()
+               for _ in range(args.prompts)]
+    short, long = (SamplingParams(n=args.n, max_new_tokens=m, ignore_eos=True, seed=0) for m in (16, 48))
+    for preset in [p.strip() for p in args.preset.split(",") if p.strip()]:
+        for name in [r.strip() for r in args.profile_recipes.split(",") if r.strip()]:
+            spec = ROLLOUT_RECIPES[name]
+            model = _model(preset, args.device, "bfloat16").requires_grad_(False)
+            quantize_model(model, Recipe(f"bench-{name}", rollout=spec), side="rollout", verbose=False)
+            for graphs in (True, False):
+                row = {"suite": "profile", "preset": preset, "recipe": name, "graphs": graphs}
+                try:
+                    eng = RolloutEngine(model, tok, device=args.device, cuda_graphs=graphs)
+                    eng.generate(prompts, long)  # warm-up (the cache bucket serves both lengths)
+                    c16, b16, _ = _trace_counts(eng, prompts, short, args.device)
+                    c48, b48, top = _trace_counts(eng, prompts, long, args.device)
+                    steps = b48.stats.decode_steps - b16.stats.decode_steps
+                    row.update({f"{k}_per_step": (c48[k] - c16[k]) / steps for k in c48})
+                    row.update(decode_path=b48.stats.decode_path, steps_diff=steps,
+                               decode_ms_per_step=b48.stats.decode_s / b48.stats.decode_steps * 1e3,
+                               top_device_48tok=top)
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {e}"[:800]
+                rows.append(row)
+                print("profile " + json.dumps(row), flush=True)
+                _write_json(args, rows)
+            del model
 
 
 def _time_trainer_step(args, spec: LinearSpec, batch: SequenceBatch, adv: torch.Tensor) -> tuple[float, int]:
@@ -155,26 +336,42 @@ def bench_trainer(args, rows: list) -> None:
     rows[-1]["vs_bf16"] = times["w4a16-qat"] / times["bf16"]
 
 
+def _write_json(args, rows: list) -> None:
+    if args.json:
+        path = Path(args.json)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps({"info": env_info(args.device), "args": vars(args), "rows": rows}, indent=1))
+        tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suites", default="rollout,trainer", help="comma list: rollout, trainer")
-    ap.add_argument("--preset", default="100m", help="model preset (quads.model.PRESETS)")
+    ap.add_argument("--preset", default="100m", help="model preset(s) (quads.model.PRESETS), comma list")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prompts", type=int, default=16, help="rollout: prompts per generation")
     ap.add_argument("--n", type=int, default=8, help="rollout: samples per prompt")
     ap.add_argument("--prompt-len", type=int, default=16, help="rollout: prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=64, help="rollout: response tokens (eos ignored)")
     ap.add_argument("--experts", default="grouped",
-                    help="rollout expert paths to time, comma list: grouped (batched), loop (one GEMM pair per expert)")
+                    help="rollout expert paths of the host-dispatched decode, comma list: grouped (batched), "
+                         "loop (one GEMM pair per expert)")
+    ap.add_argument("--recipes", default="", help="rollout: only these recipes, comma list (default: all)")
+    ap.add_argument("--decodes", default="auto",
+                    help="rollout decode paths, comma list: auto (static on CUDA), static, eager (the reference)")
+    ap.add_argument("--graphs", default="on,off", help="static decode on CUDA: CUDA graphs on, off or on,off")
+    ap.add_argument("--long-tokens", type=int, default=512, help="rollout: the longer-response row (0 = none)")
+    ap.add_argument("--long-recipes", default="bf16,w4a4+rac50", help="recipes that get the longer-response row")
+    ap.add_argument("--profile-recipes", default="bf16,w4a4+rac50", help="profile suite: recipes to trace")
     ap.add_argument("--batch", type=int, default=64, help="trainer: sequences per step")
     ap.add_argument("--seq-len", type=int, default=128, help="trainer: tokens per sequence")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
-    bad = set(suites) - {"rollout", "trainer"}
+    bad = set(suites) - {"rollout", "trainer", "profile"}
     if bad:
-        ap.error(f"unknown suite(s) {sorted(bad)}; valid: rollout, trainer")
+        ap.error(f"unknown suite(s) {sorted(bad)}; valid: rollout, trainer, profile")
     rows: list = []
     info = env_info(args.device)
     print("# " + json.dumps(info))
@@ -182,17 +379,17 @@ def main(argv: list[str] | None = None) -> int:
         bench_rollout(args, rows)
     if "trainer" in suites:
         bench_trainer(args, rows)
+    if "profile" in suites:
+        profile_decode(args, rows)
     for r in rows:
         if r["suite"] == "rollout":
-            extra = "".join(f"  {v:.2f}x {k[3:]}" for k, v in r.items() if k.startswith("vs_") and k != "vs_bf16")
-            print(f"rollout {r['recipe']:>11} ({r['experts']}): {r['tokens_per_s']:9.0f} tok/s  "
-                  f"{r['decode_ms_per_step']:7.2f} ms/decode step  {r['vs_bf16']:.2f}x bf16{extra}")
-        else:
+            extra = "".join(f"  {v:.2f}x {k[3:]}" for k, v in r.items() if k.startswith("vs_"))
+            print(_rollout_line(r) + extra)
+        elif r["suite"] == "trainer":
             extra = f"  {r['vs_bf16']:.3f}x bf16" if "vs_bf16" in r else ""
             print(f"trainer {r['recipe']:>11}: {r['step_ms']:9.1f} ms/step ({r['batch']}x{r['seq_len']} tokens){extra}")
     out = {"info": info, "args": vars(args), "rows": rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    _write_json(args, rows)
     print(json.dumps(out))
     return 0
 

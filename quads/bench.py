@@ -14,7 +14,8 @@ import importlib.util
 from pathlib import Path
 
 SUITES = ("kernels", "e2e")
-E2E_QUICK = ["--prompts", "4", "--n", "2", "--new-tokens", "8", "--batch", "4", "--seq-len", "32", "--reps", "2"]
+E2E_QUICK = ["--prompts", "4", "--n", "2", "--new-tokens", "8", "--long-tokens", "16", "--batch", "4", "--seq-len", "32",
+             "--reps", "2"]
 
 
 def register(parser: argparse.ArgumentParser) -> None:

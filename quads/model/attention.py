@@ -90,6 +90,65 @@ class KVCache:
         self.v = [t.index_select(0, rows) for t in self.v]
 
 
+class StaticKVCache(KVCache):
+    """A ``KVCache`` of fixed shape whose decode-time state lives on the device (fixed-shape decode).
+
+    The prefill goes through ``update`` as in ``KVCache`` (host offset ``length``). After
+    ``start_decode(prompt_mask)``, every ``update`` writes the column ``pos`` (a ``[1]`` long device
+    tensor) with ``index_copy_`` and returns the whole buffers ``[B, nkv, max_len, D]``; ``key_mask``
+    ``[B, max_len]`` bool marks the keys a query may see (columns not yet written are hidden) and
+    ``row_pos`` ``[B]`` holds each row's RoPE position for the next token. ``advance_decode()`` moves
+    both by one between steps, so no shape and no host value changes from step to step and one
+    captured CUDA graph serves every step. Rows are never dropped (``select`` is refused): finished
+    rows stay in their slot (``MoEForCausalLM.decode_step`` zeroes them).
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(cfg, batch, max_len, dtype=dtype, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.row_pos = torch.zeros(batch, dtype=torch.long, device=device)
+        self.key_mask = torch.zeros(batch, self.max_len, dtype=torch.bool, device=device)
+        self.decoding = False
+
+    def reset(self) -> None:
+        """Empty the cache for a new generation (same buffers: a captured graph keeps reading them)."""
+        for t in (*self.k, *self.v):
+            t.zero_()
+        self.key_mask.zero_()
+        self.length, self.decoding = 0, False
+
+    def start_decode(self, prompt_mask: torch.Tensor) -> None:
+        """After the prefill of ``prompt_mask.shape[1]`` columns: show the prompt's real tokens as keys,
+        write the next column, and start each row's positions after its real prompt tokens."""
+        P = prompt_mask.shape[1]
+        if P != self.length:
+            raise ValueError(f"start_decode: the prefill wrote {self.length} columns, prompt_mask has {P}")
+        self.key_mask.zero_()
+        self.key_mask[:, :P] = prompt_mask.bool()
+        self.pos.fill_(P)
+        self.row_pos.copy_(prompt_mask.long().sum(-1))
+        self.decoding = True
+
+    def advance_decode(self) -> None:
+        self.pos += 1
+        self.row_pos += 1
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.decoding:
+            return super().update(layer, k, v)
+        self.k[layer].index_copy_(2, self.pos, k)
+        self.v[layer].index_copy_(2, self.pos, v)
+        return self.k[layer], self.v[layer]
+
+    def advance(self, n: int) -> None:
+        if not self.decoding:
+            super().advance(n)
+
+    def select(self, rows: torch.Tensor) -> None:
+        raise RuntimeError("StaticKVCache keeps every row in its slot; finished rows are masked, not dropped")
+
+
 def build_attn_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, past: int,
                     device: torch.device) -> torch.Tensor | None:
     """Boolean SDPA mask [B, 1, L, S] (True = attend): causal, keys with ``attention_mask == 0`` hidden.
@@ -133,7 +192,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(kv, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``rows`` [B] bool (fixed-slot decode): rows that are False get a zero attention output, so
+        they feed zeros, not garbage, into ``o_proj`` (whose activation scale may span the batch)."""
         B, L, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, L, nh*D], [B, L, nkv*D] x2
         if self.qk_norm == "full":
@@ -147,7 +208,17 @@ class Attention(nn.Module):
         v = v.view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, nkv, S, D]
+        if rows is not None and L == 1 and self.n_kv != self.n_heads:
+            # one new token: the g = nh / nkv query heads of a key/value head become g queries of it,
+            # [B, nkv, g, D] against [B, nkv, S, D] (the same dot products and softmaxes as GQA, with
+            # no copy of the whole cache per query head, which GQA's fallback kernel would make)
+            g = self.n_heads // self.n_kv
+            out = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, g, self.head_dim), k, v, attn_mask=mask)
+            out = torch.where(rows[:, None, None, None], out, 0.0).reshape(B, self.n_heads, 1, self.head_dim)
+            return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
         causal = mask is None and L > 1  # mask None: plain causal (L > 1) or one query seeing every key
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                              enable_gqa=self.n_kv != self.n_heads)
+        if rows is not None:
+            out = torch.where(rows[:, None, None, None], out, 0.0)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))

@@ -11,6 +11,8 @@ probabilities of the forced experts, so gradients reach the router as usual.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,7 +46,7 @@ class MoEExperts(nn.Module):
             return torch.zeros_like(hidden_states)
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order kept inside
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts + 1).tolist()[:self.num_experts]
         x_sorted = hidden_states[order // k]  # [T*k, H]
         ys = []
         start = 0
@@ -54,10 +56,106 @@ class MoEExperts(nn.Module):
             gate, up = F.linear(x_sorted[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
             ys.append(F.linear(F.silu(gate) * up, self.down_proj[e]))  # [n, H]
             start += n
-        y = torch.empty((T * k, hidden_states.shape[1]), dtype=ys[0].dtype, device=hidden_states.device)
-        y[order] = torch.cat(ys)
-        y = y.view(T, k, -1) * top_k_weights[..., None].to(y.dtype)
-        return y.sum(1).to(hidden_states.dtype)
+        if not ys:
+            return torch.zeros_like(hidden_states)
+        y = torch.zeros((T * k, hidden_states.shape[1]), dtype=ys[0].dtype, device=hidden_states.device)
+        y[order[:start]] = torch.cat(ys)  # masked slots (id E, sorted last) stay zero
+        return _weighted_slot_sum(y, top_k_weights, hidden_states.dtype)
+
+    def forward_static(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+        """``forward`` without a host sync or a data-dependent shape (CUDA-graph capturable).
+
+        The slots are sorted by expert on the device (``static_routes``) and each projection is one
+        grouped GEMM with device-side offsets (``grouped_mm``); the k outputs of a token are summed
+        as in ``forward``. Same result as ``forward`` up to the GEMM's fp32 accumulation order.
+        """
+        T, k = top_k_index.shape
+        routes = static_routes(top_k_index, self.num_experts)
+        xs = hidden_states[routes.order // k]  # [T*k, H] sorted by expert, masked slots last
+        gate, up = grouped_mm(xs, self.gate_up_proj, routes).chunk(2, dim=-1)
+        ys = grouped_mm(F.silu(gate) * up, self.down_proj, routes)  # [T*k, H], zero rows at masked slots
+        y = torch.empty_like(ys).index_copy_(0, routes.order, ys)  # back to slot order [T*k, H]
+        return _weighted_slot_sum(y, top_k_weights, hidden_states.dtype)
+
+
+def _weighted_slot_sum(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``y`` [T*k, H] in slot order -> sum over each token's k slots of ``w * y``, cast to ``dtype``."""
+    T, k = top_k_weights.shape
+    y = y.view(T, k, -1) * top_k_weights[..., None].to(y.dtype)
+    return y.sum(1).to(dtype)
+
+
+@dataclass
+class StaticRoutes:
+    """The ``T * k`` routing slots of ``top_k_index`` [T, k] sorted by expert on the device (no sync).
+
+    ``order`` [T*k]: flat slot at each sorted position (stable: token order within an expert; masked
+    slots, expert id ``E``, last); ``expert`` [T*k]: the expert of each sorted position (E = masked);
+    ``offsets`` [E+1] long: start of each expert's rows, ``offsets[E]`` = valid slots; ``pos`` [T*k]:
+    row of each sorted position inside its expert's group; ``capacity``: rows per expert of a padded
+    layout, T (a token visits an expert at most once), fixed by the batch shape alone.
+    """
+
+    order: torch.Tensor
+    expert: torch.Tensor
+    offsets: torch.Tensor
+    pos: torch.Tensor
+    capacity: int
+    n_experts: int
+    ends: torch.Tensor  # [E] int32 cumulative ends of experts 0..E-1 (``torch._grouped_mm``'s offsets)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.expert < self.n_experts
+
+    def pad(self, xs: torch.Tensor) -> torch.Tensor:
+        """Sorted rows ``xs`` [T*k, K] -> ``X_pad`` [E, C, K], zero rows past each expert's count."""
+        E, C = self.n_experts, self.capacity
+        dest = torch.where(self.valid, self.expert * C + self.pos, E * C)  # masked slots: a spare row
+        out = xs.new_zeros(E * C + 1, xs.shape[-1]).index_put_((dest,), xs)
+        return out[:E * C].view(E, C, -1)
+
+    def unpad(self, y_pad: torch.Tensor) -> torch.Tensor:
+        """``y_pad`` [E, C, N] -> sorted rows [T*k, N]; masked slots get zero rows."""
+        E, C, N = y_pad.shape
+        flat = torch.cat([y_pad.reshape(E * C, N), y_pad.new_zeros(1, N)])
+        return flat[torch.where(self.valid, self.expert * C + self.pos, E * C)]
+
+
+def static_routes(top_k_index: torch.Tensor, n_experts: int) -> StaticRoutes:
+    """Sort the slots of ``top_k_index`` [T, k] (ids in [0, E], E = masked) by expert, on the device."""
+    T, k = top_k_index.shape
+    flat = top_k_index.reshape(-1).long()
+    # a counting sort (the stable sort of a few small keys): one compare, one cumsum along the
+    # contiguous dim (a scan along an outer dim is ~20x slower on CUDA), one scatter
+    hits = (torch.arange(n_experts + 1, device=flat.device)[:, None] == flat[None, :]).long()  # [E+1, T*k]
+    before = hits.cumsum(1)  # slots of each expert up to and including this one
+    counts = before[:, -1]
+    offsets = torch.cumsum(counts, 0) - counts  # [E+1] starts; offsets[E] = valid slots
+    pos_of_slot = before.gather(0, flat[None, :]).squeeze(0) - 1  # rank of each slot within its expert
+    dest = offsets[flat] + pos_of_slot  # sorted position of each slot
+    order = torch.empty_like(flat).scatter_(0, dest, torch.arange(T * k, device=flat.device))
+    expert = flat[order]
+    pos = pos_of_slot[order]
+    return StaticRoutes(order=order, expert=expert, offsets=offsets, pos=pos, capacity=T, n_experts=n_experts,
+                        ends=offsets[1:].to(torch.int32))
+
+
+def grouped_mm(xs: torch.Tensor, w: torch.Tensor, routes: StaticRoutes) -> torch.Tensor:
+    """Sorted rows ``xs`` [T*k, K] times each row's expert weight ``w`` [E, N, K] -> [T*k, N] in
+    ``xs.dtype``, zero rows at masked slots; no host sync.
+
+    ``torch._grouped_mm`` with device offsets (CUTLASS on Hopper for BF16; fp32/fp16/bf16 on the CPU);
+    other cases (CUDA tensors of other dtypes, whose ``_grouped_mm`` copies the offsets to the host;
+    fp64) go through the padded layout (``StaticRoutes.pad``) and one ``bmm``.
+    """
+    w = w.to(xs.dtype)
+    fast = xs.dtype == torch.bfloat16 if xs.is_cuda else xs.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if fast:
+        y = torch._grouped_mm(xs, w.transpose(-2, -1), offs=routes.ends)
+        return torch.where(routes.valid[:, None], y, 0.0)  # rows past the last offset are not written
+    return routes.unpad(torch.bmm(routes.pad(xs), w.mT))
 
 
 class SwiGLU(nn.Module):
@@ -125,11 +223,17 @@ class MoEBlock(nn.Module):
             if cfg.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (out [T, H], top_k_index [T, k], router probs [T, E])."""
+    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                device_dispatch: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (out [T, H], top_k_index [T, k], router probs [T, E]).
+
+        ``rows`` [T] bool (fixed-slot decode): tokens that are False are routed to no expert (their
+        slots get the masked id E, so they join no expert's activation scale). ``device_dispatch``:
+        the experts' capturable path (``forward_static``) instead of their host-synced one.
+        """
         probs, top_i, top_w = route(self.gate(x), self.top_k, self.norm_topk_prob, forced)
-        out = self.experts(x, top_i, top_w)
+        idx = top_i if rows is None else torch.where(rows[:, None], top_i, probs.shape[-1])
+        out = self.experts.forward_static(x, idx, top_w) if device_dispatch else self.experts(x, idx, top_w)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

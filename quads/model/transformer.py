@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quads.model.attention import Attention, KVCache, RMSNorm, build_attn_mask, rope_cos_sin
+from quads.model.attention import Attention, KVCache, RMSNorm, StaticKVCache, build_attn_mask, rope_cos_sin
 from quads.model.config import ModelConfig
 from quads.model.moe import MoEBlock, MoEExperts, load_balance_loss
 
@@ -37,12 +37,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MoEBlock(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache | None, forced: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, L, H] -> (x, top_k_index [T, k], router probs [T, E])."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+                cache: KVCache | None, forced: torch.Tensor | None, rows: torch.Tensor | None = None,
+                device_dispatch: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, L, H] -> (x, top_k_index [T, k], router probs [T, E]); ``rows``, ``device_dispatch``:
+        see ``MoEForCausalLM.decode_step``."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, rows)
         B, L, H = x.shape
-        h, top_i, probs = self.mlp(self.post_attention_layernorm(x).reshape(B * L, H), forced)
+        flat_rows = None if rows is None else rows[:, None].expand(B, L).reshape(B * L)
+        h, top_i, probs = self.mlp(self.post_attention_layernorm(x).reshape(B * L, H), forced, flat_rows,
+                                   device_dispatch)
         return x + h.view(B, L, H), top_i, probs
 
 
@@ -144,3 +147,27 @@ class MoEForCausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(x))
         aux = aux * (cfg.router_aux_loss_coef / cfg.n_layers)
         return ModelOutput(logits, torch.stack(record) if return_routing else None, aux)
+
+    def decode_step(self, tokens: torch.Tensor, cache: StaticKVCache, rows: torch.Tensor, *,
+                    device_dispatch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One fixed-shape decode forward: ``tokens`` [B] at column ``cache.pos`` -> (logits [B, V],
+        expert ids [n_layers, B, k]); the rollout engine's decode step, captured in a CUDA graph.
+
+        Every shape is fixed by the batch and the cache, and nothing is read back to the host, so the
+        call is capturable. ``rows`` [B] bool: the rows still generating. The other rows stay in their
+        slots as exact zeros through the whole network (zero embedding, zero attention output, no
+        expert), so they change no other row's activation scales and their outputs are never read.
+        ``device_dispatch``: run the experts' capturable path (device-side sort, grouped GEMMs);
+        else their host-synced reference path. ``cache.pos`` / ``row_pos`` are advanced by the caller.
+        """
+        cfg = self.config
+        cache.key_mask.index_fill_(1, cache.pos, True)
+        x = torch.where(rows[:, None, None], self.model.embed_tokens(tokens[:, None]), 0.0)  # [B, 1, H]
+        cos, sin = rope_cos_sin(cache.row_pos[:, None], cfg.head_dim, cfg.rope_theta, x.dtype)
+        mask = cache.key_mask[:, None, None, :]  # [B, 1, 1, S]
+        record = []
+        for layer in self.model.layers:
+            x, top_i, _ = layer(x, cos, sin, mask, cache, None, rows, device_dispatch)
+            record.append(top_i)
+        logits = self.lm_head(self.model.norm(x))[:, 0]
+        return logits, torch.stack(record)

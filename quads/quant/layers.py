@@ -21,6 +21,7 @@ import os
 import torch
 from torch import nn
 
+from quads.model import moe
 from quads.quant import grouped, ops
 from quads.quant.linear import spec_linear
 from quads.quant.rac import StaticChannelSelector, rac_channels
@@ -35,6 +36,7 @@ class WeightStore:
     def __init__(self, owner: nn.Module, name: str, spec: LinearSpec, dtype: torch.dtype, side: str) -> None:
         self.owner, self.name, self.spec, self.dtype, self.side = owner, name, spec, dtype, side
         self.w_q: torch.Tensor | None = None  # dequantized operand, [N, K] or [E, N, K]
+        self.w_q32: torch.Tensor | None = None  # its fp32 copy for fp32 GEMMs (``get_f32``; rollout side)
         self.packed = None  # NVFP4Tensor for NVFP4 weights (codes, scales, global scales)
         self.key: tuple | None = None
         self.n_quantize = 0  # how many times this weight was quantized (tests, benchmarks)
@@ -49,11 +51,42 @@ class WeightStore:
         return (p._version, p.data_ptr(), p.device, p.dtype)
 
     def refresh(self) -> torch.Tensor:
-        """Quantize the current parameter now."""
-        self.w_q, self.packed = ops.quantize_weight(self.param, self.spec, self.dtype)
+        """Quantize the current parameter now.
+
+        On the rollout side the new operand is copied into the existing tensors when their shapes
+        match, so a CUDA graph that captured them (the engine's decode step) reads the synced weights
+        with no re-capture.
+        """
+        w_q, packed = ops.quantize_weight(self.param, self.spec, self.dtype)
+        if self.side == "rollout" and _same_layout(self.w_q, w_q) and (packed is None) == (self.packed is None):
+            self.w_q.copy_(w_q)
+            if packed is not None:
+                for name in ("codes", "scales", "global_scale"):
+                    old, new = getattr(self.packed, name), getattr(packed, name)
+                    if _same_layout(old, new):
+                        old.copy_(new)
+                    else:
+                        setattr(self.packed, name, new)
+        else:
+            self.w_q, self.packed = w_q, packed
+        if self.w_q32 is not None:
+            if self.w_q32.shape == self.w_q.shape and self.w_q32.device == self.w_q.device:
+                self.w_q32.copy_(self.w_q)
+            else:
+                self.w_q32 = None
         self.key = self._key()
         self.n_quantize += 1
         return self.w_q
+
+    def get_f32(self) -> torch.Tensor:
+        """The operand in fp32, kept beside it (same values; refreshed in place with it), so the
+        emulated fp32 GEMMs of the captured decode step do not convert the weights at every step."""
+        w = self.get()
+        if w.dtype == torch.float32 or self.spec.weight == "none":  # unquantized: the live parameter
+            return w.float()
+        if self.w_q32 is None or self.w_q32.shape != w.shape or self.w_q32.device != w.device:
+            self.w_q32 = w.float()
+        return self.w_q32
 
     def get(self) -> torch.Tensor:
         if self.spec.weight == "none":
@@ -66,6 +99,11 @@ class WeightStore:
         elif self.w_q.device != self.param.device:
             return self.refresh()
         return self.w_q
+
+
+def _same_layout(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    return (a is not None and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+            and a.data_ptr() != b.data_ptr())
 
 
 class _QuantizedBase(nn.Module):
@@ -249,6 +287,54 @@ class QuantizedExperts(_QuantizedBase):
             gate, up = self._gemm("gate_up_proj", e, hidden_states[idx], gu_q, gu_w[e]).chunk(2, dim=-1)
             y = self._gemm("down_proj", e, self.act_fn(gate) * up, dn_q, dn_w[e])
             scatter_expert_output(out, idx, y, w_route)
+        return out
+
+    def supports_static(self) -> bool:
+        """Whether ``forward_static`` implements this spec (the batched layout's specs)."""
+        return self.side == "rollout" and grouped.supports(self.spec)
+
+    def forward_static(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+        """``forward`` without a host sync or a data-dependent shape (the engine's captured decode step).
+
+        The slots are sorted on the device (``quads.model.moe.static_routes``). Unquantized
+        activations: one grouped GEMM per projection over the sorted rows (``moe.grouped_mm``, the
+        same ``x @ Wop.T`` in ``x.dtype``). Quantized activations: the padded layout of
+        ``quads.quant.grouped`` at the fixed capacity C = T (zero rows change no amax or residual
+        norm, so every quantized operand is the loop's) and ``grouped_linear``. Outputs summed per
+        token in ascending expert order, as the loop does.
+        """
+        if not self.supports_static():
+            raise ValueError(f"forward_static: spec {self.spec.describe()} on the {self.side} side has no "
+                             "capturable expert path; decode with cuda_graphs=False")
+        T, k = top_k_index.shape
+        routes = moe.static_routes(top_k_index, self.num_experts)
+        xs = hidden_states[routes.order // k]  # [T*k, H] sorted by expert, masked slots last
+
+        def gemm(name: str, a: torch.Tensor) -> torch.Tensor:
+            store = self.stores[name]
+            if self.spec.act == "none":
+                return moe.grouped_mm(a, store.get(), routes)
+            sel = self.selectors[name] if name in self.selectors else None
+            order = observe = None
+            if sel is not None:
+                order = sel.order
+                counts = routes.offsets[1:] - routes.offsets[:-1]
+                observe = lambda r: sel.observe_all(r, counts)  # noqa: E731
+            y = grouped.grouped_linear(routes.pad(a), getattr(self, name), store.get_f32(), self.spec,
+                                       static_order=order, observe=observe)
+            return routes.unpad(y)
+
+        gate, up = gemm("gate_up_proj", xs).chunk(2, dim=-1)
+        ys = gemm("down_proj", self.act_fn(gate) * up)  # [T*k, H] sorted, zero rows at masked slots
+        w = top_k_weights.reshape(-1)[routes.order]
+        contrib = (ys * w[:, None].to(ys.dtype)).to(hidden_states.dtype)
+        per_slot = torch.empty_like(contrib).index_copy_(0, routes.order, contrib).view(T, k, -1)
+        by_expert = torch.argsort(top_k_index, dim=-1, stable=True)  # each token's slots, ascending id
+        parts = per_slot.gather(1, by_expert[..., None].expand(T, k, per_slot.shape[-1]))
+        out = torch.zeros_like(hidden_states)
+        for j in range(k):
+            out = out + parts[:, j]
         return out
 
     def _forward_grouped(self, hidden_states: torch.Tensor, layout: grouped.ExpertLayout) -> torch.Tensor:

@@ -103,6 +103,7 @@ class RolloutSection:
     n_samples: int = 8  # samples per prompt (the GRPO group size n); batch B = P * n
     temperature: float = 1.0  # sampling temperature; trainer log-probs use the same one
     max_new_tokens: int = 48  # response length cap (arithmetic level 6 answers take up to 46 characters + eos)
+    cuda_graphs: bool = True  # quads backend on CUDA: replay the static decode step from a CUDA graph (false: debugging)
 
     def __post_init__(self) -> None:
         _positive("rollout", prompts_per_step=self.prompts_per_step, temperature=self.temperature,

@@ -200,7 +200,7 @@ class GRPOTrainer:
             self.engine = make_rollout_engine(cfg, self.rollout_model, self.tokenizer, self.res.recipe, self.run_dir)
         else:
             self.engine = RolloutEngine(self.rollout_model, self.tokenizer, device=cfg.device,
-                                        recipe=self.res.recipe.name)
+                                        recipe=self.res.recipe.name, cuda_graphs=cfg.rollout.cuda_graphs)
         self.params = [p for p in self.trainer.parameters() if p.requires_grad]
         o = cfg.optim
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,

@@ -2,9 +2,21 @@
 
 Recipe: every prompt is repeated ``n`` times (samples of one prompt are contiguous: one GRPO group),
 all samples are left-padded to a common prompt width ``P`` and prefilled in one forward, then decoded
-one token per step for all unfinished samples together (one forward per step, finished rows dropped
-from the cache). This path (prefill + incremental decode) is deliberately different from the trainer's
-one full-sequence forward (``quads.rl.logprobs``); their disagreement is the engine-drift floor.
+one token per step. This path (prefill + incremental decode) is deliberately different from the
+trainer's one full-sequence forward (``quads.rl.logprobs``); their disagreement is the engine-drift floor.
+
+Two decode paths (``RolloutEngine(decode=...)``; the batch records which one ran, ``RolloutBatch.decode``):
+- ``static`` (default on CUDA): fixed batch slots for the whole generation. A finished row stays in its
+  slot as exact zeros through the network (no expert, zero attention output: it changes no other row's
+  activation scales), its tokens are padding and its log-probs are not recorded. The KV cache, the key
+  mask, the write column and the positions are preallocated device tensors, the experts dispatch on
+  the device (``moe_dispatch="device"``), and nothing is read back to the host inside a step, so one
+  ``MoEForCausalLM.decode_step`` is captured in a CUDA graph and replayed (``quads.rollout.decode``);
+  "all rows done" is read back every ``done_check_interval`` steps (stop strings: every step).
+- ``eager`` (default on the CPU, and the reference): one forward per step over the unfinished rows
+  only (finished rows dropped from the cache), with a key mask that grows by one column per step.
+Both draw the sampling noise for every row of the batch at every step, so, up to the forwards'
+rounding, they sample the same tokens.
 
 Log-probs are those of the distribution actually sampled from: ``log_softmax(logits / temperature)``
 after top-k/top-p truncation. At temperature 0 decoding is greedy and the reported log-prob is that of
@@ -22,12 +34,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from quads.model.attention import KVCache
 from quads.model.tokenizer import Tokenizer
+from quads.rollout.decode import StaticDecoder, cache_length, supports_device_dispatch
 
 # cuDNN attention builds a plan for every new key length (one per decode step, ~tens of ms each on an
 # H200 the first time); the memory-efficient kernel takes the boolean mask with no such cost.
@@ -69,6 +83,8 @@ class RolloutStats:
     n_prompt_tokens: int = 0  # real (unpadded) prompt tokens over all samples
     n_response_tokens: int = 0  # sampled tokens over all samples
     decode_steps: int = 0
+    decode_path: str = ""  # "static+graph", "static" or "eager" (and the expert dispatch: "/device", "/host")
+    graph_captures: int = 0  # CUDA graphs captured during this call (0 once warm)
 
     @property
     def total_s(self) -> float:
@@ -95,6 +111,9 @@ class RolloutBatch:
     texts: list[str]  # decoded responses
     stats: RolloutStats = field(default_factory=RolloutStats)
     recipe: str | None = None  # the rollout precision recipe, for reporting only
+    decode: str = "eager"  # the engine's decode path ("static" or "eager"): rescoring replays the same one
+    moe_dispatch: str = "host"  # the expert dispatch of that path ("device" or "host")
+    cache_len: int = 0  # static decode: the KV cache length it attended over (rescoring uses the same)
 
     @property
     def response_tokens(self) -> torch.Tensor:
@@ -109,9 +128,21 @@ class RolloutBatch:
         return self.response_mask.sum(-1)
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [b, V] -> (token ids [b], log-probs [b]) of the distribution sampled from (module doc)."""
+def sampling_noise(rows: int, vocab: int, logits_dtype: torch.dtype, device: torch.device,
+                   generator: torch.Generator | None) -> torch.Tensor:
+    """[rows, vocab] Exp(1) draws, in the dtype ``sample_tokens`` computes in."""
+    dtype = torch.promote_types(logits_dtype, torch.float32)
+    return torch.empty((rows, vocab), dtype=dtype, device=device).exponential_(1, generator=generator)
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                  noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [b, V] -> (token ids [b], log-probs [b]) of the distribution sampled from (module doc).
+
+    Sampling is ``argmax(p / q)`` with ``q ~ Exp(1)`` (``noise`` [b, V], drawn from ``generator`` when
+    None): the algorithm of ``torch.multinomial(p, 1)``, same draws, same tokens, without its two host
+    syncs (a validity check and a zero-sum check), so a decode step needs no readback.
+    """
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if params.temperature == 0:
         tok = logits.argmax(-1)
@@ -126,7 +157,9 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
         drop = probs.cumsum(-1) - probs > params.top_p  # mass before this token already exceeds top_p
         logits = logits.scatter(1, idx, sorted_logits.masked_fill(drop, float("-inf")))
     logp = torch.log_softmax(logits, -1)
-    tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+    if noise is None:
+        noise = sampling_noise(logp.shape[0], logp.shape[1], logp.dtype, logp.device, generator)
+    tok = (logp.exp() / noise).argmax(-1)
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 
@@ -148,10 +181,27 @@ class RolloutEngine:
     """Generates from ``model`` (used as given: the quantization helper may have swapped its layers)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, recipe: str | None = None, *,
-                 device: torch.device | str | None = None, max_batch_tokens: int | None = None) -> None:
+                 device: torch.device | str | None = None, max_batch_tokens: int | None = None,
+                 decode: Literal["auto", "static", "eager"] = "auto", cuda_graphs: bool = True,
+                 moe_dispatch: Literal["auto", "device", "host"] = "auto", done_check_interval: int = 16,
+                 ) -> None:
         """``recipe`` is stored for reporting only; ``max_batch_tokens`` caps samples per prefill/decode
         batch at max_batch_tokens // (P + max_new_tokens) (chunks run one after another, so results
-        with sampling depend on it through the generator's draw order; greedy results do not)."""
+        with sampling depend on it through the generator's draw order; greedy results do not).
+
+        ``decode``: the decode path (module docstring); auto = static on CUDA, eager elsewhere.
+        ``cuda_graphs``: replay the static decode step from a CUDA graph (CUDA, device dispatch only;
+        False for debugging). ``moe_dispatch``: device = the experts' capturable path (device-side
+        sort, grouped GEMMs with device offsets), host = their reference path (host-side grouping);
+        auto = device on CUDA when every expert module has it. ``done_check_interval``: static decode
+        reads "all rows done" back every this many steps (the only host sync of a step).
+        """
+        if decode not in ("auto", "static", "eager"):
+            raise ValueError(f"decode must be auto, static or eager, got {decode!r}")
+        if moe_dispatch not in ("auto", "device", "host"):
+            raise ValueError(f"moe_dispatch must be auto, device or host, got {moe_dispatch!r}")
+        if done_check_interval < 1:
+            raise ValueError(f"done_check_interval must be >= 1, got {done_check_interval}")
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else model.device
@@ -161,6 +211,34 @@ class RolloutEngine:
             raise ValueError(f"max_batch_tokens must be >= 1 or None, got {max_batch_tokens}")
         self.max_batch_tokens = max_batch_tokens
         self.recipe = recipe
+        self.decode, self.cuda_graphs, self.moe_dispatch = decode, cuda_graphs, moe_dispatch
+        self.done_check_interval = done_check_interval
+        self._decoders: dict[tuple, StaticDecoder] = {}  # (B, cache length, dispatch, graphs) -> decoder
+
+    def decode_plan(self) -> tuple[str, str, bool]:
+        """(decode path, expert dispatch, CUDA graphs) that ``generate`` will use on this model."""
+        cuda = self.device.type == "cuda"
+        path = self.decode if self.decode != "auto" else ("static" if cuda else "eager")
+        capturable = supports_device_dispatch(self.model)
+        if self.moe_dispatch == "device" and not capturable:
+            raise ValueError("moe_dispatch='device': an expert module of this model has no capturable path "
+                             "(forward_static); use moe_dispatch='auto' or 'host'")
+        dispatch = self.moe_dispatch
+        if dispatch == "auto":
+            dispatch = "device" if cuda and capturable else "host"
+        if path == "eager":
+            dispatch = "host"
+        graphs = path == "static" and cuda and self.cuda_graphs and dispatch == "device"
+        return path, dispatch, graphs
+
+    def _decoder(self, batch: int, max_len: int, dispatch: str, graphs: bool) -> StaticDecoder:
+        key = (batch, max_len, dispatch, graphs)
+        if key not in self._decoders:
+            while len(self._decoders) >= 2:  # bound the memory of caches and graphs kept warm
+                self._decoders.pop(next(iter(self._decoders)))
+            self._decoders[key] = StaticDecoder(self.model, batch, max_len, device_dispatch=dispatch == "device",
+                                                cuda_graphs=graphs)
+        return self._decoders[key]
 
     @torch.no_grad()
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None
@@ -179,17 +257,25 @@ class RolloutEngine:
         per_chunk = len(samples)
         if self.max_batch_tokens is not None:
             per_chunk = max(1, self.max_batch_tokens // (P + params.max_new_tokens))
+        path, dispatch, graphs = self.decode_plan()
         was_training = self.model.training
         self.model.eval()
         try:
             with sdpa_kernel(_DECODE_BACKENDS):
-                parts = [self._generate_chunk(samples[i:i + per_chunk], P, params, gen)
-                         for i in range(0, len(samples), per_chunk)]
+                if path == "static":
+                    parts = [self._generate_chunk_static(samples[i:i + per_chunk], P, params, gen, dispatch, graphs)
+                             for i in range(0, len(samples), per_chunk)]
+                else:
+                    parts = [self._generate_chunk(samples[i:i + per_chunk], P, params, gen)
+                             for i in range(0, len(samples), per_chunk)]
         finally:
             self.model.train(was_training)
         batch = _concat(parts, P, self.tokenizer.pad_id)
         batch.group_index = group
         batch.recipe = self.recipe
+        batch.decode, batch.moe_dispatch = path, dispatch
+        batch.cache_len = cache_length(P + params.max_new_tokens) if path == "static" else 0
+        batch.stats.decode_path = f"{path}{'+graph' if graphs else ''}/{dispatch}"
         return batch
 
     def _generate_chunk(self, samples: list[list[int]], P: int, params: SamplingParams,
@@ -224,7 +310,10 @@ class RolloutEngine:
         finish = ["length"] * B
         steps = 0
         for t in range(R):
-            nxt, lp = sample_tokens(logits, params, gen)
+            noise = None
+            if params.temperature > 0:  # every row draws, finished or not, as the static path does
+                noise = sampling_noise(B, logits.shape[-1], logits.dtype, dev, gen)[active]
+            nxt, lp = sample_tokens(logits, params, gen, noise)
             input_ids[active, P + t] = nxt
             logprobs[active, t] = lp.to(lp_dtype)
             mask[active, P + t] = True
@@ -258,6 +347,79 @@ class RolloutEngine:
                             response_ids=response_ids, texts=[tok.decode(r) for r in response_ids],
                             stats=stats)
 
+    def _generate_chunk_static(self, samples: list[list[int]], P: int, params: SamplingParams,
+                               gen: torch.Generator, dispatch: str, graphs: bool) -> RolloutBatch:
+        """The static decode path (module docstring): fixed slots, one ``StaticDecoder`` step per token."""
+        model, tok, dev = self.model, self.tokenizer, self.device
+        cfg = model.config
+        B, R = len(samples), params.max_new_tokens
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        t0 = time.perf_counter()
+        input_ids = torch.full((B, P + R), tok.pad_id, dtype=torch.long, device=dev)
+        mask = torch.zeros((B, P + R), dtype=torch.bool, device=dev)
+        for i, p in enumerate(samples):
+            input_ids[i, P - len(p):P] = torch.tensor(p, device=dev)
+            mask[i, P - len(p):P] = True
+        lp_dtype = torch.promote_types(model.dtype, torch.float32)
+        logprobs = torch.zeros((B, R), dtype=lp_dtype, device=dev)
+        routing = None
+        if params.record_routing:
+            routing = torch.full((cfg.n_layers, B, P + R, cfg.top_k), -1, dtype=torch.long, device=dev)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {tok.eos_id})
+        stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
+        dec = self._decoder(B, cache_length(P + R), dispatch, graphs)
+        captures = dec.n_captures
+        cache = dec.begin()
+
+        out = model(input_ids[:, :P], attention_mask=mask[:, :P], cache=cache,
+                    return_routing=params.record_routing, logits_slice=slice(P - 1, P))
+        if routing is not None:
+            routing[:, :, :P] = out.routing.masked_fill(~mask[None, :, :P, None], -1)
+        logits = out.logits[:, -1]
+        cache.start_decode(mask[:, :P])
+        sync()
+        t1 = time.perf_counter()
+        rows = torch.ones(B, dtype=torch.bool, device=dev)  # rows still generating
+        stopped = torch.zeros(B, dtype=torch.bool, device=dev)
+        steps = 0
+        for t in range(R):
+            nxt, lp = sample_tokens(logits, params, gen)
+            live = rows
+            input_ids[:, P + t] = torch.where(live, nxt, tok.pad_id)
+            logprobs[:, t] = torch.where(live, lp.to(lp_dtype), 0.0)
+            mask[:, P + t] = live
+            hit = torch.isin(nxt, stop_t) & live
+            if params.stop:  # decoded on the host: one readback per step
+                act = live.nonzero().squeeze(1)
+                by_string = torch.zeros_like(hit)
+                by_string[act] = self._hit_stop_string(input_ids, act, P, t, params.stop)
+                hit = hit | by_string
+            stopped = stopped | hit
+            rows = live & ~hit
+            if t == R - 1:
+                break
+            if (params.stop or (t + 1) % self.done_check_interval == 0) and not bool(rows.any()):
+                break
+            logits, step_routing = dec.step(torch.where(rows, nxt, tok.pad_id), rows)
+            steps += 1
+            if routing is not None:
+                routing[:, :, P + t] = torch.where(rows[None, :, None], step_routing, -1)
+        sync()
+        t2 = time.perf_counter()
+        resp_mask = mask[:, P:]
+        prompt_ids = [list(p) for p in samples]
+        resp_host, keep_host = input_ids[:, P:].tolist(), resp_mask.tolist()  # two readbacks, not 2 per row
+        response_ids = [[t for t, m in zip(r, k) if m] for r, k in zip(resp_host, keep_host)]
+        finish = ["stop" if s else "length" for s in stopped.tolist()]
+        stats = RolloutStats(prefill_s=t1 - t0, decode_s=t2 - t1, n_prompt_tokens=sum(map(len, samples)),
+                             n_response_tokens=int(resp_mask.sum()), decode_steps=steps,
+                             graph_captures=dec.n_captures - captures)
+        return RolloutBatch(input_ids=input_ids, attention_mask=mask, prompt_len=P, response_mask=resp_mask,
+                            logprobs=logprobs, routing=routing, finish_reasons=finish,
+                            group_index=torch.zeros(B, dtype=torch.long), prompt_ids=prompt_ids,
+                            response_ids=response_ids, texts=[tok.decode(r) for r in response_ids],
+                            stats=stats)
+
     def _hit_stop_string(self, input_ids: torch.Tensor, active: torch.Tensor, P: int, t: int,
                          stops: tuple[str, ...]) -> torch.Tensor:
         """[b] bool: the decoded tail of each active response contains a stop string."""
@@ -281,7 +443,8 @@ def _concat(parts: list[RolloutBatch], P: int, pad_id: int) -> RolloutBatch:
         prefill_s=sum(p.stats.prefill_s for p in parts), decode_s=sum(p.stats.decode_s for p in parts),
         n_prompt_tokens=sum(p.stats.n_prompt_tokens for p in parts),
         n_response_tokens=sum(p.stats.n_response_tokens for p in parts),
-        decode_steps=sum(p.stats.decode_steps for p in parts))
+        decode_steps=sum(p.stats.decode_steps for p in parts),
+        graph_captures=sum(p.stats.graph_captures for p in parts))
     return RolloutBatch(input_ids=input_ids, attention_mask=mask, prompt_len=P,
                         response_mask=mask[:, P:], logprobs=cat("logprobs")[:, :R], routing=routing,
                         finish_reasons=[r for p in parts for r in p.finish_reasons],

@@ -1,0 +1,121 @@
+"""The rollout engine's fixed-shape decode step, eager or replayed from a CUDA graph.
+
+A ``StaticDecoder`` serves one batch size ``B`` and one cache length ``S`` (the engine rounds
+P + max_new_tokens up to ``CACHE_BUCKET`` so that generations with similar prompt widths share it).
+It owns:
+
+- a ``StaticKVCache``: keys/values ``[B, nkv, S, D]`` per layer, the key mask, the write column and
+  each row's position, all on the device;
+- the step's inputs ``tokens`` ``[B]`` and ``rows`` ``[B]`` bool (rows still generating);
+- with ``cuda_graphs``, one ``torch.cuda.CUDAGraph`` of ``MoEForCausalLM.decode_step``, captured at the
+  first decode step (after two eager warm-up calls on a side stream) and replayed for every later
+  step of every later generation. A replay re-reads every weight from its storage: weight sync
+  copies into the same tensors (``copy_`` into parameters, ``WeightStore.refresh`` into quantized
+  operands), so synced weights reach the graph with no re-capture. If a weight tensor is *replaced*
+  (a new storage: ``model.to``, a re-quantization to another shape), the next generation sees a new
+  ``weights_key`` and captures again (``n_captures`` counts them).
+
+A decode step is idempotent for a given state (it writes the same cache column and key-mask entry
+again), which is what lets the warm-up calls run on the real state before the capture. Sampling
+happens after the step, outside the graph (``quads.rollout.engine.sample_tokens``: no host sync), so
+the seeded generator needs no graph registration and draws the same numbers with and without graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quads.model.attention import StaticKVCache
+
+CACHE_BUCKET = 128  # cache lengths are multiples of this (a graph per bucket, not per prompt width)
+
+
+def cache_length(needed: int) -> int:
+    """The cache length serving ``needed`` = P + max_new_tokens columns."""
+    return -(-needed // CACHE_BUCKET) * CACHE_BUCKET
+
+
+def supports_device_dispatch(model: torch.nn.Module) -> bool:
+    """Whether every MoE expert module of ``model`` has a capturable path (``forward_static``)."""
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        if not hasattr(experts, "forward_static"):
+            return False
+        if hasattr(experts, "supports_static") and not experts.supports_static():
+            return False
+    return True
+
+
+def weights_key(model: torch.nn.Module) -> tuple:
+    """Storage addresses of every tensor a captured step reads (parameters, buffers, quantized
+    operands) and the RAC calibration switches it baked in; a change means: capture again."""
+    from quads.quant.layers import _QuantizedBase
+
+    key: list = [t.data_ptr() for t in model.parameters()]
+    key += [t.data_ptr() for t in model.buffers()]
+    for m in model.modules():
+        if isinstance(m, _QuantizedBase):
+            for store in m.stores.values():
+                key += [None if t is None else t.data_ptr() for t in (store.w_q, store.w_q32)]
+            key += [bool(getattr(sel, "observing", False)) for sel in m.selectors.values()]
+    return tuple(key)
+
+
+class StaticDecoder:
+    """Fixed-slot decode of ``batch`` rows over a cache of ``max_len`` columns (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, max_len: int, *, device_dispatch: bool,
+                 cuda_graphs: bool) -> None:
+        cfg, dev = model.config, model.device
+        self.model = model
+        self.batch, self.max_len = batch, max_len
+        self.cache = StaticKVCache(cfg, batch, max_len, dtype=model.dtype, device=dev)
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.rows = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.device_dispatch = device_dispatch
+        self.cuda_graphs = cuda_graphs and dev.type == "cuda"
+        if self.cuda_graphs and not device_dispatch:
+            raise ValueError("CUDA graphs need the capturable expert path (device_dispatch=True)")
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._key: tuple | None = None
+        self.n_captures = 0
+
+    def begin(self) -> StaticKVCache:
+        """Start a generation: empty cache; drop the graph if a weight tensor was replaced."""
+        if self.graph is not None and weights_key(self.model) != self._key:
+            self.graph, self._out = None, None
+        self.cache.reset()
+        return self.cache
+
+    def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.decode_step(self.tokens, self.cache, self.rows, device_dispatch=self.device_dispatch)
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compiles Triton kernels, picks cuBLAS plans, fills the allocator
+                self._run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._out = self._run()
+        self.graph, self._key = graph, weights_key(self.model)
+        self.n_captures += 1
+
+    def step(self, tokens: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode ``tokens`` [B] for ``rows`` [B] bool at the cache's current column -> (logits [B, V],
+        expert ids [n_layers, B, k]); then the cache moves to the next column. With a graph, the
+        outputs are the graph's own buffers: read them before the next step."""
+        self.tokens.copy_(tokens)
+        self.rows.copy_(rows)
+        if self.cuda_graphs:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+            out = self._out
+        else:
+            out = self._run()
+        self.cache.advance_decode()
+        return out

@@ -1,0 +1,157 @@
+"""The engine's static decode path (fixed slots, device-side cache state, capturable expert dispatch)
+against the eager reference on a tiny model: same tokens, routing and finish reasons, log-probs to
+the forwards' rounding, with rows finishing at different steps; greedy and sampled; quantized too.
+The CUDA-graph side of the same path is tests/test_engine_gpu.py."""
+
+import pytest
+import torch
+
+from quads.experiments.score import score_rollout
+from quads.model import ModelConfig, MoEForCausalLM
+from quads.model.attention import StaticKVCache
+from quads.model.moe import static_routes
+from quads.model.tokenizer import CharTokenizer
+from quads.quant import quantize_model
+from quads.quant.layers import QuantizedExperts
+from quads.quant.recipe import LinearSpec, Recipe
+from quads.quant.sync import sync_weights
+from quads.rollout import RolloutEngine, SamplingParams, sample_tokens
+from quads.rollout.decode import weights_key
+
+TOK = CharTokenizer()
+SMALL = dict(vocab_size=128, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4,
+             top_k=2, moe_intermediate_size=32, max_seq_len=64)
+PROMPTS = ["1+2=", "a longer prompt:", "x"]
+SPECS = {"bf16": None, "w4a16": LinearSpec(weight="nvfp4"), "w4a4+rac50": LinearSpec(weight="nvfp4", act="nvfp4",
+                                                                                    rac_ratio=0.5)}
+
+
+def tiny(spec=None, dtype="float64", seed=0):
+    torch.manual_seed(seed)
+    model = MoEForCausalLM(ModelConfig(**{**SMALL, "dtype": dtype}))
+    if spec is not None:
+        quantize_model(model, Recipe("t", rollout=spec), side="rollout", verbose=False)
+    return model
+
+
+def finishing_params(model, temperature):
+    """Sampling params under which rows stop at different steps: a stop id taken from a first run."""
+    base = RolloutEngine(model, TOK, decode="eager").generate(
+        PROMPTS, SamplingParams(n=2, temperature=temperature, max_new_tokens=14, ignore_eos=True, seed=5))
+    stop_id = base.response_ids[1][4]
+    return SamplingParams(n=2, temperature=temperature, max_new_tokens=14, seed=5, stop_token_ids=(stop_id,))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("recipe", list(SPECS))
+def test_static_matches_eager(recipe, temperature):
+    model = tiny(SPECS[recipe])
+    params = finishing_params(model, temperature)
+    ref = RolloutEngine(model, TOK, decode="eager").generate(PROMPTS, params)
+    lengths = [len(r) for r in ref.response_ids]
+    assert len(set(lengths)) > 1 and set(ref.finish_reasons) == {"stop", "length"}, lengths
+    for dispatch in ("host", "device"):
+        got = RolloutEngine(model, TOK, decode="static", moe_dispatch=dispatch, done_check_interval=3
+                            ).generate(PROMPTS, params)
+        assert got.response_ids == ref.response_ids and got.finish_reasons == ref.finish_reasons
+        assert torch.equal(got.input_ids, ref.input_ids) and torch.equal(got.attention_mask, ref.attention_mask)
+        assert torch.equal(got.routing, ref.routing)
+        # fp64 forwards that differ only in summation order (cache length, GEMM batch); the device
+        # dispatch of a quantized spec runs its GEMM in fp32 (quads.quant.grouped), hence the wider bound
+        tol = 1e-7 if dispatch == "device" and recipe != "bf16" else 1e-12
+        torch.testing.assert_close(got.logprobs, ref.logprobs, atol=tol, rtol=0)
+        assert got.decode == "static" and got.moe_dispatch == dispatch and ref.decode == "eager"
+        assert got.stats.decode_path == f"static/{dispatch}"
+
+
+@pytest.mark.parametrize("dispatch", ["host", "device"])
+def test_score_reproduces_static_batch_bit_for_bit(dispatch):
+    model = tiny(SPECS["w4a4+rac50"], dtype="float32")
+    params = finishing_params(model, 1.0)
+    batch = RolloutEngine(model, TOK, decode="static", moe_dispatch=dispatch).generate(PROMPTS, params)
+    res = score_rollout(model, batch)
+    assert torch.equal(res.logprobs, batch.logprobs) and torch.equal(res.routing, batch.routing)
+
+
+def test_done_check_interval_and_chunks_do_not_change_results():
+    model = tiny()
+    params = finishing_params(model, 0.0)
+    a = RolloutEngine(model, TOK, decode="static", done_check_interval=1).generate(PROMPTS, params)
+    b = RolloutEngine(model, TOK, decode="static", done_check_interval=50).generate(PROMPTS, params)
+    c = RolloutEngine(model, TOK, decode="static", max_batch_tokens=60).generate(PROMPTS, params)
+    assert a.response_ids == b.response_ids == c.response_ids and a.finish_reasons == c.finish_reasons
+    assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.routing, b.routing)
+    torch.testing.assert_close(c.logprobs, a.logprobs, atol=1e-12, rtol=0)
+    assert b.stats.decode_steps >= a.stats.decode_steps
+
+
+def test_stop_strings_on_static_path():
+    model = tiny()
+    base = RolloutEngine(model, TOK, decode="eager").generate(
+        PROMPTS, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))
+    stop = base.texts[1][1:3]
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, stop=(stop,))
+    ref = RolloutEngine(model, TOK, decode="eager").generate(PROMPTS, params)
+    got = RolloutEngine(model, TOK, decode="static", moe_dispatch="device").generate(PROMPTS, params)
+    assert got.finish_reasons[1] == "stop" and got.texts[1].endswith(stop)
+    assert got.response_ids == ref.response_ids and got.finish_reasons == ref.finish_reasons
+
+
+def test_sampling_is_multinomials_algorithm():
+    logits = torch.randn(6, 40, dtype=torch.float64)
+    p = SamplingParams(temperature=0.8)
+    tok, _ = sample_tokens(logits, p, torch.Generator().manual_seed(4))
+    ref = torch.multinomial(torch.softmax(logits / 0.8, -1), 1, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(tok, ref.squeeze(1))
+
+
+def test_masked_slots_and_static_expert_paths():
+    """Slots with the masked id E contribute nothing, on every expert path; the capturable paths agree
+    with the loops (unquantized: to rounding; quantized: same operands, fp32 GEMM order)."""
+    torch.manual_seed(1)
+    T, E = 7, SMALL["n_experts"]
+    x = torch.randn(T, SMALL["hidden_size"])
+    idx = torch.stack([torch.randperm(E)[:2] for _ in range(T)])
+    w = torch.rand(T, 2)
+    idx[2] = E  # token 2 routed nowhere
+    idx[5, 1] = E  # token 5 keeps one expert
+    for recipe in ("bf16", "w4a4+rac50"):
+        experts = tiny(SPECS[recipe], dtype="float32").model.layers[0].mlp.experts
+        ref, got = experts(x, idx, w), experts.forward_static(x, idx, w)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        assert (ref[2] == 0).all() and (got[2] == 0).all()
+    r = static_routes(idx, E)
+    assert r.offsets[-1].item() == T * 2 - 3 and r.valid.sum().item() == T * 2 - 3
+    big = torch.randint(0, 33, (128, 4))  # the counting sort is the stable sort, exactly
+    rb = static_routes(big, 32)
+    assert torch.equal(rb.order, torch.argsort(big.reshape(-1), stable=True))
+    assert torch.equal(rb.expert, big.reshape(-1)[rb.order])
+
+
+def test_static_cache_keeps_rows_and_refresh_keeps_storage():
+    model = tiny(SPECS["w4a16"], dtype="float32")
+    cache = StaticKVCache(model.config, 2, 16)
+    with pytest.raises(RuntimeError, match="masked, not dropped"):
+        cache.select(torch.tensor([0]))
+    # weight sync writes into the tensors a captured graph reads: same storages, new values
+    trainer = tiny(seed=3, dtype="float32")
+    experts = next(m for m in model.modules() if isinstance(m, QuantizedExperts))
+    store = experts.stores["gate_up_proj"]
+    old = store.w_q.clone()
+    w32 = store.get_f32()  # the fp32 operand copy of the emulated GEMMs: refreshed in place as well
+    before = weights_key(model)
+    sync_weights(trainer, model)
+    assert weights_key(model) == before and store.get_f32() is w32
+    assert not torch.equal(store.w_q, old) and torch.equal(w32, store.w_q.float())
+
+
+def test_decode_plan_and_errors():
+    model = tiny()
+    assert RolloutEngine(model, TOK).decode_plan() == ("eager", "host", False)  # CPU default: unchanged path
+    assert RolloutEngine(model, TOK, decode="static").decode_plan() == ("static", "host", False)
+    assert RolloutEngine(model, TOK, decode="static", moe_dispatch="device").decode_plan() == (
+        "static", "device", False)
+    with pytest.raises(ValueError, match="decode must be"):
+        RolloutEngine(model, TOK, decode="fast")
+    with pytest.raises(ValueError, match="done_check_interval"):
+        RolloutEngine(model, TOK, done_check_interval=0)
