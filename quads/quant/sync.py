@@ -117,6 +117,17 @@ def reference_operand(master: torch.Tensor, trainer_module: nn.Module | None, pn
     return ops.quantize_weight(master, op.spec, op.weight_dtype)[0]
 
 
+def reference_fingerprints(trainer_model: nn.Module, operands: dict[str, OperandSpec]) -> dict[str, Fingerprint]:
+    """Fingerprints of ``reference_operand`` for ``operands``, from a trainer model in this process (the
+    check of a target's current weights without a sync)."""
+    params, modules = dict(trainer_model.named_parameters()), dict(trainer_model.named_modules())
+    out = {}
+    for key, op in operands.items():
+        mod, _, pname = key.rpartition(".")
+        out[key] = fingerprint(reference_operand(params[key], modules.get(mod), pname, op))
+    return out
+
+
 # --------------------------------------------------------------------------- sources
 
 
@@ -275,14 +286,9 @@ class WeightSync:
 def verify_sync(trainer_model: nn.Module, rollout_model: nn.Module, *, raise_on_mismatch: bool = True
                 ) -> SyncReport:
     """Compare the rollout model's weight operands with the trainer's, bit for bit (no copy, no re-quantize)."""
-    source, target = LocalWeights(trainer_model), ReplicaTarget(rollout_model)
+    target = ReplicaTarget(rollout_model)
     report = SyncReport()
-    want = {}
-    params = dict(trainer_model.named_parameters())
-    for key, op in target.operands().items():
-        mod, _, pname = key.rpartition(".")
-        want[key] = fingerprint(reference_operand(params[key], source.module(mod), pname, op))
-    report.fingerprints, report.mismatches = target.verify(want)
+    report.fingerprints, report.mismatches = target.verify(reference_fingerprints(trainer_model, target.operands()))
     report.n_checked = len(report.fingerprints)
     if report.mismatches and raise_on_mismatch:
         raise WeightSyncError(

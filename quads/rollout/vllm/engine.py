@@ -43,8 +43,7 @@ from quads.quant.sync import (
     WeightSource,
     WeightSync,
     WeightSyncError,
-    fingerprint,
-    reference_operand,
+    reference_fingerprints,
 )
 from quads.rollout.engine import RolloutBatch, RolloutStats, SamplingParams, encode_prompt
 
@@ -220,13 +219,7 @@ class VLLMRolloutEngine:
     def verify(self, trainer_model: nn.Module) -> list[str]:
         """Re-check the worker's current operands against ``trainer_model`` (no push); marks the state."""
         target = VLLMTarget(self)
-        source = LocalWeights(trainer_model)
-        params = dict(trainer_model.named_parameters())
-        want = {}
-        for key, op in target.operands().items():
-            mod, _, pname = key.rpartition(".")
-            want[key] = fingerprint(reference_operand(params[key], source.module(mod), pname, op))
-        return target.verify(want)[1]
+        return target.verify(reference_fingerprints(trainer_model, target.operands()))[1]
 
     def _check_synced(self) -> None:
         ok, detail = self.sync_state()
