@@ -13,6 +13,7 @@ from quads.model.tokenizer import CharTokenizer
 from quads.quant import WeightSyncError, get_recipe, quantize_model
 from quads.quant.sync import LocalWeights, ReplicaTarget, WeightSync
 from quads.rollout import RolloutBackend, RolloutEngine, SamplingParams, make_backend
+from quads.rollout.backend import check_backend
 
 
 def _pair(recipe="quads"):
@@ -38,6 +39,9 @@ def test_make_backend_picks_quads_engine_and_refuses_unknown(tmp_path):
     assert engine.model is rollout and engine.recipe == "quads"
     with pytest.raises(ValueError, match="rollout_backend must be one of"):
         make_backend(_cfg("sglang"), rollout, tok, get_recipe("quads"), tmp_path)
+    check_backend("quads", world=2)  # one engine per rank under torchrun
+    with pytest.raises(ValueError, match="runs in one process only"):
+        check_backend("vllm", world=2)
 
 
 def test_engine_load_weights_then_score_reproduces_its_rollout():

@@ -497,6 +497,6 @@ def check_config(cfg, info: DistInfo) -> None:
     if local % o.mini_batches:
         raise ValueError(f"optim.mini_batches={o.mini_batches} must divide each rank's batch "
                          f"(prompts_per_step / {info.world} * n_samples = {local})")
-    if getattr(cfg, "rollout_backend", "quads") != "quads":
-        raise ValueError(f"rollout_backend={cfg.rollout_backend!r} runs in one process only; use the quads "
-                         "rollout engine under torchrun (--rollout-backend quads)")
+    from quads.rollout.backend import check_backend
+
+    check_backend(getattr(cfg, "rollout_backend", "quads"), info.world)

@@ -27,6 +27,16 @@ from quads.quant.sync import SyncReport, WeightSource
 from quads.rollout.engine import RolloutBatch, SamplingParams
 
 BACKENDS = ("quads", "vllm")
+MULTI_PROCESS = {"quads": True, "vllm": False}  # one backend per rank under torchrun
+
+
+def check_backend(name: str, world: int = 1) -> None:
+    """Refuse a backend name that does not exist, or one that cannot run in each of ``world`` processes."""
+    if name not in BACKENDS:
+        raise ValueError(f"rollout_backend must be one of {list(BACKENDS)}, got {name!r}")
+    if world > 1 and not MULTI_PROCESS[name]:
+        raise ValueError(f"rollout_backend={name!r} runs in one process only; use the quads rollout engine under "
+                         "torchrun (--rollout-backend quads)")
 
 
 @runtime_checkable
@@ -55,13 +65,12 @@ def make_backend(cfg, rollout_model: nn.Module, tokenizer: Tokenizer, recipe: Re
     the vLLM engine takes its architecture from it (the weights come with the first ``load_weights``).
     """
     name = cfg.rollout_backend
+    check_backend(name)
     if name == "quads":
         from quads.rollout.engine import RolloutEngine
 
         return RolloutEngine(rollout_model, tokenizer, device=cfg.device, recipe=recipe.name,
                              cuda_graphs=cfg.rollout.cuda_graphs)
-    if name == "vllm":
-        from quads.rollout.vllm.engine import make_rollout_engine
+    from quads.rollout.vllm.engine import make_rollout_engine
 
-        return make_rollout_engine(cfg, rollout_model, tokenizer, recipe, run_dir)
-    raise ValueError(f"rollout_backend must be one of {list(BACKENDS)}, got {name!r}")
+    return make_rollout_engine(cfg, rollout_model, tokenizer, recipe, run_dir)
