@@ -1,5 +1,5 @@
 """vLLM (quads method, fp32) vs quads' forward on the sequences of tests/test_vllm.py, with and without replaying
-vLLM's quantize inputs (``quads.vllm.compare.replay_layer_inputs``); layer-0 experts inputs compared.
+vLLM's quantize inputs (``quads.experiments.vllm_compare.replay_layer_inputs``); layer-0 experts inputs compared.
 
     .venv-vllm/bin/python scripts/vllm_isa_replay.py                          # this CPU's ISA
     .venv-vllm/bin/python scripts/force_avx2.py scripts/vllm_isa_replay.py    # as on an AVX2-only CPU
@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
+from quads.experiments.vllm_compare import logprob_gap, quads_prompt_logprobs, replay_layer_inputs
 from quads.model.config import ModelConfig
 from quads.model.hf import load_hf_model, save_hf_model
 from quads.model.tokenizer import CharTokenizer
 from quads.model.transformer import MoEForCausalLM
 from quads.quant import get_recipe, quantize_model
-from quads.vllm import worker
-from quads.vllm.compare import logprob_gap, quads_prompt_logprobs, replay_layer_inputs
-from quads.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
+from quads.rollout.vllm import worker
+from quads.rollout.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
 
 
 def _run(layer, x, ids, w):

@@ -29,14 +29,14 @@ def main() -> None:
 
     import torch
 
+    from quads.experiments.vllm_compare import logprob_gap, quads_prompt_logprobs
     from quads.model.config import ModelConfig
     from quads.model.hf import load_hf_model, save_hf_model
     from quads.model.tokenizer import CharTokenizer
     from quads.model.transformer import MoEForCausalLM
     from quads.quant import get_recipe, quantize_model
     from quads.rollout.engine import SamplingParams
-    from quads.vllm.compare import logprob_gap, quads_prompt_logprobs
-    from quads.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
+    from quads.rollout.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
 
     torch.manual_seed(0)
     cfg = ModelConfig.preset("tiny", n_layers=2, dtype=args.dtype, vocab_size=128, init_std=args.init_std)
@@ -82,7 +82,7 @@ def diagnose(folder: str, tok, dtype: str) -> dict:
     from quads.quant import LinearSpec, Recipe, quantize_model
     from quads.rl.logprobs import forward_logprobs
     from quads.rollout.engine import RolloutEngine, SamplingParams
-    from quads.vllm.diagnose import vllm_rollout_logprobs
+    from quads.rollout.vllm.diagnose import vllm_rollout_logprobs
 
     policy, _ = load_hf_model(folder, dtype=dtype)
     batch = RolloutEngine(policy, tok).generate(["12+3=", "7*8=", "(4+5)*2=", "9-7="],

@@ -9,13 +9,13 @@ import torch
 
 from quads.cli import main
 from quads.experiments.diagnose import DiagnoseConfig, decompose, load_grid
-from quads.experiments.score import score_rollout
 from quads.model import ModelConfig, MoEForCausalLM
 from quads.model.checkpoint import save_checkpoint
 from quads.model.tokenizer import CharTokenizer
 from quads.quant import get_recipe, quantize_model
 from quads.rl.logprobs import sequence_logprobs
 from quads.rollout import RolloutEngine, SamplingParams
+from quads.rollout.score import score_rollout
 
 TINY = dict(hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4, top_k=2,
             moe_intermediate_size=32, max_seq_len=128)

@@ -8,7 +8,6 @@ re-capture, and no host sync inside a decode step. Run on the device: `bash scri
 import pytest
 import torch
 
-from quads.experiments.score import score_rollout
 from quads.model import ModelConfig, MoEForCausalLM
 from quads.model.tokenizer import CharTokenizer
 from quads.quant import quantize_model
@@ -16,6 +15,7 @@ from quads.quant.recipe import LinearSpec, Recipe
 from quads.quant.sync import sync_weights
 from quads.rollout import RolloutEngine, SamplingParams
 from quads.rollout.decode import StaticDecoder
+from quads.rollout.score import score_rollout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
 

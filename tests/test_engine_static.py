@@ -6,7 +6,6 @@ The CUDA-graph side of the same path is tests/test_engine_gpu.py."""
 import pytest
 import torch
 
-from quads.experiments.score import score_rollout
 from quads.model import ModelConfig, MoEForCausalLM
 from quads.model.attention import StaticKVCache
 from quads.model.moe import static_routes
@@ -17,6 +16,7 @@ from quads.quant.recipe import LinearSpec, Recipe
 from quads.quant.sync import sync_weights
 from quads.rollout import RolloutEngine, SamplingParams, sample_tokens
 from quads.rollout.decode import weights_key
+from quads.rollout.score import score_rollout
 
 TOK = CharTokenizer()
 SMALL = dict(vocab_size=128, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4,

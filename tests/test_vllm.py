@@ -1,4 +1,4 @@
-"""quads' recipes inside vLLM (``quads.vllm``): one in-process vLLM engine (CPU) for the whole module.
+"""quads' recipes inside vLLM (``quads.rollout.vllm``): one in-process vLLM engine (CPU) for the whole module.
 
 Needs the optional vLLM extra (``pip install 'quads[vllm]'``, see docs/VLLM.md); skipped with the
 reason otherwise. The engine runs in float32 so that the only differences left between vLLM and
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quads.vllm import vllm_available
+from quads.rollout.vllm import vllm_available
 
 _OK, _WHY = vllm_available()
 pytestmark = pytest.mark.skipif(not _OK, reason=_WHY)
@@ -56,7 +56,7 @@ def policy(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(policy):
-    from quads.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
+    from quads.rollout.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
 
     folder, tok = policy
     eng = VLLMRolloutEngine(folder, tok, "quads", VLLMEngineConfig(dtype="float32", native_bf16=False, max_num_seqs=8))
@@ -73,7 +73,7 @@ def sequences(policy):
 
 def _recorded(engine, run, *args, **kwargs):
     """``(run(*args, **kwargs), {quads layer: inputs vLLM's layer computed on})``."""
-    from quads.vllm import worker
+    from quads.rollout.vllm import worker
 
     engine.rpc(worker.record_inputs, True)
     try:
@@ -84,7 +84,7 @@ def _recorded(engine, run, *args, **kwargs):
 
 
 def _replayed_logprobs(model, sequences, rec, expect_layers):
-    from quads.vllm.compare import quads_prompt_logprobs, replay_layer_inputs
+    from quads.experiments.vllm_compare import quads_prompt_logprobs, replay_layer_inputs
 
     with replay_layer_inputs(model, rec) as used:
         ref = quads_prompt_logprobs(model, sequences)
@@ -107,7 +107,7 @@ def _quads_rollout_model(folder, recipe):
 @pytest.mark.parametrize("key", list(RECIPES))
 def test_logprobs_match_quads_forward(engine, policy, sequences, key):
     """Per-token log-probs of the same sequences: vLLM with the quads method == quads' forward, recipe by recipe."""
-    from quads.vllm.compare import logprob_gap, quads_prompt_logprobs
+    from quads.experiments.vllm_compare import logprob_gap, quads_prompt_logprobs
 
     recipe = _recipe(key)
     engine.set_recipe(recipe)
@@ -128,7 +128,7 @@ def test_experts_layer_bit_exact(engine, key):
     from torch import nn
 
     from quads.quant import QuantizedExperts
-    from quads.vllm import worker
+    from quads.rollout.vllm import worker
 
     recipe = _recipe(key)
     engine.set_recipe("bf16")  # drop static RAC statistics gathered by earlier tests: both sides start fresh
@@ -157,7 +157,7 @@ def test_experts_layer_bit_exact(engine, key):
 
 
 def _flip_one_bit(worker_self, name: str) -> None:
-    from quads.vllm import worker
+    from quads.rollout.vllm import worker
 
     t = worker.operands(worker_self)[name]
     flat = t.view(-1).view(torch.int32) if t.dtype == torch.float32 else t.view(-1).view(torch.int16)
@@ -165,12 +165,12 @@ def _flip_one_bit(worker_self, name: str) -> None:
 
 
 def test_weight_push_bit_identical_and_corruption_refused(engine, policy, sequences):
+    from quads.experiments.vllm_compare import logprob_gap
     from quads.model.hf import load_hf_model
     from quads.quant import quantize_model, sync_weights
     from quads.quant.sync import WeightSyncError
     from quads.rollout.engine import SamplingParams
-    from quads.vllm import worker
-    from quads.vllm.compare import logprob_gap
+    from quads.rollout.vllm import worker
 
     recipe = _recipe("quads")
     engine.set_recipe(recipe)
@@ -210,9 +210,9 @@ def test_weight_push_bit_identical_and_corruption_refused(engine, policy, sequen
 
 def test_generate_rollout_batch(engine, policy):
     """quads' RolloutBatch layout; seeds; processed (temperature) log-probs equal quads' trainer forward."""
+    from quads.experiments.vllm_compare import replay_layer_inputs
     from quads.rl.logprobs import forward_logprobs
     from quads.rollout.engine import SamplingParams
-    from quads.vllm.compare import replay_layer_inputs
 
     _, tok = policy
     params = SamplingParams(n=3, temperature=0.7, max_new_tokens=7, seed=11, ignore_eos=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from quads.vllm import vllm_available
+from quads.rollout.vllm import vllm_available
 
 _OK, _WHY = vllm_available()
 pytestmark = pytest.mark.skipif(not _OK, reason=_WHY)

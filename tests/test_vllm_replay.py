@@ -1,4 +1,4 @@
-"""``quads.vllm.compare.replay_layer_inputs`` (no vLLM needed): quads' forward computes on recorded layer
+"""``quads.experiments.vllm_compare.replay_layer_inputs`` (no vLLM needed): quads' forward computes on recorded layer
 inputs, and refuses inputs that differ by more than float rounding, another routing, or unconsumed rows."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quads.vllm.compare import quads_prompt_logprobs, replay_layer_inputs
+from quads.experiments.vllm_compare import quads_prompt_logprobs, replay_layer_inputs
 
 EXPERTS = [f"model.layers.{i}.mlp.experts" for i in range(2)]
 

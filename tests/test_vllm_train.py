@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from quads.vllm import vllm_available
+from quads.rollout.vllm import vllm_available
 
 _OK, _WHY = vllm_available()
 pytestmark = pytest.mark.skipif(not _OK, reason=_WHY)
@@ -53,7 +53,7 @@ def _run(checkpoint, out_dir, backend: str):
 
 
 def test_train_three_steps_with_vllm_rollouts(hf_checkpoint, tmp_path):
-    from quads.vllm.engine import VLLMRolloutEngine
+    from quads.rollout.vllm.engine import VLLMRolloutEngine
 
     _, _, ref_records = _run(hf_checkpoint, tmp_path / "quads", "quads")
     trainer, result, records = _run(hf_checkpoint, tmp_path / "vllm", "vllm")

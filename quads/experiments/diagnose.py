@@ -4,7 +4,7 @@ Protocol:
 1. sample ONE fixed batch (``prompts`` held-out prompts x ``n_samples``, seed ``seed``) with the rollout
    engine under ``sample_with`` (default the BF16 engine);
 2. for every rollout variant of the grid, recompute the rollout-side log-probs of exactly those token
-   sequences through the engine's own KV-cache path (``quads.experiments.score``: prefill + decode,
+   sequences through the engine's own KV-cache path (``quads.rollout.score``: prefill + decode,
    teacher-forced), with the variant's ``LinearSpec`` on the quantized layers;
 3. for every trainer variant, the trainer-side log-probs with ``quads.rl.logprobs`` (one full forward;
    BF16 compute over FP32 master weights under autocast, as ``quads train`` does);
@@ -46,12 +46,12 @@ import yaml
 
 from quads.config import add_dataclass_args, build_config, save_config
 from quads.errors import check_device
-from quads.experiments.score import ScoreResult, score_rollout
 from quads.io import atomic_write_text, check_output_dir
 from quads.metrics.mismatch import mismatch_metrics
 from quads.model.checkpoint import check_model_folder
 from quads.quant import LinearSpec, Recipe, dequantize_model, quantize_model
 from quads.quant.diagnostics import layer_errors
+from quads.rollout.score import ScoreResult, score_rollout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DEFAULT_TRAINERS = {"bf16": {}, "w4a16-qat": {"weight": "nvfp4"}, "w4a4-qat": {"weight": "nvfp4", "act": "nvfp4"}}
@@ -265,14 +265,14 @@ def decompose(cfg: DiagnoseConfig, grid: Grid | None = None, say=print) -> dict[
 
 
 def _vllm_scores(cfg: DiagnoseConfig, model, tok, batch, grid: Grid) -> dict[str, Any]:
-    """Rollout log-probs of the fixed batch from vLLM, one per rollout variant (``quads.vllm.diagnose``).
+    """Rollout log-probs of the fixed batch from vLLM, one per rollout variant (``quads.rollout.vllm.diagnose``).
 
     BF16 variants run on vLLM's own layers, so the ``bf16`` row is a real inference engine's drift
     floor; quantized variants run through the ``"quads"`` vLLM method. vLLM returns no expert ids on
     the CPU, so these rows have no routing difference (NaN).
     """
     try:
-        from quads.vllm.diagnose import vllm_rollout_logprobs
+        from quads.rollout.vllm.diagnose import vllm_rollout_logprobs
     except ImportError as e:
         raise ValueError(f"rollout_backend=vllm needs vLLM ({e}); install it with `pip install quads[vllm]` "
                          "(see docs/VLLM.md) or use rollout_backend=quads") from None

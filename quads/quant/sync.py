@@ -1,14 +1,23 @@
-"""Weight sync trainer -> rollout engine, with a bit-exactness check (DESIGN.md section 4).
+"""Weight sync trainer -> rollout backend, with a bit-exactness check (DESIGN.md section 4).
 
-``sync_weights(trainer_model, rollout_model)``:
-1. copies every parameter and buffer of the trainer's state dict into the rollout model's own
-   tensors (they are separate instances; values are cast to the rollout tensor's dtype);
-2. the rollout side re-quantizes each quantized module with the same function the trainer's QAT
-   uses (``ops.quantize_weight``: master weight cast to the recipe's ``weight_dtype``, then QDQ) and
-   refreshes its static RAC channel orders from the statistics gathered since the last sync;
-3. fingerprints the rollout's dequantized weights and compares them with the trainer's: the trainer's
-   cached ``QDQ(W)`` when it quantizes that weight with the same spec, else the rollout spec's
-   function applied to the trainer's master weight. Any difference raises ``WeightSyncError``.
+One component, ``WeightSync(source, target).run()``, does every sync of the project:
+
+1. the *source* yields the trainer's state-dict tensors, full, one at a time, in state-dict order
+   (``LocalWeights``: a model in this process; ``quads.rl.distributed.ShardedWeights``: an FSDP2 model,
+   each tensor all-gathered with ``DTensor.full_tensor``). For every tensor that feeds a rollout weight
+   operand, the fingerprint of the operand it must become is taken then (``reference_operand``: the
+   trainer's cached ``QDQ(W)`` when it quantizes that weight with the same spec and dtype, else the
+   rollout spec's ``ops.quantize_weight`` of the master; an unquantized operand is the master in the
+   rollout's dtype);
+2. the *target* receives the tensors and, at ``commit``, re-quantizes with the same function the
+   trainer's QAT uses (``ReplicaTarget``: a quads rollout model in this process, which also refreshes
+   its static RAC channel orders; the vLLM backend's target pushes into vLLM's worker,
+   ``quads.rollout.vllm.engine``);
+3. the target fingerprints its operands and compares them with step 1's (``verify``); the source then
+   compares them across processes (``agree``). Any difference raises ``WeightSyncError``. The
+   ``SyncReport`` carries the counts and the seconds the whole sync took.
+
+``sync_weights(trainer_model, rollout_model)`` is that component for two models in one process.
 
 Fingerprint: the tensor's bytes viewed as integers (int16 for 2-byte dtypes, int32 for 4-byte ones,
 ...), widened to int64, then two sums: the plain sum, and a position-weighted sum
@@ -20,7 +29,9 @@ sum also catches permutations. Together with shape and dtype this is cheap (one 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -28,6 +39,7 @@ from torch import nn
 from quads.quant import ops
 from quads.quant.apply import quantized_modules
 from quads.quant.layers import _QuantizedBase
+from quads.quant.recipe import LinearSpec
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _PRIME = 1_000_003
@@ -53,13 +65,18 @@ def fingerprint(t: torch.Tensor) -> Fingerprint:
     return Fingerprint(tuple(t.shape), str(t.dtype), int(v.sum()), int((v * pos).sum()))
 
 
+def mismatching(got: dict[str, Fingerprint], want: dict[str, Fingerprint]) -> list[str]:
+    """Names whose fingerprints differ, sorted; a name present on one side only counts as a mismatch."""
+    return sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
+
+
 @dataclass
 class SyncReport:
     """What one sync did. ``mismatches`` is empty after a successful sync."""
 
-    n_tensors: int = 0  # state-dict tensors copied
-    n_bytes: int = 0  # bytes copied
-    n_checked: int = 0  # quantized weights fingerprinted
+    n_tensors: int = 0  # state-dict tensors sent
+    n_bytes: int = 0  # bytes sent
+    n_checked: int = 0  # rollout weight operands fingerprinted
     n_static_refreshed: int = 0  # quantized modules whose static RAC orders were refreshed
     seconds: float = 0.0
     fingerprints: dict[str, Fingerprint] = field(default_factory=dict)  # rollout weight operands
@@ -70,54 +87,209 @@ class SyncReport:
         return not self.mismatches
 
 
-def trainer_operand(
-    master: torch.Tensor, trainer_module: nn.Module | None, rollout_module: _QuantizedBase, pname: str
-) -> torch.Tensor:
-    """What the rollout operand ``rollout_module.<pname>`` must equal, given the trainer's master weight.
+@dataclass(frozen=True)
+class OperandSpec:
+    """How the rollout side derives one weight operand from its master weight."""
 
-    Unquantized weights: the master cast to the rollout parameter's dtype (what the copy produces).
-    Quantized: the trainer module's cached ``QDQ(W)`` when it quantizes with the same weight spec and
-    dtype, else the rollout spec's ``ops.quantize_weight`` of the master. (Distributed sync, which
-    gathers ``master`` itself, should call this too.)
+    spec: LinearSpec  # the rollout LinearSpec
+    weight_dtype: torch.dtype  # what the master is cast to before QDQ
+    plain_dtype: torch.dtype  # the operand's dtype when the spec leaves the weight unquantized
+
+
+def reference_operand(master: torch.Tensor, trainer_module: nn.Module | None, pname: str, op: OperandSpec
+                      ) -> torch.Tensor:
+    """What the rollout operand of ``master`` (``<module>.<pname>``) must equal, bit for bit.
+
+    Unquantized weights: the master cast to ``op.plain_dtype`` (what the copy produces). Quantized: the
+    trainer module's cached ``QDQ(W)`` when ``master`` is that module's parameter and it quantizes with
+    the same weight spec and dtype, else the rollout spec's ``ops.quantize_weight`` of the master.
     """
-    spec = rollout_module.spec
-    if spec.weight == "none":
-        return master.detach().to(getattr(rollout_module, pname).dtype)
+    if op.spec.weight == "none":
+        return master.detach().to(op.plain_dtype)
     tm = trainer_module
     if (
         isinstance(tm, _QuantizedBase)
-        and tm.spec.weight_key() == spec.weight_key()
-        and tm.weight_dtype == rollout_module.weight_dtype
+        and tm.spec.weight_key() == op.spec.weight_key()
+        and tm.weight_dtype == op.weight_dtype
         and getattr(tm, pname) is master
     ):
         return tm.stores[pname].get()  # the trainer's cached QDQ(W)
-    return ops.quantize_weight(master, spec, rollout_module.weight_dtype)[0]
+    return ops.quantize_weight(master, op.spec, op.weight_dtype)[0]
 
 
-def _reference_operand(trainer_model: nn.Module, name: str, pname: str, module: _QuantizedBase) -> torch.Tensor:
-    """The trainer's version of the rollout operand ``name.pname``."""
-    tm = dict(trainer_model.named_modules()).get(name)
-    return trainer_operand(trainer_model.get_parameter(f"{name}.{pname}"), tm, module, pname)
+def reference_fingerprints(trainer_model: nn.Module, operands: dict[str, OperandSpec]) -> dict[str, Fingerprint]:
+    """Fingerprints of ``reference_operand`` for ``operands``, from a trainer model in this process (the
+    check of a target's current weights without a sync)."""
+    params, modules = dict(trainer_model.named_parameters()), dict(trainer_model.named_modules())
+    out = {}
+    for key, op in operands.items():
+        mod, _, pname = key.rpartition(".")
+        out[key] = fingerprint(reference_operand(params[key], modules.get(mod), pname, op))
+    return out
 
 
-def verify_sync(
-    trainer_model: nn.Module, rollout_model: nn.Module, *, raise_on_mismatch: bool = True
-) -> SyncReport:
-    """Compare the rollout's weight operands with the trainer's, bit for bit, via fingerprints."""
+# --------------------------------------------------------------------------- sources
+
+
+class WeightSource(Protocol):
+    """The trainer's side of a sync (see the module docstring)."""
+
+    model: nn.Module
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(state-dict key, full tensor)`` in state-dict order, one at a time."""
+        ...
+
+    def module(self, name: str) -> nn.Module | None:
+        """The trainer's module ``name`` (for its cached ``QDQ(W)``), or None."""
+        ...
+
+    def reduce_statistics(self, rollout_model: nn.Module) -> None:
+        """Combine the rollout replicas' static RAC statistics before they re-sort (one process: nothing)."""
+        ...
+
+    def agree(self, fingerprints: dict[str, Fingerprint]) -> list[str]:
+        """Mismatches of this process's rollout fingerprints with the other processes' (one process: none)."""
+        ...
+
+
+class LocalWeights:
+    """A trainer model in this process: its parameters and buffers as they are."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._modules = dict(model.named_modules())
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.model.state_dict(keep_vars=True).items()  # the parameters themselves: cached QDQ applies
+
+    def module(self, name: str) -> nn.Module | None:
+        return self._modules.get(name)
+
+    def reduce_statistics(self, rollout_model: nn.Module) -> None:
+        pass
+
+    def agree(self, fingerprints: dict[str, Fingerprint]) -> list[str]:
+        return []
+
+
+# --------------------------------------------------------------------------- targets
+
+
+class SyncTarget(Protocol):
+    """The rollout side of a sync."""
+
+    def operands(self) -> dict[str, OperandSpec]:
+        """``{state-dict key of a master weight: how its rollout operand is derived}``."""
+        ...
+
+    def check_keys(self, keys: set[str]) -> None:
+        """Refuse a trainer whose state-dict keys this target cannot take (one clear error)."""
+        ...
+
+    def receive(self, name: str, tensor: torch.Tensor) -> None:
+        """Take one full state-dict tensor (``tensor`` may be freed after the call)."""
+        ...
+
+    def commit(self, source: WeightSource) -> int:
+        """Make the received weights the rollout weights and re-quantize; returns static RAC refreshes."""
+        ...
+
+    def verify(self, want: dict[str, Fingerprint]) -> tuple[dict[str, Fingerprint], list[str]]:
+        """Fingerprint the rollout operands, compare with ``want``; ``(fingerprints, mismatching names)``."""
+        ...
+
+
+class ReplicaTarget:
+    """A quads rollout model in this process (its quantized modules built with ``side='rollout'``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.quantized = quantized_modules(model)
+        self._dst = model.state_dict(keep_vars=True)
+
+    def operands(self) -> dict[str, OperandSpec]:
+        if not self.quantized:
+            raise ValueError(
+                "weight sync: the rollout model has no quantized modules; call quantize_model(..., side='rollout')"
+            )
+        return {f"{name}.{pname}": OperandSpec(m.spec, m.weight_dtype, getattr(m, pname).dtype)
+                for name, m in self.quantized.items() for pname in m.stores}
+
+    def check_keys(self, keys: set[str]) -> None:
+        missing = sorted(keys ^ set(self._dst))
+        if missing:
+            raise ValueError(
+                f"trainer and rollout models differ in state-dict keys {missing[:5]} ({len(missing)} in all); "
+                "they must be two instances of the same architecture"
+            )
+
+    @torch.no_grad()
+    def receive(self, name: str, tensor: torch.Tensor) -> None:
+        d = self._dst[name]
+        if d.shape != tensor.shape:
+            raise ValueError(
+                f"sync: {name} has shape {tuple(tensor.shape)} on the trainer but {tuple(d.shape)} on the rollout"
+            )
+        d.copy_(tensor)
+
+    def commit(self, source: WeightSource) -> int:
+        source.reduce_statistics(self.model)
+        for m in self.quantized.values():
+            m.refresh()
+        return sum(1 for m in self.quantized.values() if len(m.selectors))
+
+    def verify(self, want: dict[str, Fingerprint]) -> tuple[dict[str, Fingerprint], list[str]]:
+        got = {f"{name}.{pname}": fingerprint(operand) for name, m in self.quantized.items()
+               for pname, (_, operand) in m.weight_operands().items()}
+        return got, mismatching(got, want)
+
+
+# --------------------------------------------------------------------------- the component
+
+
+class WeightSync:
+    """Sync + verify from one ``WeightSource`` into one ``SyncTarget`` (module docstring)."""
+
+    def __init__(self, source: WeightSource, target: SyncTarget, *, describe: str = "rollout") -> None:
+        self.source, self.target, self.describe = source, target, describe
+
+    @torch.no_grad()
+    def run(self, *, raise_on_mismatch: bool = True) -> SyncReport:
+        t0 = time.perf_counter()
+        report = SyncReport()
+        wanted = self.target.operands()
+        self.target.check_keys(set(self.source.model.state_dict().keys()))
+        want: dict[str, Fingerprint] = {}
+        for key, full in self.source.tensors():
+            self.target.receive(key, full)
+            report.n_tensors += 1
+            report.n_bytes += full.numel() * full.element_size()
+            if key in wanted:
+                mod, _, pname = key.rpartition(".")
+                want[key] = fingerprint(reference_operand(full, self.source.module(mod), pname, wanted[key]))
+            del full
+        report.n_static_refreshed = self.target.commit(self.source)
+        report.fingerprints, report.mismatches = self.target.verify(want)
+        report.n_checked = len(report.fingerprints)
+        report.mismatches += self.source.agree(report.fingerprints)
+        report.seconds = time.perf_counter() - t0
+        if report.mismatches and raise_on_mismatch:
+            raise WeightSyncError(
+                f"{self.describe} weights differ from the trainer's QDQ(W) in {len(report.mismatches)} tensors "
+                f"(first: {report.mismatches[:3]}); check that both sides use the same recipe, weight_dtype and "
+                "code and that nothing wrote to the rollout weights; the engine must not roll out with these weights"
+            )
+        return report
+
+
+def verify_sync(trainer_model: nn.Module, rollout_model: nn.Module, *, raise_on_mismatch: bool = True
+                ) -> SyncReport:
+    """Compare the rollout model's weight operands with the trainer's, bit for bit (no copy, no re-quantize)."""
+    target = ReplicaTarget(rollout_model)
     report = SyncReport()
-    rq = quantized_modules(rollout_model)
-    if not rq:
-        raise ValueError(
-            "verify_sync: the rollout model has no quantized modules; call quantize_model(..., side='rollout')"
-        )
-    for name, module in rq.items():
-        for pname, (_, operand) in module.weight_operands().items():
-            key = f"{name}.{pname}"
-            fp = fingerprint(operand)
-            report.fingerprints[key] = fp
-            report.n_checked += 1
-            if fingerprint(_reference_operand(trainer_model, name, pname, module)) != fp:
-                report.mismatches.append(key)
+    report.fingerprints, report.mismatches = target.verify(reference_fingerprints(trainer_model, target.operands()))
+    report.n_checked = len(report.fingerprints)
     if report.mismatches and raise_on_mismatch:
         raise WeightSyncError(
             f"rollout weights differ from the trainer's QDQ(W) in {len(report.mismatches)} tensors "
@@ -127,38 +299,6 @@ def verify_sync(
     return report
 
 
-@torch.no_grad()
-def copy_weights(trainer_model: nn.Module, rollout_model: nn.Module) -> tuple[int, int]:
-    """Copy the trainer's state dict into the rollout model's tensors; returns (tensors, bytes)."""
-    src = trainer_model.state_dict()
-    dst = rollout_model.state_dict(keep_vars=True)
-    missing = sorted(set(src) ^ set(dst))
-    if missing:
-        raise ValueError(
-            f"trainer and rollout models differ in state-dict keys {missing[:5]} ({len(missing)} in all); "
-            "they must be two instances of the same architecture"
-        )
-    n_bytes = 0
-    for k, v in src.items():
-        d = dst[k]
-        if d.shape != v.shape:
-            raise ValueError(
-                f"sync: {k} has shape {tuple(v.shape)} on the trainer but {tuple(d.shape)} on the rollout"
-            )
-        d.copy_(v)
-        n_bytes += v.numel() * v.element_size()
-    return len(src), n_bytes
-
-
 def sync_weights(trainer_model: nn.Module, rollout_model: nn.Module) -> SyncReport:
     """Copy master weights, re-quantize on the rollout side, verify bit-exactness (module docstring)."""
-    t0 = time.perf_counter()
-    n_tensors, n_bytes = copy_weights(trainer_model, rollout_model)
-    rq = quantized_modules(rollout_model)
-    for m in rq.values():
-        m.refresh()
-    report = verify_sync(trainer_model, rollout_model)
-    report.n_tensors, report.n_bytes = n_tensors, n_bytes
-    report.n_static_refreshed = sum(1 for m in rq.values() if len(m.selectors))
-    report.seconds = time.perf_counter() - t0
-    return report
+    return WeightSync(LocalWeights(trainer_model), ReplicaTarget(rollout_model)).run()

@@ -193,7 +193,7 @@ class TrainConfig:
     threads: int = 0  # torch CPU threads; 0 = torch default
     out_dir: str | None = None  # run folder; None = runs/train-<task>-<recipe>-<timestamp>
     resume: bool = False  # continue the run in out_dir from its latest checkpoint
-    # rollout engine: quads' own, or an in-process vLLM with quads' recipes (pip install 'quads[vllm]', quads.vllm)
+    # rollout engine: quads' own, or an in-process vLLM with quads' recipes (pip install 'quads[vllm]', quads.rollout.vllm)
     rollout_backend: Literal["quads", "vllm"] = "quads"
     # quads.kernels.dispatch: auto = Triton on CUDA tensors when it imports, else PyTorch; triton = always
     # Triton (raises without it); reference = PyTorch only. Bit-exact across backends: speed only.

@@ -18,7 +18,7 @@ What each rank holds and does in one RL step (``W`` ranks, ``P`` prompts, ``n`` 
   longest rank, then ``all_gather``), so ``mismatch/logp_gap_max`` is the global max and every mean
   has the global denominator; the loss metrics of a mini-batch are reduced with their token counts
   (``reduce_loss_metrics``); ``time/*`` take the slowest rank, ``perf/*`` the sum over ranks;
-- weight sync (``sync_weights_sharded``) gathers one full tensor at a time (``DTensor.full_tensor``),
+- weight sync (``ShardedWeights``, the source of ``quads.quant.sync.WeightSync``) gathers one full tensor at a time (``DTensor.full_tensor``),
   copies it into the local rollout replica and fingerprints the trainer's QDQ of it; then every rank
   re-quantizes, checks bit-exactness against the trainer, and the ranks compare their fingerprints
   with each other (all replicas identical);
@@ -312,87 +312,58 @@ def scalar(x: torch.Tensor | float) -> float:
 # --------------------------------------------------------------------------- weight sync
 
 
-@torch.no_grad()
-def _all_reduce_rac_statistics(rollout_model: nn.Module, info: DistInfo) -> None:
-    """Sum the static-RAC activation statistics of all replicas, so every replica sorts the same order."""
-    from quads.quant.rac import StaticChannelSelector
+class ShardedWeights:
+    """The weight-sync source (``quads.quant.sync.WeightSource``) of an FSDP2 trainer, one full rollout
+    replica per rank.
 
-    for m in rollout_model.modules():
-        if isinstance(m, StaticChannelSelector):
-            for buf in (m.sq_sum, m.count):
-                dist.all_reduce(buf)
-
-
-@torch.no_grad()
-def sync_weights_sharded(trainer_model: nn.Module, rollout_model: nn.Module, info: DistInfo):
-    """``quads.quant.sync_weights`` for an FSDP2 trainer and one full rollout replica per rank.
-
-    1. for each state-dict tensor in order (the same on every rank): all-gather the full tensor
-       (``DTensor.full_tensor``, one tensor in memory at a time), copy it into the replica, and for a
-       quantized weight fingerprint ``quant.sync.trainer_operand`` of it (the QDQ function the trainer's
-       QAT applies to the unsharded parameter, which is this tensor bit for bit);
-    2. sum the replicas' static RAC statistics, re-quantize every rollout module (``refresh``);
-    3. compare each rollout operand with the trainer's fingerprint, then all ranks' fingerprints with
-       each other. Any difference raises ``WeightSyncError``. Returns a ``SyncReport``.
+    ``tensors`` all-gathers one state-dict tensor at a time (``DTensor.full_tensor``; the same order on
+    every rank); a gathered tensor is the unsharded parameter bit for bit, so its reference operand is
+    the QDQ function the trainer's QAT applies to it. ``reduce_statistics`` sums the replicas' static
+    RAC statistics, so every replica sorts the same order; ``agree`` compares every rank's rollout
+    fingerprints with rank 0's and counts mismatches over all ranks, so all ranks raise together.
     """
-    import time
 
-    from quads.quant.apply import quantized_modules
-    from quads.quant.sync import SyncReport, WeightSyncError, fingerprint, trainer_operand
+    def __init__(self, model: nn.Module, info: DistInfo) -> None:
+        from quads.quant.apply import quantized_modules
 
-    t0 = time.perf_counter()
-    src = trainer_model.state_dict()
-    dst = rollout_model.state_dict(keep_vars=True)
-    missing = sorted(set(src) ^ set(dst))
-    if missing:
-        raise ValueError(f"trainer and rollout models differ in state-dict keys {missing[:5]} ({len(missing)} in "
-                         "all); they must be two instances of the same architecture")
-    rq, tq = quantized_modules(rollout_model), quantized_modules(trainer_model)
-    report, want = SyncReport(), {}
-    for k, v in src.items():
-        full = v.full_tensor() if hasattr(v, "full_tensor") else v
-        d = dst[k]
-        if d.shape != full.shape:
-            raise ValueError(f"sync: {k} has shape {tuple(full.shape)} on the trainer but {tuple(d.shape)} on "
-                             "the rollout")
-        d.copy_(full)
-        report.n_tensors += 1
-        report.n_bytes += full.numel() * full.element_size()
-        mod, _, pname = k.rpartition(".")
-        if mod in rq and pname in rq[mod].stores:
-            want[k] = fingerprint(trainer_operand(full, tq.get(mod), rq[mod], pname))
-        del full
-    if info.enabled:
-        _all_reduce_rac_statistics(rollout_model, info)
-    for m in rq.values():
-        m.refresh()
-    for name, module in rq.items():
-        for pname, (_, operand) in module.weight_operands().items():
-            key = f"{name}.{pname}"
-            fp = fingerprint(operand)
-            report.fingerprints[key] = fp
-            report.n_checked += 1
-            if want.get(key) != fp:
-                report.mismatches.append(key)
-    report.n_static_refreshed = sum(1 for m in rq.values() if len(m.selectors))
-    if not report.mismatches and info.enabled:
-        mine = torch.tensor([[f.total, f.weighted] for f in report.fingerprints.values()], dtype=torch.int64,
-                            device=info.device)
+        self.model, self.info = model, info
+        self._quantized = quantized_modules(model)
+
+    def tensors(self):
+        for k, v in self.model.state_dict().items():
+            yield k, (v.full_tensor() if hasattr(v, "full_tensor") else v)
+
+    def module(self, name: str) -> nn.Module | None:
+        return self._quantized.get(name)
+
+    @torch.no_grad()
+    def reduce_statistics(self, rollout_model: nn.Module) -> None:
+        from quads.quant.rac import StaticChannelSelector
+
+        for m in rollout_model.modules():
+            if isinstance(m, StaticChannelSelector):
+                for buf in (m.sq_sum, m.count):
+                    dist.all_reduce(buf)
+
+    def agree(self, fingerprints: dict) -> list[str]:
+        info = self.info
+        mine = torch.tensor([[f.total, f.weighted] for f in fingerprints.values()], dtype=torch.int64,
+                            device=info.device).reshape(-1, 2)
         ref = mine.clone()
         dist.broadcast(ref, src=0)
-        bad = (mine != ref).any(dim=1).tolist()
-        report.mismatches += [f"{k} (rank {info.rank} vs rank 0)" for k, b in zip(report.fingerprints, bad) if b]
-    if info.enabled:
-        n_bad = all_reduce(len(report.mismatches), info)
-        if n_bad and not report.mismatches:
-            report.mismatches.append(f"{int(n_bad)} mismatches on other ranks")
-    if report.mismatches:
-        raise WeightSyncError(
-            f"rank {info.rank}: rollout weights differ from the trainer's QDQ(W) (or from rank 0's replica) in "
-            f"{len(report.mismatches)} tensors (first: {report.mismatches[:3]}); check that every rank runs the "
-            "same recipe and code; the engine must not roll out with these weights")
-    report.seconds = time.perf_counter() - t0
-    return report
+        bad = [f"{k} (rank {info.rank} vs rank 0)" for k, b in zip(fingerprints, (mine != ref).any(dim=1).tolist())
+               if b]
+        n_bad = all_reduce(len(bad), info)
+        if n_bad and not bad:
+            bad.append(f"{int(n_bad)} mismatches on other ranks")
+        return bad
+
+
+def trainer_weights(model: nn.Module, info: DistInfo):
+    """The weight-sync source of the trainer: ``ShardedWeights`` under torchrun, else ``LocalWeights``."""
+    from quads.quant.sync import LocalWeights
+
+    return ShardedWeights(model, info) if info.enabled else LocalWeights(model)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -447,7 +418,7 @@ def load_full_state(model: nn.Module, opt: torch.optim.Optimizer, model_state: d
 def concat_rollouts(parts: list, pad_id: int):
     """Join ``RolloutBatch``es of different prompt widths: left-pad each prompt block to the widest,
     right-pad each response block to the longest (pad_id / mask False / log-prob 0 / routing -1)."""
-    from quads.rollout.engine import RolloutBatch, RolloutStats
+    from quads.rollout import RolloutBatch, RolloutStats
 
     P = max(p.prompt_len for p in parts)
     R = max(p.response_mask.shape[1] for p in parts)
@@ -526,6 +497,6 @@ def check_config(cfg, info: DistInfo) -> None:
     if local % o.mini_batches:
         raise ValueError(f"optim.mini_batches={o.mini_batches} must divide each rank's batch "
                          f"(prompts_per_step / {info.world} * n_samples = {local})")
-    if getattr(cfg, "rollout_backend", "quads") != "quads":
-        raise ValueError(f"rollout_backend={cfg.rollout_backend!r} runs in one process only; use the quads "
-                         "rollout engine under torchrun (--rollout-backend quads)")
+    from quads.rollout.backend import check_backend
+
+    check_backend(getattr(cfg, "rollout_backend", "quads"), info.world)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quads.rollout.engine import RolloutBatch
+from quads.rollout import RolloutBatch
 
 
 @dataclass

@@ -9,9 +9,9 @@ One RL step (``GRPOTrainer.step``):
    into per-token weights and a loss mask;
 4. ``optim.ppo_epochs`` passes over ``optim.mini_batches`` mini-batches: forward with grad, clipped
    loss (+ router aux loss), backward, grad clip, AdamW;
-5. ``sync_weights`` (copy + re-quantize + fingerprint check) once the step's last optimizer step is
-   done (at most one sync per rollout: syncing between mini-batches would only cost time and reset
-   static RAC statistics that no rollout has refreshed);
+5. weight sync into the rollout backend (``load_weights``: copy or push + re-quantize + fingerprint
+   check) once the step's last optimizer step is done (at most one sync per rollout: syncing between
+   mini-batches would only cost time and reset static RAC statistics that no rollout has refreshed);
 6. metrics to ``metrics.jsonl`` (+ TensorBoard), held-out pass@1 every ``eval_every`` steps (greedy,
    rollout engine), the mismatch guard, checkpoints.
 
@@ -43,7 +43,6 @@ from quads.metrics.mismatch import mismatch_metrics
 from quads.metrics.report import write_report
 from quads.model.checkpoint import save_checkpoint
 from quads.model.transformer import MoEForCausalLM
-from quads.quant import sync_weights
 from quads.rl import build, distributed
 from quads.rl.checkpoint import (
     latest_checkpoint,
@@ -58,7 +57,7 @@ from quads.rl.grpo import group_advantages, group_stats, grpo_loss
 from quads.rl.interrupt import StopRequest
 from quads.rl.logprobs import SequenceBatch, forward_logprobs, to_sequence_batch
 from quads.rl.sampler import PromptSampler
-from quads.rollout import RolloutBatch, RolloutEngine, SamplingParams
+from quads.rollout import RolloutBatch, SamplingParams, make_backend
 from quads.tasks import examples_up_to
 
 # config fields that may differ when resuming (they do not change what the next steps compute)
@@ -193,14 +192,10 @@ class GRPOTrainer:
             self.ref, _, _ = build.build_models(self.res, cfg)
             self.ref.requires_grad_(False)
             distributed.shard_model(self.ref, self.dist)
-        if cfg.rollout_backend == "vllm":  # rollout backend (quads.vllm): vLLM engine, weights pushed at each sync
-            from quads.vllm.engine import make_rollout_engine
-
-            # the full (never sharded) rollout replica gives the architecture; weights come with the first push
-            self.engine = make_rollout_engine(cfg, self.rollout_model, self.tokenizer, self.res.recipe, self.run_dir)
-        else:
-            self.engine = RolloutEngine(self.rollout_model, self.tokenizer, device=cfg.device,
-                                        recipe=self.res.recipe.name, cuda_graphs=cfg.rollout.cuda_graphs)
+        # the rollout backend (quads.rollout.make_backend): quads' engine on the full (never sharded) rollout
+        # replica, or vLLM, which takes the replica's architecture; weights come with the first sync
+        self.engine = make_backend(cfg, self.rollout_model, self.tokenizer, self.res.recipe, self.run_dir)
+        self.weight_source = distributed.trainer_weights(self.trainer, self.dist)  # full tensors, gathered under FSDP2
         self.params = [p for p in self.trainer.parameters() if p.requires_grad]
         o = cfg.optim
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
@@ -239,16 +234,8 @@ class GRPOTrainer:
             self.writer = SummaryWriter(str(self.run_dir / "tb"), purge_step=self.start_step + 1)
 
     def _sync_weights(self):
-        """Trainer -> rollout weight sync (fingerprint-checked); with the vLLM backend also a push into vLLM."""
-        if self.dist.enabled:  # FSDP2 trainer: gather full tensors one by one into each rank's replica
-            rep = distributed.sync_weights_sharded(self.trainer, self.rollout_model, self.dist)
-            source = self.rollout_model  # rollout backend (quads.vllm): the full, verified replica
-        else:
-            rep = sync_weights(self.trainer, self.rollout_model)
-            source = self.trainer
-        if self.cfg.rollout_backend == "vllm":  # rollout backend (quads.vllm): push + fingerprint check in vLLM
-            rep.seconds += self.engine.push_weights(source).seconds
-        return rep
+        """Trainer -> rollout backend weight sync (copy or push, re-quantize, fingerprint check)."""
+        return self.engine.load_weights(self.weight_source)
 
     def _restore(self, state: dict[str, Any]) -> None:
         if self.dist.enabled:

@@ -1,5 +1,8 @@
-"""The rollout engine: batched KV-cache sampling with log-probs and expert ids of the sampled tokens."""
+"""The rollout seam (``backend``: ``RolloutBackend``, ``make_backend``) and quads' own engine: batched
+KV-cache sampling with log-probs and expert ids of the sampled tokens."""
 
+from quads.rollout.backend import RolloutBackend, make_backend
 from quads.rollout.engine import RolloutBatch, RolloutEngine, RolloutStats, SamplingParams, sample_tokens
 
-__all__ = ["RolloutBatch", "RolloutEngine", "RolloutStats", "SamplingParams", "sample_tokens"]
+__all__ = ["RolloutBackend", "RolloutBatch", "RolloutEngine", "RolloutStats", "SamplingParams", "make_backend",
+           "sample_tokens"]

@@ -240,6 +240,19 @@ class RolloutEngine:
                                                 cuda_graphs=graphs)
         return self._decoders[key]
 
+    def score(self, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
+        """[B, R] teacher-forced log-probs of ``batch``'s responses on this engine's path (``quads.rollout.score``)."""
+        from quads.rollout.score import score_rollout
+
+        return score_rollout(self.model, batch, temperature, cuda_graphs=self.cuda_graphs).logprobs
+
+    def load_weights(self, source):
+        """Sync the trainer's weights from ``source`` into this engine's model: copy, re-quantize, verify
+        (``quads.quant.sync.WeightSync`` into a ``ReplicaTarget``); returns the ``SyncReport``."""
+        from quads.quant.sync import ReplicaTarget, WeightSync
+
+        return WeightSync(source, ReplicaTarget(self.model)).run()
+
     @torch.no_grad()
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None
                  ) -> RolloutBatch:

@@ -13,11 +13,14 @@ either; the submodules below do.
   are the same bits as quads' engine for the same inputs.
 - ``worker``: functions run inside the vLLM worker (``collective_rpc``): re-quantize, fingerprint,
   verify, switch recipe, probe one layer.
-- ``engine``: ``VLLMRolloutEngine`` (``generate(prompts, SamplingParams) -> RolloutBatch``, weight
-  push with the fingerprint check, prompt log-probs at any temperature) and ``make_rollout_engine``
-  (what ``quads train --rollout-backend vllm`` uses).
+- ``engine``: ``VLLMRolloutEngine``, a ``quads.rollout.backend.RolloutBackend`` (``generate(prompts,
+  SamplingParams) -> RolloutBatch``; ``load_weights``: ``quads.quant.sync.WeightSync`` into a
+  ``VLLMTarget``, the push with the fingerprint check; prompt log-probs at any temperature) and
+  ``make_rollout_engine`` (what ``quads train --rollout-backend vllm`` uses).
 - ``diagnose``: ``vllm_rollout_logprobs``, vLLM log-probs of a fixed batch per rollout variant.
-- ``compare``: quads' side of the comparisons (``quads_prompt_logprobs``, ``logprob_gap``).
+
+quads' side of the comparisons (``quads_prompt_logprobs``, ``logprob_gap``, ``replay_layer_inputs``) runs
+the trainer's forward, so it lives above both, in ``quads.experiments.vllm_compare``.
 
 See docs/VLLM.md for the guarantees, the limits and the environment.
 """

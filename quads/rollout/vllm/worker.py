@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from quads.quant.recipe import Recipe
-from quads.quant.sync import Fingerprint, fingerprint
-from quads.vllm.methods import QuadsFusedMoEMethod, QuadsLinearMethod
+from quads.quant.sync import Fingerprint, fingerprint, mismatching
+from quads.rollout.vllm.methods import QuadsFusedMoEMethod, QuadsLinearMethod
 
 _QUADS_METHODS = (QuadsLinearMethod, QuadsFusedMoEMethod)
 
@@ -69,7 +69,7 @@ def verify(worker, expected: dict[str, Fingerprint]) -> list[str]:
     ``QuadsQuantConfig.sync_ok``: while it is False, every quads layer refuses to run.
     """
     got = fingerprints(worker)
-    bad = sorted(n for n in set(got) | set(expected) if got.get(n) != expected.get(n))
+    bad = mismatching(got, expected)
     cfg = _config(get_model(worker))
     if cfg is not None:
         cfg.sync_ok = not bad

@@ -113,7 +113,7 @@ class QuadsQuantConfig(QuantizationConfig):
         return [quads_name(f"{parent}.{s}" if parent else s) for s in shards]
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        from quads.vllm.methods import QuadsFusedMoEMethod, QuadsLinearMethod
+        from quads.rollout.vllm.methods import QuadsFusedMoEMethod, QuadsLinearMethod
 
         targets = self.recipe.targets
         if isinstance(layer, LinearBase):

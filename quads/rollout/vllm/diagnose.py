@@ -24,7 +24,7 @@ from torch import nn
 
 from quads.quant.recipe import DEFAULT_TARGETS, LinearSpec, Recipe
 from quads.rollout.engine import RolloutBatch
-from quads.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
+from quads.rollout.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
 
 
 def vllm_rollout_logprobs(

@@ -1,0 +1,76 @@
+"""The rollout seam: what a trainer asks of a rollout backend, and the factory that picks one.
+
+A ``RolloutBackend`` samples (``generate``), scores given token sequences on its own path
+(``score``: teacher-forced log-probs, the rollout side of the engine-drift floor, DESIGN.md section 2)
+and takes the trainer's weights (``load_weights``: ``quads.quant.sync.WeightSync`` into the backend's
+target, with the fingerprint check, DESIGN.md section 4). Two backends implement it:
+
+- ``"quads"``: ``quads.rollout.engine.RolloutEngine`` on a quads rollout model in this process;
+- ``"vllm"``: ``quads.rollout.vllm.engine.VLLMRolloutEngine``, an in-process vLLM engine with quads'
+  recipes (optional dependency; imported only when chosen).
+
+``make_backend(cfg, ...)`` builds the one ``cfg.rollout_backend`` names. The trainer (``quads.rl``)
+imports this module and the batch types, never a backend module (``tests/test_import_graph.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from quads.model.tokenizer import Tokenizer
+from quads.quant.recipe import Recipe
+from quads.quant.sync import SyncReport, WeightSource
+from quads.rollout.engine import RolloutBatch, SamplingParams
+
+BACKENDS = ("quads", "vllm")
+MULTI_PROCESS = {"quads": True, "vllm": False}  # one backend per rank under torchrun
+
+
+def check_backend(name: str, world: int = 1) -> None:
+    """Refuse a backend name that does not exist, or one that cannot run in each of ``world`` processes."""
+    if name not in BACKENDS:
+        raise ValueError(f"rollout_backend must be one of {list(BACKENDS)}, got {name!r}")
+    if world > 1 and not MULTI_PROCESS[name]:
+        raise ValueError(f"rollout_backend={name!r} runs in one process only; use the quads rollout engine under "
+                         "torchrun (--rollout-backend quads)")
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None
+                 ) -> RolloutBatch:
+        """``params.n`` samples per prompt with their log-probs (and expert ids where the backend has them)."""
+        ...
+
+    def score(self, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
+        """[B, R] log-probs of ``batch``'s response tokens, teacher-forced on this backend's path (0 off the
+        response mask)."""
+        ...
+
+    def load_weights(self, source: WeightSource) -> SyncReport:
+        """Take the trainer's weights from ``source``, re-quantize, verify bit-exactness (raises
+        ``WeightSyncError`` on a mismatch)."""
+        ...
+
+
+def make_backend(cfg, rollout_model: nn.Module, tokenizer: Tokenizer, recipe: Recipe, run_dir: str | Path
+                 ) -> RolloutBackend:
+    """The rollout backend ``cfg.rollout_backend`` names (``cfg``: a ``TrainConfig``).
+
+    ``rollout_model``: a full (never sharded) quads rollout model: the quads engine generates from it;
+    the vLLM engine takes its architecture from it (the weights come with the first ``load_weights``).
+    """
+    name = cfg.rollout_backend
+    check_backend(name)
+    if name == "quads":
+        from quads.rollout.engine import RolloutEngine
+
+        return RolloutEngine(rollout_model, tokenizer, device=cfg.device, recipe=recipe.name,
+                             cuda_graphs=cfg.rollout.cuda_graphs)
+    from quads.rollout.vllm.engine import make_rollout_engine
+
+    return make_rollout_engine(cfg, rollout_model, tokenizer, recipe, run_dir)
