@@ -98,7 +98,7 @@ def copy_bandwidth() -> float:
 
 def bench_quantize(rows: list, copy_bw: float, quick: bool) -> None:
     from quads.kernels import nvfp4_quant
-    from quads.kernels.prototype import rac
+    from quads.prototype.kernels import rac
 
     t_, k = (8192, 8192) if quick else (16384, 8192)  # 128 / 256 MB of BF16
     x = torch.randn(t_, k, device="cuda").bfloat16()
@@ -141,7 +141,7 @@ def _weight_sets(n: int, k: int, nsets: int):
 
 def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
     from quads.kernels import nvfp4_quant
-    from quads.kernels.prototype import gemm
+    from quads.prototype.kernels import gemm
 
     shapes = [(8192, 8192), (28672, 4096)]
     ms = [1, 4, 16, 64, 256, 1024, 4096] if not quick else [1, 16, 64, 1024]
@@ -176,7 +176,7 @@ def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
 
 def bench_moe(rows: list, quick: bool) -> None:
     from quads.kernels import nvfp4_quant
-    from quads.kernels.prototype import gemm
+    from quads.prototype.kernels import gemm
 
     e, n, k, topk = 128, 1536, 2048, 8  # Qwen3-30B-A3B gate_up
     nsets = 2 if quick else 4
@@ -218,7 +218,7 @@ def bench_moe(rows: list, quick: bool) -> None:
 
 
 def bench_w4a4(rows: list) -> None:
-    from quads.kernels.prototype import gemm, linear, rac
+    from quads.prototype.kernels import gemm, linear, rac
 
     n, k = 8192, 8192
     _, fp4, _ = _weight_sets(n, k, 16)
@@ -286,7 +286,7 @@ def tune_space() -> list[tuple]:
 def _tune_call(kind: str, key, cfg, data: dict):
     """A closure running one config on ``data`` (built by ``_tune_data``) once."""
     from quads.kernels import nvfp4_quant
-    from quads.kernels.prototype import gemm, rac
+    from quads.prototype.kernels import gemm, rac
 
     if kind == "w4a16":
         bn, bk, sk, nw, ns = cfg
@@ -511,7 +511,7 @@ def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None) -> 
                    "TBps": moved / t / 1e12}  # fmt: skip
             if kind.startswith("rac"):
                 ev: dict = {}
-                from quads.kernels.prototype import rac
+                from quads.prototype.kernels import rac
 
                 n = 4096
                 rac.rac_quantize(data["xq"], n, act_scale=key2, timings=ev, **{kind[4:]: cfg})

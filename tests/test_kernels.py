@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton", reason="Triton is not installed (pip inst
 
 from quads.formats import nvfp4  # noqa: E402
 from quads.kernels import dispatch, nvfp4_quant, tuning  # noqa: E402
-from quads.kernels.prototype import gemm, linear, rac  # noqa: E402
+from quads.prototype.kernels import gemm, linear, rac  # noqa: E402
 from quads.quant.rac import rac_operands  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"

@@ -9,7 +9,7 @@ imported on first use, so importing this module costs nothing without a GPU.
 
 The ops here are the ones the product path calls (NVFP4 quantize / dequantize). They are bit-exact
 with their references, so the backend never changes a quantized value. The GEMM and fused-RAC
-kernels that only tests and benchmarks call live in ``quads.kernels.prototype``.
+kernels that only tests and benchmarks call live in ``quads.prototype.kernels``.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def residual_norms(r: torch.Tensor) -> torch.Tensor:
     score); a stack ``[G, C, K]`` of groups (experts) -> ``[G, K]``, one score row per group.
 
     fp64 so that the ranking does not depend on the summation order (the squares of fp32 residuals
-    are exact in fp64): the fused Triton kernel (``quads.kernels.prototype.rac``) sums in another order and
+    are exact in fp64): the fused Triton kernel (``quads.prototype.kernels.rac``) sums in another order and
     selects the same channels, which an fp32 sum would not guarantee.
     """
     return r.double().square().sum(dim=-2)

@@ -20,7 +20,7 @@ def w4a16_linear(x: torch.Tensor, w: nvfp4.NVFP4Tensor, bias: torch.Tensor | Non
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if dispatch.use_triton(x2, w.codes) and x.dtype == torch.bfloat16:
-        from quads.kernels.prototype import gemm
+        from quads.prototype.kernels import gemm
 
         if x2.shape[0] <= tuning.config("w4a16_linear", "dispatch")["fused_max_m"]:
             y = gemm.w4a16_gemm(x2.contiguous(), w)
@@ -36,7 +36,7 @@ def w4a16_linear(x: torch.Tensor, w: nvfp4.NVFP4Tensor, bias: torch.Tensor | Non
 def w4a16_grouped(x: torch.Tensor, w: nvfp4.NVFP4Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Grouped MoE W4A16: ``x`` ``[T, K]`` sorted by expert, ``w`` ``[E, N, K]``, ``offsets`` ``[E+1]``."""
     if dispatch.use_triton(x, w.codes) and x.dtype == torch.bfloat16:
-        from quads.kernels.prototype import gemm
+        from quads.prototype.kernels import gemm
 
         return gemm.w4a16_grouped_gemm(x.contiguous(), w, offsets)
     out = torch.empty(x.shape[0], w.codes.shape[1], dtype=x.dtype, device=x.device)
@@ -63,7 +63,7 @@ def w4a4_linear(
     """
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    from quads.kernels.prototype import gemm, rac
+    from quads.prototype.kernels import gemm, rac
 
     if dispatch.use_triton(x2, w.codes):
         qz, mm = rac.rac_quantize, gemm.w4a4_gemm

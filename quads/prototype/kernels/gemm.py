@@ -361,7 +361,7 @@ def w4a4_gemm(
     """Emulated W4A4 (+RAC): NVFP4 ``a`` ``[M, K]`` x NVFP4 ``w`` ``[N, K]`` -> ``[M, N]``.
 
     ``residual``: RAC operand ``[M, K]`` BF16, ``e2m1 * s_r`` of the quantized residual scattered to
-    its channels (``quads.kernels.prototype.rac``), ``residual_scale`` its FP32 global scale ([] or [M, 1]).
+    its channels (``quads.prototype.kernels.rac``), ``residual_scale`` its FP32 global scale ([] or [M, 1]).
     """
     _require_triton()
     m, k = a.codes.shape[0], a.codes.shape[1] * 2

@@ -1,6 +1,6 @@
 """Kernels that the product path does not call yet: the base of the fast-kernel work (issue 18).
 
-Nothing outside ``quads.kernels.prototype``, tests and benchmarks imports these modules; the rollout
+Nothing outside ``quads.prototype.kernels``, tests and benchmarks imports these modules; the rollout
 and the trainer emulate their GEMMs in PyTorch (``quads.quant``). They are kept, each beside the
 reference it matches and checked by ``tests/test_kernels.py`` (CPU interpreter and H200), because the
 fast kernels start from them and are measured against them (docs/PERF.md):

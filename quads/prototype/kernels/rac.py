@@ -19,7 +19,7 @@ norm first, ties to the lower channel), and ``R[:, S]``'s codes/scales/global sc
    same Xq bits as pass 2, with no re-quantization), per-token residual amax if asked (a first sweep
    over S), quantizes ``R[:, S]`` in blocks of 16 consecutive selected channels, and
    optionally scatters ``e2m1 * s_r`` as BF16 to ``[T, K]`` (the GEMM's residual operand, see
-   ``quads.kernels.prototype.gemm.w4a4_gemm``).
+   ``quads.prototype.kernels.gemm.w4a4_gemm``).
 
 Bytes: X is read 3 times (passes 1, 2 and the gather of 4, which touches most sectors at ratio 0.5)
 against once for a plain per-token quantize: the token reduction in front of the selection forces a
@@ -296,7 +296,7 @@ def rac_quantize_reference(
     rq = nvfp4.quantize(r[:, sel], per_token=per_token)
     scat = None
     if scatter:
-        from quads.kernels.prototype.gemm import decoded
+        from quads.prototype.kernels.gemm import decoded
 
         scat = torch.zeros(x.shape, dtype=torch.bfloat16, device=x.device)
         scat[:, sel] = decoded(rq).to(torch.bfloat16)
