@@ -25,3 +25,46 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+# ---------------------------------------------------------------------- shared tiny models
+# One tiny MoE (2 heads, 4 experts top-2, character vocabulary) for every test that needs "a model" or
+# "a checkpoint" and not a particular architecture. Plain functions, so module-level helpers and
+# subprocess set-ups can call them too (``from conftest import save_tiny_checkpoint``); fixtures below.
+
+import pytest  # noqa: E402
+
+TINY_MODEL = dict(hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, n_experts=4, top_k=2,
+                  moe_intermediate_size=32, max_seq_len=64)
+# a little larger (2 layers, 64 wide): enough depth for per-layer errors and routing differences
+SMALL_MODEL = dict(hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4, top_k=2,
+                   moe_intermediate_size=32, max_seq_len=128)
+
+
+def tiny_model(seed: int = 0, **fields):
+    """A seeded ``MoEForCausalLM`` with ``TINY_MODEL`` (``fields`` override it) and the char vocabulary."""
+    from quads.model import ModelConfig, MoEForCausalLM
+    from quads.model.tokenizer import CharTokenizer
+
+    torch.manual_seed(seed)
+    return MoEForCausalLM(ModelConfig(vocab_size=CharTokenizer().vocab_size, **{**TINY_MODEL, **fields}))
+
+
+def save_tiny_checkpoint(path, extra: dict | None = None, seed: int = 0, **fields):
+    """``tiny_model(seed, **fields)`` saved with its tokenizer (and ``extra``) at ``path``; the folder."""
+    from quads.model.checkpoint import save_checkpoint
+    from quads.model.tokenizer import CharTokenizer
+
+    return save_checkpoint(tiny_model(seed, **fields), path, extra, tokenizer=CharTokenizer())
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    """A fresh ``TINY_MODEL`` checkpoint folder under the test's tmp_path."""
+    return save_tiny_checkpoint(tmp_path / "tiny-ckpt")
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    """A ``SMALL_MODEL`` checkpoint shared by a test module (read only)."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("small-ckpt") / "policy", **SMALL_MODEL)
