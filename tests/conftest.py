@@ -18,6 +18,21 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+# Test modules whose every test starts subprocesses (sandboxed programs, vLLM engines): marked slow as a
+# whole, so ``pytest -m "not slow"`` is the quick loop. Single slow tests elsewhere carry
+# ``@pytest.mark.slow`` themselves (the torchrun runs of test_distributed, the training runs of test_compare).
+SLOW_MODULES = ("test_sandbox.py", "test_sandbox_escape.py", "test_vllm.py", "test_vllm_diagnose.py",
+                "test_vllm_replay.py", "test_vllm_train.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 # Under CI (CI=true) property tests draw the same examples on every run, so a red CI always names a
 # reproducible input and never comes from a new random draw; a local run keeps exploring new ones.
 from hypothesis import settings  # noqa: E402
