@@ -139,3 +139,15 @@ def test_cuda_runs_spread_over_gpus(checkpoint, tmp_path, monkeypatch):
     assert cmp.gpu_list(cfg, cpu_runs) == []
     with pytest.raises(ValueError, match="device ids"):
         cmp.gpu_list(dataclasses.replace(cfg, gpus="a,b"), runs)
+
+
+def test_committed_report_is_what_the_report_module_writes(tmp_path, capsys):
+    """``--report-only`` on a committed compare (results/cpu/compare-lr2e-4) rewrites its compare.md as committed."""
+    import shutil
+
+    src = Path(__file__).resolve().parents[1] / "results" / "cpu" / "compare-lr2e-4"
+    shutil.copytree(src, tmp_path / "c")
+    rc = main(["compare", "--recipes", "bf16,fp8,nvfp4,w4a16-qat,w4a4-qat,quads", "--seeds", "0,1", "--out-dir",
+               str(tmp_path / "c"), "--report-only", "true"])
+    assert rc == 0
+    assert (tmp_path / "c" / "compare.md").read_text() == (src / "compare.md").read_text()

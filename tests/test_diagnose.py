@@ -2,6 +2,7 @@
 (identical sides show zero gap, BF16/BF16 shows only engine drift); the CLI writes a filled report."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,3 +131,16 @@ def test_finds_the_warm_start_quads_train_cached(tmp_path, monkeypatch):
                                    out_dir=str(tmp_path / "diag")), say=lambda s: None)
     assert res["meta"]["checkpoint"] == str(folder)
     assert len(trained) == 1  # found in the cache, not trained again
+
+
+@pytest.mark.parametrize("folder", ["results/cpu/diagnose", "results/cpu/diagnose-vllm", "results/gpu/diagnose"])
+def test_committed_report_is_what_the_report_module_writes(folder, tmp_path):
+    """The report of a committed diagnose run, rewritten from its data files, is the committed one."""
+    import shutil
+
+    from quads.experiments.diagnose import load_result, write_report
+
+    src = Path(__file__).resolve().parents[1] / folder
+    shutil.copytree(src, tmp_path / "d")
+    write_report(load_result(tmp_path / "d"), tmp_path / "d")
+    assert (tmp_path / "d" / "decomposition.md").read_text() == (src / "decomposition.md").read_text()

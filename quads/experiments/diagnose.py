@@ -313,12 +313,13 @@ def rac_rows(rows: list[dict[str, Any]], trainer: str) -> tuple[list[dict[str, A
 
 
 def rac_table(rows: list[dict[str, Any]], trainer: str) -> str:
-    """Gap against RAC ratio for one trainer, plus the BF16-engine floor row."""
+    """Gap against RAC ratio for one trainer, plus the engine-drift floor rows."""
     rac, floor = rac_rows(rows, trainer)
-    label = [(f"RAC ratio (trainer {trainer})", lambda r: f"{r['rac_ratio'] * 100:g}%", "{}")]
-    floor_label = [("", lambda r: f"{r['rollout']} rollout, same spec as the trainer (engine-drift floor)", "{}")]
-    head, *body = table(rac, label + _GAP_COLUMNS).split("\n")
-    return "\n".join([head, *body, *table(floor, floor_label + _GAP_COLUMNS).split("\n")[2:]])
+    labels = ([f"{r['rac_ratio'] * 100:g}%" for r in rac]
+              + [f"{r['rollout']} rollout, same spec as the trainer (engine-drift floor)" for r in floor])
+    return markdown_table([f"RAC ratio (trainer {trainer})", *(c[0] for c in _GAP_COLUMNS)],
+                          [[label, *(cell(r[key], fmt) for _, key, fmt in _GAP_COLUMNS)]
+                           for label, r in zip(labels, rac + floor)])
 
 
 def layer_table(per_layer: dict[str, dict[str, float]], trainer: str) -> str:
