@@ -1,4 +1,4 @@
-"""Session-wide test set-up.
+"""Session-wide test set-up, the slow marker of subprocess-heavy modules, and the shared tiny models.
 
 Without a GPU, Triton kernels run under Triton's CPU interpreter. Triton reads ``TRITON_INTERPRET``
 when a kernel is decorated, so it must be set before any test module (or a module it imports) loads
@@ -7,6 +7,7 @@ when a kernel is decorated, so it must be set before any test module (or a modul
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -26,8 +27,6 @@ SLOW_MODULES = ("test_sandbox.py", "test_sandbox_escape.py", "test_vllm.py", "te
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     for item in items:
         if item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
@@ -45,9 +44,7 @@ if os.environ.get("CI"):
 # ---------------------------------------------------------------------- shared tiny models
 # One tiny MoE (2 heads, 4 experts top-2, character vocabulary) for every test that needs "a model" or
 # "a checkpoint" and not a particular architecture. Plain functions, so module-level helpers and
-# subprocess set-ups can call them too (``from conftest import save_tiny_checkpoint``); fixtures below.
-
-import pytest  # noqa: E402
+# subprocess set-ups can call them too (``from conftest import save_tiny_checkpoint``); a fixture below.
 
 TINY_MODEL = dict(hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, n_experts=4, top_k=2,
                   moe_intermediate_size=32, max_seq_len=64)
@@ -71,12 +68,6 @@ def save_tiny_checkpoint(path, extra: dict | None = None, seed: int = 0, **field
     from quads.model.tokenizer import CharTokenizer
 
     return save_checkpoint(tiny_model(seed, **fields), path, extra, tokenizer=CharTokenizer())
-
-
-@pytest.fixture
-def tiny_checkpoint(tmp_path):
-    """A fresh ``TINY_MODEL`` checkpoint folder under the test's tmp_path."""
-    return save_tiny_checkpoint(tmp_path / "tiny-ckpt")
 
 
 @pytest.fixture(scope="module")
