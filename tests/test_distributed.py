@@ -129,9 +129,11 @@ def launch(out: Path, ckpt: Path, nproc: int, *extra: str) -> subprocess.Popen:
     return proc
 
 
-# A gloo abort while the process group starts ("terminate called without an active exception", rank 0
-# killed by SIGABRT before the first step) was seen once in many runs on the 2-core CI machine; it is not
-# quads' code. A run that dies that way is launched once more; any other failure fails the test.
+# A rank aborting at start-up ("terminate called without an active exception", SIGABRT; the log's only
+# line, no Python output before it) happened once in 28 runs of this module under -n 2 on a loaded
+# 2-core machine; its cause is not found yet. Not the --master-port choice: a taken port fails cleanly in
+# the agent (DistNetworkError EADDRINUSE). A run that dies that way is launched once more; any other
+# failure fails the test.
 GLOO_START_ABORT = "terminate called without an active exception"
 
 
