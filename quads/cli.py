@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("quads.experiments.compare", "run several recipes with the same seeds and data; one report"),
     "diagnose": ("quads.experiments.diagnose", "decompose the rollout/trainer log-prob gap by error source"),
     "eval": ("quads.evaluate", "pass@k of a checkpoint on a task's held-out split or a dataset file"),
-    "pretrain": ("quads.pretrain", "supervised warm start of the built-in model on a task"),
+    "pretrain": ("quads.pretrain_cli", "supervised warm start of the built-in model on a task"),
     "bench": ("quads.bench", "GPU kernel and engine benchmarks against cuBLAS BF16 / FP8"),
     "export": ("quads.export", "export a trained policy as an NVFP4 checkpoint serving engines load"),
 }

@@ -1,9 +1,9 @@
 """``quads eval``: pass@1 and pass@k of a checkpoint on a task's held-out split or a dataset file.
 
-For each prompt we draw ``n_samples`` responses (greedy when ``temperature`` is 0, then one sample
-is enough), count the ``c`` correct ones and use the unbiased estimator of Chen et al. (2021):
-``pass@k = 1 - C(n - c, k) / C(n, k)``, averaged over prompts (k <= n required). pass@1 reduces to
-``c / n``. Output: a table and one JSON line (``{"metric": "eval", ...}``).
+The command parses its flags, loads the policy (``quads.model.checkpoint.load_model``), picks the task
+and held-out prompts, and scores them with ``quads.evaluation.evaluate_model`` (``n_samples`` responses
+per prompt, greedy when ``temperature`` is 0; the unbiased pass@k estimator of Chen et al. (2021)).
+Output: a table and one JSON line (``{"metric": "eval", ...}``).
 
 Without ``--task`` / ``--dataset`` the checkpoint's own task and level are evaluated (``quads train``
 and ``quads pretrain`` record them in the checkpoint); the line printed first names what is evaluated
@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from quads.config import add_dataclass_args, build_config
 from quads.errors import UsageError
+from quads.evaluation import EvalResult, evaluate_model, pass_at_k
 from quads.tasks import Example, Task, get_task, require_sandbox
 
 
@@ -63,59 +60,6 @@ class EvalConfig:
                              "for n_samples > 1")
 
 
-@dataclass
-class EvalResult:
-    pass_at: dict[int, float]  # k -> mean pass@k over prompts
-    n_prompts: int
-    n_samples: int
-    mean_response_chars: float
-    reasons: dict[str, int]  # failure reason (first words) -> count
-    samples: list[dict] = field(default_factory=list)  # a few (prompt, response, reason) for inspection
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from ``n`` samples with ``c`` correct: ``1 - C(n-c, k) / C(n, k)``."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-@torch.no_grad()
-def evaluate_model(model: torch.nn.Module, tokenizer, task: Task, examples: list[Example], *,
-                   n_samples: int = 1, ks: tuple[int, ...] = (1,), temperature: float = 0.0,
-                   max_new_tokens: int = 64, batch_size: int = 64, seed: int = 0,
-                   recipe: str | None = None) -> EvalResult:
-    """Generate ``n_samples`` responses per example with the rollout engine and score them."""
-    from quads.rollout import RolloutEngine, SamplingParams
-
-    engine = RolloutEngine(model, tokenizer, recipe=recipe)
-    params = SamplingParams(n=n_samples, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
-                            record_routing=False)
-    correct: list[int] = []
-    reasons: Counter[str] = Counter()
-    samples, chars = [], 0
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i:i + batch_size]
-        batch = engine.generate([e.prompt for e in chunk], params)
-        for j, ex in enumerate(chunk):
-            c = 0
-            for text in batch.texts[j * n_samples:(j + 1) * n_samples]:
-                s = task.score(ex, text)
-                c += s.correct
-                chars += len(text)
-                if not s.correct:
-                    reasons[s.reason.split(":")[0]] += 1
-                if len(samples) < 8:
-                    samples.append({"prompt": ex.prompt, "response": text, "reason": s.reason})
-            correct.append(c)
-    n = len(examples)
-    pass_at = {k: sum(pass_at_k(n_samples, c, k) for c in correct) / max(n, 1) for k in ks}
-    return EvalResult(pass_at, n, n_samples, chars / max(n * n_samples, 1), dict(reasons.most_common(8)),
-                      samples)
-
-
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML file with EvalConfig fields")
     add_dataclass_args(parser, EvalConfig)
@@ -130,6 +74,8 @@ def _load(cfg: EvalConfig):
                          "model folder)")
     check_device(cfg.device, "device")
     if cfg.threads:
+        import torch
+
         torch.set_num_threads(cfg.threads)
     model, tokenizer, extra = load_model(cfg.checkpoint, device=cfg.device, field="--checkpoint")
     if cfg.recipe is not None:

@@ -1,4 +1,6 @@
-"""``quads pretrain``: supervised warm start of the built-in MoE on a task's demonstrations.
+"""Supervised warm start of the built-in MoE on a task's demonstrations (``quads pretrain``'s library;
+the command is ``quads.pretrain_cli``; ``quads train``, ``compare`` and ``diagnose`` reach it through
+``quads.rl.build.warm_start_policy``).
 
 Each training sequence is ``<bos> prompt response <eos>`` in character ids; teacher forcing with
 cross-entropy on the response and ``<eos>`` only (prompt and padding positions are masked), mean
@@ -14,8 +16,6 @@ end the held-out greedy pass@1 is measured with the rollout engine and stored in
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import hashlib
 import json
 import math
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from quads.config import add_dataclass_args, build_config, to_dict
+from quads.config import to_dict
 from quads.tasks.base import examples_up_to
 
 FORMAT_VERSION = 1  # bump when the SFT recipe or data format changes, so old cache entries are not reused
@@ -206,7 +206,7 @@ def save_warm_start(cfg: PretrainConfig, model, tokenizer, task, history: list[t
     result: dict[str, Any] = {"train_seconds": round(train_seconds, 1), "loss_history": history,
                               "final_ce": history[-1][1]}
     if cfg.eval_size > 0:
-        from quads.evaluate import evaluate_model
+        from quads.evaluation import evaluate_model
 
         res = evaluate_model(model.eval(), tokenizer, task, examples_up_to(task, "test", cfg.eval_size),
                              max_new_tokens=cfg.max_new_tokens)
@@ -215,29 +215,3 @@ def save_warm_start(cfg: PretrainConfig, model, tokenizer, task, history: list[t
     extra = {"pretrain": to_dict(cfg), "pretrain_result": result, "task": cfg.task,
              "difficulty": getattr(task, "difficulty", None)}
     return save_checkpoint(model, cfg.folder(), extra, tokenizer=tokenizer)
-
-
-def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="YAML file with PretrainConfig fields")
-    add_dataclass_args(parser, PretrainConfig)
-
-
-def run(args: argparse.Namespace) -> int:
-    from quads.model.checkpoint import read_checkpoint_config
-
-    try:
-        cfg = build_config(PretrainConfig, getattr(args, "config", None), args, skip=("config",))
-    except ValueError as e:
-        print(f"quads pretrain: {e}", file=sys.stderr)
-        return 2
-    cached = (cfg.folder() / "config.json").is_file()
-    folder = warm_start(cfg)
-    _, extra = read_checkpoint_config(folder)
-    res = extra.get("pretrain_result", {})
-    print(f"{'cached' if cached else 'trained'} checkpoint: {folder}")
-    print(f"task {cfg.task} difficulty {extra.get('difficulty')}, {cfg.steps} steps, final ce "
-          f"{res.get('final_ce', float('nan')):.4f}, held-out greedy pass@1 {res.get('heldout_pass@1')}")
-    print(json.dumps({"metric": "pretrain", "checkpoint": str(folder), "cached": cached,
-                      **{k: v for k, v in res.items() if k != "loss_history"},
-                      **dataclasses.asdict(cfg)}))
-    return 0

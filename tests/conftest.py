@@ -1,4 +1,4 @@
-"""Session-wide test set-up.
+"""Session-wide test set-up, the slow marker of subprocess-heavy modules, and the shared tiny models.
 
 Without a GPU, Triton kernels run under Triton's CPU interpreter. Triton reads ``TRITON_INTERPRET``
 when a kernel is decorated, so it must be set before any test module (or a module it imports) loads
@@ -7,6 +7,7 @@ when a kernel is decorated, so it must be set before any test module (or a modul
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -18,6 +19,19 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+# Test modules whose every test starts subprocesses (sandboxed programs, vLLM engines): marked slow as a
+# whole, so ``pytest -m "not slow"`` is the quick loop. Single slow tests elsewhere carry
+# ``@pytest.mark.slow`` themselves (the torchrun runs of test_distributed, the training runs of test_compare).
+SLOW_MODULES = ("test_sandbox.py", "test_sandbox_escape.py", "test_vllm.py", "test_vllm_diagnose.py",
+                "test_vllm_replay.py", "test_vllm_train.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 # Under CI (CI=true) property tests draw the same examples on every run, so a red CI always names a
 # reproducible input and never comes from a new random draw; a local run keeps exploring new ones.
 from hypothesis import settings  # noqa: E402
@@ -25,3 +39,38 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+# ---------------------------------------------------------------------- shared tiny models
+# One tiny MoE (2 heads, 4 experts top-2, character vocabulary) for every test that needs "a model" or
+# "a checkpoint" and not a particular architecture. Plain functions, so module-level helpers and
+# subprocess set-ups can call them too (``from conftest import save_tiny_checkpoint``); a fixture below.
+
+TINY_MODEL = dict(hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, n_experts=4, top_k=2,
+                  moe_intermediate_size=32, max_seq_len=64)
+# a little larger (2 layers, 64 wide): enough depth for per-layer errors and routing differences
+SMALL_MODEL = dict(hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4, top_k=2,
+                   moe_intermediate_size=32, max_seq_len=128)
+
+
+def tiny_model(seed: int = 0, **fields):
+    """A seeded ``MoEForCausalLM`` with ``TINY_MODEL`` (``fields`` override it) and the char vocabulary."""
+    from quads.model import ModelConfig, MoEForCausalLM
+    from quads.model.tokenizer import CharTokenizer
+
+    torch.manual_seed(seed)
+    return MoEForCausalLM(ModelConfig(vocab_size=CharTokenizer().vocab_size, **{**TINY_MODEL, **fields}))
+
+
+def save_tiny_checkpoint(path, extra: dict | None = None, seed: int = 0, **fields):
+    """``tiny_model(seed, **fields)`` saved with its tokenizer (and ``extra``) at ``path``; the folder."""
+    from quads.model.checkpoint import save_checkpoint
+    from quads.model.tokenizer import CharTokenizer
+
+    return save_checkpoint(tiny_model(seed, **fields), path, extra, tokenizer=CharTokenizer())
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    """A ``SMALL_MODEL`` checkpoint shared by a test module (read only)."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("small-ckpt") / "policy", **SMALL_MODEL)

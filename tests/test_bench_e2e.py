@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from quads.cli import main
 
 
+@pytest.mark.slow  # a benchmark run: every recipe on both expert paths, plus the trainer
 def test_bench_e2e_quick(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     assert main(["bench", "e2e", "--quick", "--preset", "tiny", "--device", "cpu", "--experts", "grouped,loop",

@@ -9,13 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import save_tiny_checkpoint
 
 from quads import tasks
 from quads.cli import main
-from quads.model.checkpoint import save_checkpoint
-from quads.model.config import ModelConfig
-from quads.model.tokenizer import CharTokenizer
-from quads.model.transformer import MoEForCausalLM
 from quads.rl.checkpoint import latest_checkpoint
 from quads.tasks.arithmetic import ArithmeticTask
 from quads.tasks.base import Example, Score
@@ -51,11 +48,7 @@ TINY = ["--task.name", "echo", "--recipe.name", "bf16", "--rollout.prompts-per-s
 
 @pytest.fixture
 def ckpt(tmp_path):
-    torch.manual_seed(0)
-    tok = CharTokenizer()
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                      head_dim=16, n_experts=4, top_k=2, moe_intermediate_size=32, max_seq_len=64)
-    return save_checkpoint(MoEForCausalLM(cfg), tmp_path / "ckpt", {"task": "echo"}, tokenizer=tok)
+    return save_tiny_checkpoint(tmp_path / "ckpt", {"task": "echo"})
 
 
 def one_line_error(capsys, *words):

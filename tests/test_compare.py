@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from quads.cli import main
 from quads.experiments.compare import (
@@ -18,19 +17,11 @@ from quads.experiments.compare import (
     plan_runs,
 )
 from quads.experiments.compare import write_report as write_compare
-from quads.model import ModelConfig, MoEForCausalLM
-from quads.model.checkpoint import save_checkpoint
-from quads.model.tokenizer import CharTokenizer
-
-TINY = dict(hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4, top_k=2,
-            moe_intermediate_size=32, max_seq_len=128)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    model = MoEForCausalLM(ModelConfig(vocab_size=CharTokenizer().vocab_size, **TINY))
-    return save_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "policy", tokenizer=CharTokenizer())
+def checkpoint(small_checkpoint) -> Path:
+    return small_checkpoint
 
 
 def _set(checkpoint: Path) -> str:
@@ -70,6 +61,7 @@ def test_collapse_step():
     assert collapse_step(dip) == 5
 
 
+@pytest.mark.slow
 def test_compare_runs_in_parallel_and_reports_a_crash(checkpoint, tmp_path):
     out = tmp_path / "cmp"
     cfg = CompareConfig(recipes="bf16,nvfp4", seeds="0", set=_set(checkpoint), out_dir=str(out), parallel=3)
@@ -97,6 +89,7 @@ def test_compare_runs_in_parallel_and_reports_a_crash(checkpoint, tmp_path):
     assert again[0].reused and again[0].ok
 
 
+@pytest.mark.slow
 def test_cli(checkpoint, tmp_path, capsys):
     out = tmp_path / "cli"
     rc = main(["compare", "--recipes", "w4a16-qat", "--seeds", "3", "--set", _set(checkpoint),
@@ -146,3 +139,15 @@ def test_cuda_runs_spread_over_gpus(checkpoint, tmp_path, monkeypatch):
     assert cmp.gpu_list(cfg, cpu_runs) == []
     with pytest.raises(ValueError, match="device ids"):
         cmp.gpu_list(dataclasses.replace(cfg, gpus="a,b"), runs)
+
+
+def test_committed_report_is_what_the_report_module_writes(tmp_path, capsys):
+    """``--report-only`` on a committed compare (results/cpu/compare-lr2e-4) rewrites its compare.md as committed."""
+    import shutil
+
+    src = Path(__file__).resolve().parents[1] / "results" / "cpu" / "compare-lr2e-4"
+    shutil.copytree(src, tmp_path / "c")
+    rc = main(["compare", "--recipes", "bf16,fp8,nvfp4,w4a16-qat,w4a4-qat,quads", "--seeds", "0,1", "--out-dir",
+               str(tmp_path / "c"), "--report-only", "true"])
+    assert rc == 0
+    assert (tmp_path / "c" / "compare.md").read_text() == (src / "compare.md").read_text()

@@ -6,31 +6,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL_MODEL, tiny_model
 
 from quads.cli import main
 from quads.experiments.diagnose import DiagnoseConfig, decompose, load_grid
-from quads.model import ModelConfig, MoEForCausalLM
-from quads.model.checkpoint import save_checkpoint
 from quads.model.tokenizer import CharTokenizer
 from quads.quant import get_recipe, quantize_model
 from quads.rl.logprobs import sequence_logprobs
 from quads.rollout import RolloutEngine, SamplingParams
 from quads.rollout.score import score_rollout
 
-TINY = dict(hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4, top_k=2,
-            moe_intermediate_size=32, max_seq_len=128)
 PROMPTS = ["Q: 1+2=\n", "Q: 3*4-5=\n", "Q: 7=\n"]
 
 
-def _model(dtype: str, seed: int = 0) -> MoEForCausalLM:
-    torch.manual_seed(seed)
-    return MoEForCausalLM(ModelConfig(vocab_size=CharTokenizer().vocab_size, dtype=dtype, **TINY)).eval()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("ckpt") / "policy"
-    return save_checkpoint(_model("float32"), folder, tokenizer=CharTokenizer())
+def _model(dtype: str):
+    return tiny_model(dtype=dtype, **SMALL_MODEL).eval()
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "nvfp4", "quads"])
@@ -71,8 +61,8 @@ def _row(rows, rollout, trainer):
     return row
 
 
-def test_decomposition_float64_identical_sides_zero_gap(checkpoint, tmp_path):
-    res = decompose(_small_cfg(checkpoint, tmp_path, dtype="float64", layer_errors=False), say=lambda s: None)
+def test_decomposition_float64_identical_sides_zero_gap(small_checkpoint, tmp_path):
+    res = decompose(_small_cfg(small_checkpoint, tmp_path, dtype="float64", layer_errors=False), say=lambda s: None)
     rows = res["rows"]
     assert res["self_check"] == 0.0
     # the same computation on both sides (BF16 engine vs BF16 trainer; W4A16 engine vs W4A16-QAT trainer)
@@ -84,9 +74,9 @@ def test_decomposition_float64_identical_sides_zero_gap(checkpoint, tmp_path):
         assert _row(rows, rollout, "bf16")["gap_max"] > 1e-4
 
 
-def test_cli_writes_filled_report(checkpoint, tmp_path, capsys):
+def test_cli_writes_filled_report(small_checkpoint, tmp_path, capsys):
     out = tmp_path / "diag"
-    rc = main(["diagnose", "--checkpoint", str(checkpoint), "--prompts", "3", "--n-samples", "2",
+    rc = main(["diagnose", "--checkpoint", str(small_checkpoint), "--prompts", "3", "--n-samples", "2",
                "--max-new-tokens", "12", "--rac-ratios", "0.25,1.0", "--out-dir", str(out)])
     assert rc == 0
     rows = [json.loads(line) for line in (out / "decomposition.jsonl").read_text().splitlines()]
@@ -118,3 +108,39 @@ def test_recipe_grid_file(tmp_path):
     p.write_text("rollout:\n  x: {}\n")
     with pytest.raises(ValueError, match="rollout and trainer"):
         load_grid(str(p))
+
+
+def test_finds_the_warm_start_quads_train_cached(tmp_path, monkeypatch):
+    """With no checkpoint, diagnose uses the warm start quads train cached for the same preset, task, level
+    and seed (same config hash folder), and trains none of its own."""
+    from quads import pretrain
+    from quads.rl.build import resolve
+    from quads.rl.config import TrainConfig
+
+    monkeypatch.setenv("QUADS_CACHE", str(tmp_path / "cache"))
+    trained = []
+
+    def sft(cfg, log_every=50):  # a stand-in for the SFT run: a tiny model, recorded
+        trained.append(cfg)
+        return tiny_model(**SMALL_MODEL), CharTokenizer(), pretrain._task(cfg), [(0, 1.0)]
+
+    monkeypatch.setattr(pretrain, "train_sft", sft)
+    folder = resolve(TrainConfig()).checkpoint  # quads train's defaults
+    assert len(trained) == 1 and folder.parent == tmp_path / "cache" / "pretrain"
+    res = decompose(DiagnoseConfig(prompts=2, n_samples=1, max_new_tokens=4, rac_ratios="1.0", layer_errors=False,
+                                   out_dir=str(tmp_path / "diag")), say=lambda s: None)
+    assert res["meta"]["checkpoint"] == str(folder)
+    assert len(trained) == 1  # found in the cache, not trained again
+
+
+@pytest.mark.parametrize("folder", ["results/cpu/diagnose", "results/cpu/diagnose-vllm", "results/gpu/diagnose"])
+def test_committed_report_is_what_the_report_module_writes(folder, tmp_path):
+    """The report of a committed diagnose run, rewritten from its data files, is the committed one."""
+    import shutil
+
+    from quads.experiments.diagnose import load_result, write_report
+
+    src = Path(__file__).resolve().parents[1] / folder
+    shutil.copytree(src, tmp_path / "d")
+    write_report(load_result(tmp_path / "d"), tmp_path / "d")
+    assert (tmp_path / "d" / "decomposition.md").read_text() == (src / "decomposition.md").read_text()

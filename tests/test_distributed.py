@@ -50,16 +50,11 @@ class DigitsTask:
 
 
 def tiny_checkpoint(path: Path) -> Path:
-    from quads.model.checkpoint import save_checkpoint
-    from quads.model.config import ModelConfig
-    from quads.model.tokenizer import CharTokenizer
-    from quads.model.transformer import MoEForCausalLM
+    from conftest import (
+        save_tiny_checkpoint,  # here, not at the top: the worker script does not load conftest
+    )
 
-    torch.manual_seed(0)
-    tok = CharTokenizer()
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
-                      n_experts=4, top_k=2, moe_intermediate_size=32, max_seq_len=64)
-    return save_checkpoint(MoEForCausalLM(cfg), path, tokenizer=tok)
+    return save_tiny_checkpoint(path, n_layers=2)
 
 
 def worker(out: Path, ckpt: Path, die_at: int = 0, resume: bool = False) -> None:
@@ -134,9 +129,11 @@ def launch(out: Path, ckpt: Path, nproc: int, *extra: str) -> subprocess.Popen:
     return proc
 
 
-# A gloo abort while the process group starts ("terminate called without an active exception", rank 0
-# killed by SIGABRT before the first step) was seen once in many runs on the 2-core CI machine; it is not
-# quads' code. A run that dies that way is launched once more; any other failure fails the test.
+# A rank aborting at start-up ("terminate called without an active exception", SIGABRT; the log's only
+# line, no Python output before it) happened once in 28 runs of this module under -n 2 on a loaded
+# 2-core machine; its cause is not found yet. Not the --master-port choice: a taken port fails cleanly in
+# the agent (DistNetworkError EADDRINUSE). A run that dies that way is launched once more; any other
+# failure fails the test.
 GLOO_START_ABORT = "terminate called without an active exception"
 
 
@@ -180,6 +177,7 @@ def runs(tmp_path_factory):
     return root / "one", root / "two"
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process(runs):
     one, two = runs
     m1, m2 = read_metrics(one / "run"), read_metrics(two / "run")
@@ -208,6 +206,7 @@ def rollout_operands_of(state: dict[str, torch.Tensor], ckpt: Path) -> dict[str,
     return {f"{n}.{p}": w for n, m in quantized_modules(model).items() for p, (_, w) in m.weight_operands().items()}
 
 
+@pytest.mark.slow
 def test_synced_quantized_weights_identical(runs):
     """Replicas bit-identical, and bit-identical to QDQ of the trainer's (gathered, checkpointed) master
     weights; across world sizes the masters agree to fp32 summation order (see the assertion)."""
@@ -232,6 +231,7 @@ def test_synced_quantized_weights_identical(runs):
     assert n_diff <= 1e-3 * n_all, f"{n_diff} of {n_all} rollout weights differ between 1 and 2 processes"
 
 
+@pytest.mark.slow
 def test_checkpoint_written_once_full_and_matching(runs):
     from quads.rl.checkpoint import latest_checkpoint, load_train_state
 
@@ -264,6 +264,7 @@ def test_split_groups_and_config_errors():
     assert distributed.loss_denom(torch.ones(2, 3), "token_mean", one) is None
 
 
+@pytest.mark.slow
 def test_dead_peer_names_rank_step_and_checkpoint_then_resumes(tmp_path):
     """Two ranks started by hand (no torchrun agent to kill the survivor): rank 1 dies after step 2; rank 0's
     next collective fails with PeerFailureError naming its rank, the step and the checkpoint; the run

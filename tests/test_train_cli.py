@@ -4,16 +4,12 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
+from conftest import save_tiny_checkpoint
 
 from quads import tasks
 from quads.cli import main
 from quads.config import build_config
-from quads.model.checkpoint import save_checkpoint
-from quads.model.config import ModelConfig
-from quads.model.tokenizer import CharTokenizer
-from quads.model.transformer import MoEForCausalLM
 from quads.rl.config import TrainConfig
 from quads.tasks.base import Example, Score
 
@@ -44,11 +40,7 @@ def echo_task(monkeypatch):
 
 
 def make_ckpt(path, n_layers=1):
-    torch.manual_seed(0)
-    tok = CharTokenizer()
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, n_layers=n_layers, n_heads=2, n_kv_heads=1,
-                      head_dim=16, n_experts=4, top_k=2, moe_intermediate_size=32, max_seq_len=64)
-    return save_checkpoint(MoEForCausalLM(cfg), path, tokenizer=tok)
+    return save_tiny_checkpoint(path, n_layers=n_layers)
 
 
 TINY = ["--task.name", "echo", "--recipe.name", "bf16", "--rollout.prompts-per-step", "2", "--rollout.n-samples",

@@ -7,12 +7,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import save_tiny_checkpoint
 
 from quads import tasks
-from quads.model.checkpoint import load_checkpoint, save_checkpoint
-from quads.model.config import ModelConfig
-from quads.model.tokenizer import CharTokenizer
-from quads.model.transformer import MoEForCausalLM
+from quads.model.checkpoint import load_checkpoint
 from quads.rl import checkpoint as ckpt_mod
 from quads.rl.config import (
     LogSection,
@@ -53,11 +51,7 @@ def digits_task(monkeypatch):
 
 
 def tiny_checkpoint(path, n_layers=1):
-    torch.manual_seed(0)
-    tok = CharTokenizer()
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, n_layers=n_layers, n_heads=2, n_kv_heads=1,
-                      head_dim=16, n_experts=4, top_k=2, moe_intermediate_size=32, max_seq_len=64)
-    return save_checkpoint(MoEForCausalLM(cfg), path, tokenizer=tok)
+    return save_tiny_checkpoint(path, n_layers=n_layers)
 
 
 def tiny_config(tmp_path, ckpt, **over):

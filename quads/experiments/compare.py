@@ -40,6 +40,19 @@ import yaml
 
 from quads.config import add_dataclass_args, build_config, from_dict, save_config, to_dict
 from quads.io import atomic_write_text
+from quads.metrics.report import (
+    COMPARE_PANELS,
+    Column,
+    finite_mean,
+    json_safe,
+    load_metrics,
+    plot_compare,
+    smooth,
+    summarize,
+    table,
+    write_compare_report,
+    write_markdown,
+)
 
 ALL_RECIPES = "bf16,fp8,nvfp4,w4a16-qat,w4a4-qat,quads"
 
@@ -271,8 +284,6 @@ def collapse_step(records: list[dict[str, Any]]) -> int | None:
     """The step from which ``summarize``'s collapse rule holds on the records up to every later step
     (so a transient dip early in the run that later recovers does not date the collapse); None when the
     rule does not hold on the whole run."""
-    from quads.metrics.report import summarize
-
     if not records or not summarize(records)["collapse"]:
         return None
     first = len(records)
@@ -283,18 +294,11 @@ def collapse_step(records: list[dict[str, Any]]) -> int | None:
     return int(records[first - 1]["step"])
 
 
-def _mean(xs: list[float]) -> float:
-    f = [x for x in xs if isinstance(x, int | float) and math.isfinite(x)]
-    return sum(f) / len(f) if f else math.nan
-
-
 def run_summary(run_dir: str) -> dict[str, Any]:
-    from quads.metrics.report import load_metrics, summarize
-
     recs = load_metrics(run_dir)
     s = summarize(recs)
     s["collapse_step"] = collapse_step(recs) if s["collapse"] else None
-    s["rollout_tokens_per_s"] = _mean([r.get("perf/rollout_tokens_per_s", math.nan) for r in recs])
+    s["rollout_tokens_per_s"] = finite_mean([r.get("perf/rollout_tokens_per_s", math.nan) for r in recs])
     return s
 
 
@@ -310,57 +314,49 @@ def recipe_table(cfg: CompareConfig, outcomes: list[RunOutcome], per_run: dict[s
             "recipe": recipe, "seeds": len(mine), "finished": sum(o.ok for o in mine),
             "steps": min([s["steps"] for s in done], default=0),
             "crashed": [o.name for o in mine if not o.ok],
-            "reward_final": _mean([s["reward_final"] for s in done]),
-            "eval_start": _mean([s["eval_start"] for s in done]),
-            "eval_end": _mean(ev), "eval_end_spread": (max(ev) - min(ev)) if ev else math.nan,
+            "reward_final": finite_mean([s["reward_final"] for s in done]),
+            "eval_start": finite_mean([s["eval_start"] for s in done]),
+            "eval_end": finite_mean(ev), "eval_end_spread": (max(ev) - min(ev)) if ev else math.nan,
             "gap_max": max([s["gap_max"] for s in done if math.isfinite(s["gap_max"])], default=math.nan),
-            "gap_max_step": _mean([s["gap_max_step"] for s in done]),
-            "gap_mean": _mean([s["gap_mean"] for s in done]),
-            "k3_mean": _mean([s["k3_mean"] for s in done]),
+            "gap_max_step": finite_mean([s["gap_max_step"] for s in done]),
+            "gap_mean": finite_mean([s["gap_mean"] for s in done]),
+            "k3_mean": finite_mean([s["k3_mean"] for s in done]),
             "collapsed": coll,
-            "rollout_tokens_per_s": _mean([s["rollout_tokens_per_s"] for s in done]),
+            "rollout_tokens_per_s": finite_mean([s["rollout_tokens_per_s"] for s in done]),
         })
     return rows
 
 
-def _f(v: Any, fmt: str) -> str:
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+RECIPE_COLUMNS: list[Column] = [
+    ("recipe", "recipe", "{}"),
+    ("runs ok", lambda r: f"{r['finished']}/{r['seeds']}", "{}"),
+    ("steps", lambda r: r.get("steps", "n/a"), "{}"),
+    ("final reward", "reward_final", "{:.3f}"),
+    ("held-out pass@1 start", "eval_start", "{:.3f}"),
+    ("held-out pass@1 end (mean)", "eval_end", "{:.3f}"),
+    ("spread over seeds", "eval_end_spread", "{:.3f}"),
+    ("gap max", "gap_max", "{:.3f}"),
+    ("gap max (step mean)", "gap_max_step", "{:.3f}"),
+    ("gap mean", "gap_mean", "{:.4f}"),
+    ("k3 mean", "k3_mean", "{:.2e}"),
+    ("collapsed (seed@step)", lambda r: ", ".join(f"s{s}@{st}" for s, st in r["collapsed"]) or "no", "{}"),
+    ("rollout tok/s", "rollout_tokens_per_s", "{:.0f}"),
+]
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    head = ("| recipe | runs ok | steps | final reward | held-out pass@1 start | held-out pass@1 end (mean) | "
-            "spread over seeds | gap max | gap max (step mean) | gap mean | k3 mean | collapsed (seed@step) | "
-            "rollout tok/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    body = []
-    for r in rows:
-        coll = ", ".join(f"s{s}@{st}" for s, st in r["collapsed"]) or "no"
-        body.append(f"| {r['recipe']} | {r['finished']}/{r['seeds']} | {r.get('steps', 'n/a')} | "
-                    f"{_f(r['reward_final'], '{:.3f}')} | "
-                    f"{_f(r['eval_start'], '{:.3f}')} | {_f(r['eval_end'], '{:.3f}')} | "
-                    f"{_f(r['eval_end_spread'], '{:.3f}')} | {_f(r['gap_max'], '{:.3f}')} | "
-                    f"{_f(r['gap_max_step'], '{:.3f}')} | "
-                    f"{_f(r['gap_mean'], '{:.4f}')} | {_f(r['k3_mean'], '{:.2e}')} | {coll} | "
-                    f"{_f(r['rollout_tokens_per_s'], '{:.0f}')} |")
-    return "\n".join([head, *body])
+    """The per-recipe table of ``recipe_table`` rows."""
+    return table(rows, RECIPE_COLUMNS)
 
 
-_PANELS = (("reward/mean", "reward (mean over samples)"), ("eval/pass@1", "held-out pass@1 (greedy)"),
-           ("mismatch/logp_gap_max", "gap max |logp_rollout - logp_train|"), ("mismatch/k3", "k3 KL"))
-
-
-def plot_compare(runs: dict[str, list[str]], path: Path) -> None:
-    """2x2 figure: each panel one metric against steps, one line per recipe (mean over its seeds)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from quads.metrics.report import load_metrics
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+def recipe_curves(runs: dict[str, list[str]]) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
+    """Per recipe, per ``COMPARE_PANELS`` metric: (steps, mean over the recipe's run folders of the finite
+    values logged at that step); the reward is smoothed as the report smooths it."""
+    curves: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
     for recipe, dirs in runs.items():
         recs = [load_metrics(d) for d in dirs]
-        for ax, (key, title) in zip(axes.flat, _PANELS):
+        curves[recipe] = {}
+        for key, _ in COMPARE_PANELS:
             by_step: dict[int, list[float]] = {}
             for rr in recs:
                 for r in rr:
@@ -369,27 +365,13 @@ def plot_compare(runs: dict[str, list[str]], path: Path) -> None:
                         by_step.setdefault(int(r["step"]), []).append(float(v))
             xs = sorted(by_step)
             ys = [sum(by_step[x]) / len(by_step[x]) for x in xs]
-            if key == "reward/mean" and len(ys) > 10:  # trailing moving average, as the report smooths
-                w = max(1, len(ys) // 10)
-                ys = [sum(ys[max(0, i - w + 1):i + 1]) / len(ys[max(0, i - w + 1):i + 1]) for i in range(len(ys))]
-            if xs:
-                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=recipe)
-            ax.set_title(title, fontsize=10)
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
-    for ax in axes.flat[2:]:
-        ax.set_yscale("log")
-    axes.flat[0].legend(fontsize=8)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    tmp.replace(path)
-    plt.close(fig)
+            if key == "reward/mean":  # trailing moving average, as the report smooths
+                ys = smooth(ys, max(1, len(ys) // 10))
+            curves[recipe][key] = (xs, ys)
+    return curves
 
 
 def write_report(cfg: CompareConfig, base, outcomes: list[RunOutcome]) -> Path:
-    from quads.metrics.report import write_compare_report
-
     out = Path(cfg.out_dir)
     per_run = {}
     for o in outcomes:  # failed runs (e.g. killed at timeout_s) still show what they logged
@@ -409,7 +391,7 @@ def write_report(cfg: CompareConfig, base, outcomes: list[RunOutcome]) -> Path:
             by_recipe.setdefault(o.recipe, []).append(o.run_dir)
     if finished:
         write_compare_report(finished, out / "report", title="quads compare: every run")
-        plot_compare(by_recipe, out / "compare.png")
+        plot_compare(recipe_curves(by_recipe), out / "compare.png")
     crashed = [o for o in outcomes if not o.ok]
     b = base
     parts = [
@@ -433,11 +415,9 @@ def write_report(cfg: CompareConfig, base, outcomes: list[RunOutcome]) -> Path:
             f"{o.log_tail}\n```" for o in crashed))
     if finished:
         parts += ["![compare](compare.png)", "Per-run table and per-metric plots: [report/report.md](report/report.md)."]
-    atomic_write_text(out / "compare.md", "\n\n".join(parts) + "\n")
-    clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
+    write_markdown(out / "compare.md", parts)
     atomic_write_text(out / "compare.json", json.dumps({
-        "recipes": clean, "runs": {n: {k: (None if isinstance(v, float) and math.isnan(v) else v)
-                                       for k, v in s.items()} for n, s in per_run.items()},
+        "recipes": [json_safe(r) for r in rows], "runs": {n: json_safe(s) for n, s in per_run.items()},
         "outcomes": [dataclasses.asdict(o) for o in outcomes], "base_config": to_dict(base)}, indent=1) + "\n")
     return out
 

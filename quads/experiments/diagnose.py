@@ -31,7 +31,6 @@ Outputs in ``out_dir``: ``decomposition.md`` (tables), ``decomposition.jsonl`` (
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -48,12 +47,23 @@ from quads.config import add_dataclass_args, build_config, save_config
 from quads.errors import check_device
 from quads.io import atomic_write_text, check_output_dir
 from quads.metrics.mismatch import mismatch_metrics
+from quads.metrics.report import (
+    Column,
+    cell,
+    markdown_table,
+    plot_decomposition,
+    plot_layer_errors,
+    plot_rac_gap,
+    table,
+    write_markdown,
+)
 from quads.model.checkpoint import check_model_folder
 from quads.quant import LinearSpec, Recipe, dequantize_model, quantize_model
 from quads.quant.diagnostics import layer_errors
+from quads.rl.build import DTYPES, mixed_precision, torch_dtype, warm_start_policy
+from quads.rl.config import WarmStartSection
 from quads.rollout.score import ScoreResult, score_rollout
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DEFAULT_TRAINERS = {"bf16": {}, "w4a16-qat": {"weight": "nvfp4"}, "w4a4-qat": {"weight": "nvfp4", "act": "nvfp4"}}
 
 
@@ -81,7 +91,7 @@ class DiagnoseConfig:
     device: str = "cpu"
     threads: int = 0  # torch CPU threads; 0 = default
     rollout_backend: str = "quads"  # quads (own KV-cache engine) | vllm (vLLM prefill scoring; pip install quads[vllm])
-    warm_start_dir: str = "runs/warm_start"  # warm-start cache (the one quads train uses by default)
+    warm_start_dir: str | None = None  # warm-start cache root; None = quads train's: $QUADS_CACHE/pretrain or ~/.cache/quads/pretrain
     out_dir: str = "runs/diagnose"  # report folder
 
     def __post_init__(self) -> None:
@@ -91,8 +101,8 @@ class DiagnoseConfig:
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 (log-probs of sampled tokens); got {self.temperature}")
         for name in ("dtype", "master_dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ValueError(f"{name} must be one of {sorted(_DTYPES)}; got {getattr(self, name)!r}")
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(DTYPES)}; got {getattr(self, name)!r}")
         if self.rollout_backend not in ("quads", "vllm"):
             raise ValueError(f"rollout_backend must be quads or vllm; got {self.rollout_backend!r}")
         self.ratios()  # validates
@@ -143,16 +153,13 @@ def load_grid(path: str) -> Grid:
 
 
 def _checkpoint(cfg: DiagnoseConfig) -> Path:
+    """``checkpoint``, else the warm start ``quads train`` uses for the same preset, task, level and seed
+    (``quads.rl.build.warm_start_policy`` with the default warm-start settings): found in its cache."""
     if cfg.checkpoint is not None:
         check_model_folder(cfg.checkpoint, "checkpoint")
         return Path(cfg.checkpoint)
-    from quads.pretrain import PretrainConfig, warm_start
-
-    kw: dict[str, Any] = dict(task=cfg.task, preset=cfg.preset, seed=cfg.seed, device=cfg.device,
-                              cache_dir=cfg.warm_start_dir)
-    if cfg.difficulty is not None:
-        kw["difficulty"] = cfg.difficulty
-    return Path(warm_start(PretrainConfig(**kw)))
+    return warm_start_policy(WarmStartSection(cache_dir=cfg.warm_start_dir), task=cfg.task, difficulty=cfg.difficulty,
+                             preset=cfg.preset, seed=cfg.seed, device=cfg.device, threads=cfg.threads or None)
 
 
 def _load(ckpt: Path, dtype: str, device: str):
@@ -160,12 +167,6 @@ def _load(ckpt: Path, dtype: str, device: str):
 
     model, tok, _ = load_model(ckpt, dtype, device=device, field="checkpoint")
     return model.requires_grad_(False), tok
-
-
-def _autocast(cfg: DiagnoseConfig) -> contextlib.AbstractContextManager:
-    if cfg.dtype == "bfloat16" and cfg.master_dtype == "float32":
-        return torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def _recipe(name: str, spec: LinearSpec, side: str) -> Recipe:
@@ -223,12 +224,12 @@ def decompose(cfg: DiagnoseConfig, grid: Grid | None = None, say=print) -> dict[
     train: dict[str, Any] = {}
     for name, spec in grid.trainer.items():
         quantize_model(trainer, _recipe(name, spec, "trainer"), "trainer", verbose=False)
-        with torch.no_grad(), _autocast(cfg):
+        with torch.no_grad(), mixed_precision(cfg.dtype, cfg.master_dtype, cfg.device):
             train[name] = forward_logprobs(trainer, seq, None, cfg.temperature, return_routing=True)
 
     dequantize_model(rollout)
     ids, amask, pos = seq.input_ids, seq.attention_mask, seq.position_ids
-    wd = _DTYPES[cfg.dtype] if cfg.dtype != "float32" else torch.float32
+    wd = torch_dtype(cfg.dtype)
     rows, per_layer = [], {}
     for rname, rspec in grid.rollout.items():
         r = roll[rname]
@@ -289,114 +290,59 @@ def _device_name(device: str) -> str:
 
 # ---------------------------------------------------------------------- report
 
-def _f(v: Any, fmt: str) -> str:
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+DECOMPOSITION_COLUMNS: list[Column] = [
+    ("rollout", "rollout", "{}"), ("trainer", "trainer", "{}"), ("rollout spec", "rollout_spec", "{}"),
+    ("trainer spec", "trainer_spec", "{}"), ("gap max", "gap_max", "{:.3f}"), ("gap mean", "gap_mean", "{:.4f}"),
+    ("k3", "k3", "{:.2e}"), ("routing diff", "routing_diff", "{:.3f}"), ("layer err (mean)", "layer_err_mean", "{:.4f}"),
+]
+_GAP_COLUMNS: list[Column] = [("gap max", "gap_max", "{:.3f}"), ("gap mean", "gap_mean", "{:.4f}"),
+                              ("k3", "k3", "{:.2e}"), ("routing diff", "routing_diff", "{:.3f}")]
 
 
 def decomposition_table(rows: list[dict[str, Any]]) -> str:
-    head = ("| rollout | trainer | rollout spec | trainer spec | gap max | gap mean | k3 | routing diff | "
-            "layer err (mean) |\n|---|---|---|---|---|---|---|---|---|")
-    body = [f"| {r['rollout']} | {r['trainer']} | {r['rollout_spec']} | {r['trainer_spec']} | "
-            f"{_f(r['gap_max'], '{:.3f}')} | {_f(r['gap_mean'], '{:.4f}')} | {_f(r['k3'], '{:.2e}')} | "
-            f"{_f(r['routing_diff'], '{:.3f}')} | {_f(r['layer_err_mean'], '{:.4f}')} |" for r in rows]
-    return "\n".join([head, *body])
+    return table(rows, DECOMPOSITION_COLUMNS)
 
 
-def rac_table(rows: list[dict[str, Any]], trainer: str) -> str:
-    """Gap against RAC ratio for one trainer, plus the BF16-engine floor row."""
+def rac_rows(rows: list[dict[str, Any]], trainer: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the W4A4+RAC rows against ``trainer``, sorted by RAC ratio; the rows whose rollout has the trainer's
+    own spec: the engine-drift floor)."""
     rac = sorted((r for r in rows if r["trainer"] == trainer and r["rac_ratio"] is not None
                   and r["rollout_spec"].startswith("W4A4")), key=lambda r: r["rac_ratio"])
     floor = [r for r in rows if r["trainer"] == trainer and r["rollout_spec"] == r["trainer_spec"]]
-    head = f"| RAC ratio (trainer {trainer}) | gap max | gap mean | k3 | routing diff |\n|---|---|---|---|---|"
-    body = [f"| {r['rac_ratio'] * 100:g}% | {r['gap_max']:.3f} | {r['gap_mean']:.4f} | {r['k3']:.2e} | "
-            f"{r['routing_diff']:.3f} |" for r in rac]
-    body += [f"| {r['rollout']} rollout, same spec as the trainer (engine-drift floor) | {r['gap_max']:.3f} | {r['gap_mean']:.4f} | {r['k3']:.2e} | "
-             f"{r['routing_diff']:.3f} |" for r in floor]
-    return "\n".join([head, *body])
+    return rac, floor
+
+
+def rac_table(rows: list[dict[str, Any]], trainer: str) -> str:
+    """Gap against RAC ratio for one trainer, plus the engine-drift floor rows."""
+    rac, floor = rac_rows(rows, trainer)
+    labels = ([f"{r['rac_ratio'] * 100:g}%" for r in rac]
+              + [f"{r['rollout']} rollout, same spec as the trainer (engine-drift floor)" for r in floor])
+    return markdown_table([f"RAC ratio (trainer {trainer})", *(c[0] for c in _GAP_COLUMNS)],
+                          [[label, *(cell(r[key], fmt) for _, key, fmt in _GAP_COLUMNS)]
+                           for label, r in zip(labels, rac + floor)])
 
 
 def layer_table(per_layer: dict[str, dict[str, float]], trainer: str) -> str:
     cols = [k for k in per_layer if k.endswith(f"|{trainer}")]
     if not cols:
         return ""
-    layers = list(per_layer[cols[0]])
-    head = "| layer | " + " | ".join(c.split("|")[0] for c in cols) + " |\n|" + "---|" * (len(cols) + 1)
-    body = [f"| {layer} | " + " | ".join(_f(per_layer[c].get(layer), "{:.4f}") for c in cols) + " |"
-            for layer in layers]
-    return "\n".join([head, *body])
-
-
-def _save_fig(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    tmp.replace(path)
+    return markdown_table(["layer", *(c.split("|")[0] for c in cols)],
+                          [[layer, *(cell(per_layer[c].get(layer), "{:.4f}") for c in cols)]
+                           for layer in per_layer[cols[0]]])
 
 
 def plots(result: dict[str, Any], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows, made = result["rows"], []
+    """The report's figures (``quads.metrics.report``); their file names."""
+    rows, per_layer = result["rows"], result["layer_errors"]
     trainers = list(dict.fromkeys(r["trainer"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for tname in trainers:
-        rac = sorted((r for r in rows if r["trainer"] == tname and r["rac_ratio"] is not None
-                      and r["rollout_spec"].startswith("W4A4")), key=lambda r: r["rac_ratio"])
-        floor = [r for r in rows if r["trainer"] == tname and r["rollout_spec"] == r["trainer_spec"]]
-        for ax, key in zip(axes, ("gap_max", "gap_mean")):
-            if rac:
-                line = ax.plot([r["rac_ratio"] * 100 for r in rac], [r[key] for r in rac], marker="o",
-                               label=f"W4A4+RAC vs trainer {tname}")[0]
-                for f in floor:
-                    ax.axhline(f[key], ls="--", color=line.get_color(), alpha=0.6,
-                               label=f"floor: {f['rollout']} rollout vs trainer {tname}")
-    for ax, key in zip(axes, ("max", "mean")):
-        ax.set_xlabel("RAC ratio (% of K)")
-        ax.set_title(f"{key} |logp_rollout - logp_train|")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    _save_fig(fig, out / "rac_ratio_gap.png")
-    plt.close(fig)
-    made.append("rac_ratio_gap.png")
-
-    names = list(dict.fromkeys(r["rollout"] for r in rows))
-    fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / max(1, len(trainers))
-    for j, tname in enumerate(trainers):
-        vals = {r["rollout"]: r["gap_mean"] for r in rows if r["trainer"] == tname}
-        ax.bar([i + j * width for i in range(len(names))], [vals.get(n, math.nan) for n in names], width,
-               label=f"trainer {tname}")
-    ax.set_xticks([i + width * (len(trainers) - 1) / 2 for i in range(len(names))], names, rotation=30,
-                  ha="right", fontsize=8)
-    ax.set_ylabel("mean |logp_rollout - logp_train|")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    _save_fig(fig, out / "decomposition_gap.png")
-    plt.close(fig)
-    made.append("decomposition_gap.png")
-
-    per_layer = result["layer_errors"]
+    plot_rac_gap({t: rac_rows(rows, t) for t in trainers}, out / "rac_ratio_gap.png")
+    plot_decomposition(rows, out / "decomposition_gap.png")
+    made = ["rac_ratio_gap.png", "decomposition_gap.png"]
     if per_layer:
-        fig, ax = plt.subplots(figsize=(8, 4))
         t0 = trainers[0]
-        for key, errs in per_layer.items():
-            rname, tname = key.split("|")
-            if tname != t0 or rname == "bf16":
-                continue
-            ax.plot(range(len(errs)), list(errs.values()), marker="o", label=rname)
-        ax.set_xlabel("quantized layer (in model order)")
-        ax.set_ylabel(f"relative output error vs trainer {t0}")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        _save_fig(fig, out / "layer_errors.png")
-        plt.close(fig)
+        errors = {key.split("|")[0]: errs for key, errs in per_layer.items()
+                  if key.split("|")[1] == t0 and key.split("|")[0] != "bf16"}
+        plot_layer_errors(errors, t0, out / "layer_errors.png")
         made.append("layer_errors.png")
     return made
 
@@ -440,7 +386,7 @@ def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
         parts.append(f"Per-layer relative output error against the `{trainers[0]}` trainer:\n\n"
                      + layer_table(result["layer_errors"], trainers[0]))
     parts += [f"![{f}]({f})" for f in figs]
-    atomic_write_text(out / "decomposition.md", "\n\n".join(parts) + "\n")
+    write_markdown(out / "decomposition.md", parts)
     return out
 
 

@@ -1,4 +1,14 @@
-"""Run reports: a markdown summary and PNG plots from ``metrics.jsonl``.
+"""Reports: the one module that formats tables and draws plots for ``quads train``, ``compare`` and
+``diagnose`` (each of those computes its rows and calls the writers here), and the run report itself: a
+markdown summary and PNG plots from ``metrics.jsonl``.
+
+Shared helpers: ``cell`` (a number in a table: ``n/a`` for NaN/None, ``yes``/``no`` for booleans),
+``markdown_table``, ``write_markdown`` (sections joined by blank lines, atomic), ``json_safe`` (NaN ->
+null), ``finite_mean``, ``smooth``, ``series``; figures: ``pyplot`` (the Agg backend) and
+``save_figure`` (atomic PNG), with one drawing function per report figure (``plot_run_metrics``,
+``plot_compare``, ``plot_rac_gap``, ``plot_decomposition``, ``plot_layer_errors``).
+
+Run report (``write_report`` / ``write_compare_report``):
 
 ``metrics.jsonl`` holds one JSON object per line with an integer ``step`` and namespaced float metrics
 (``reward/mean``, ``eval/pass@1``, ``mismatch/...``, ``loss/...``); several lines may share a step (the
@@ -21,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +45,211 @@ PLOTS: dict[str, tuple[tuple[str, ...], str]] = {
             "|logp_rollout - logp_train|"),
     "k3": (("mismatch/k3",), "k3 KL(rollout || trainer)"),
 }
+# the panels of ``quads compare``'s figure: (metric key, title), row by row
+COMPARE_PANELS = (("reward/mean", "reward (mean over samples)"), ("eval/pass@1", "held-out pass@1 (greedy)"),
+                  ("mismatch/logp_gap_max", "gap max |logp_rollout - logp_train|"), ("mismatch/k3", "k3 KL"))
 _COLLAPSE_DROP = 0.1
+
+
+# ---------------------------------------------------------------------- numbers and tables
+
+
+def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records that logged ``key`` as a number."""
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            xs.append(int(r["step"]))
+            ys.append(float(v))
+    return xs, ys
+
+
+def smooth(ys: list[float], w: int) -> list[float]:
+    """Trailing moving average over ``w`` values (fewer at the start)."""
+    out = []
+    for i in range(len(ys)):
+        win = ys[max(0, i - w + 1): i + 1]
+        out.append(sum(win) / len(win))
+    return out
+
+
+def finite_mean(xs: Iterable[Any]) -> float:
+    """Mean of the finite numbers in ``xs``; NaN when there are none."""
+    f = [x for x in xs if isinstance(x, int | float) and math.isfinite(x)]
+    return sum(f) / len(f) if f else math.nan
+
+
+def cell(v: Any, fmt: str = "{}") -> str:
+    """A table cell: ``n/a`` for None or NaN, ``yes`` / ``no`` for a boolean, else ``fmt.format(v)``."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return fmt.format(v)
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A markdown table of already formatted cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# a column of ``table``: (header, row key or function of the row, format of ``cell``)
+Column = tuple[str, str | Callable[[Mapping[str, Any]], Any], str]
+
+
+def table(rows: Iterable[Mapping[str, Any]], columns: Sequence[Column]) -> str:
+    """A markdown table with one line per row dict, each column formatted with ``cell``."""
+    return markdown_table([c[0] for c in columns],
+                          [[cell(get(r) if callable(get) else r[get], fmt) for _, get, fmt in columns] for r in rows])
+
+
+def json_safe(d: Mapping[str, Any]) -> dict[str, Any]:
+    """``d`` with NaN values as None (JSON null)."""
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
+
+
+def write_markdown(path: str | Path, parts: Iterable[str]) -> Path:
+    """The report's sections joined by blank lines, written atomically."""
+    path = Path(path)
+    atomic_write_text(path, "\n\n".join(parts) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------- figures
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG atomically and close it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    tmp.replace(path)
+    pyplot().close(fig)
+    return path
+
+
+def plot_run_metrics(runs: Mapping[str, list[dict[str, Any]]], keys: tuple[str, ...], title: str,
+                     path: Path) -> bool:
+    """One PNG; a line per (run, key). Returns False (and writes nothing) when no run has the keys."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    drawn = False
+    positive = True
+    for name, recs in runs.items():
+        for key in keys:
+            xs, ys = series(recs, key)
+            if not xs:
+                continue
+            label = name if len(keys) == 1 else f"{name} {key.split('/')[-1]}"
+            ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label)
+            drawn = True
+            positive = positive and all(y > 0 for y in ys if math.isfinite(y))
+    if not drawn:
+        plt.close(fig)
+        return False
+    if keys[0].startswith("mismatch/") and positive:
+        ax.set_yscale("log")  # gaps and k3 span decades (max vs mean, recipe vs recipe)
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+    return True
+
+
+def plot_compare(curves: Mapping[str, Mapping[str, tuple[list[int], list[float]]]], path: Path) -> Path:
+    """2x2 figure of ``COMPARE_PANELS``: one line per recipe, ``curves[recipe][key] = (steps, values)``."""
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for recipe, by_key in curves.items():
+        for ax, (key, title) in zip(axes.flat, COMPARE_PANELS):
+            xs, ys = by_key[key]
+            if xs:
+                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=recipe)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+    for ax in axes.flat[2:]:
+        ax.set_yscale("log")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def plot_rac_gap(by_trainer: Mapping[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]], path: Path) -> Path:
+    """Gap max and mean against the RAC ratio, a line per trainer, its same-spec floor rows dashed;
+    ``by_trainer[trainer] = (RAC rows sorted by ratio, floor rows)`` (rows of ``quads diagnose``)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for tname, (rac, floor) in by_trainer.items():
+        for ax, key in zip(axes, ("gap_max", "gap_mean")):
+            if rac:
+                line = ax.plot([r["rac_ratio"] * 100 for r in rac], [r[key] for r in rac], marker="o",
+                               label=f"W4A4+RAC vs trainer {tname}")[0]
+                for f in floor:
+                    ax.axhline(f[key], ls="--", color=line.get_color(), alpha=0.6,
+                               label=f"floor: {f['rollout']} rollout vs trainer {tname}")
+    for ax, key in zip(axes, ("max", "mean")):
+        ax.set_xlabel("RAC ratio (% of K)")
+        ax.set_title(f"{key} |logp_rollout - logp_train|")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def plot_decomposition(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Mean gap per rollout variant (bars), one bar group per trainer variant (rows of ``quads diagnose``)."""
+    plt = pyplot()
+    trainers = list(dict.fromkeys(r["trainer"] for r in rows))
+    names = list(dict.fromkeys(r["rollout"] for r in rows))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / max(1, len(trainers))
+    for j, tname in enumerate(trainers):
+        vals = {r["rollout"]: r["gap_mean"] for r in rows if r["trainer"] == tname}
+        ax.bar([i + j * width for i in range(len(names))], [vals.get(n, math.nan) for n in names], width,
+               label=f"trainer {tname}")
+    ax.set_xticks([i + width * (len(trainers) - 1) / 2 for i in range(len(names))], names, rotation=30,
+                  ha="right", fontsize=8)
+    ax.set_ylabel("mean |logp_rollout - logp_train|")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def plot_layer_errors(errors: Mapping[str, Mapping[str, float]], trainer: str, path: Path) -> Path:
+    """Relative output error per quantized layer, a line per rollout variant (``errors[rollout][layer]``)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for rname, errs in errors.items():
+        ax.plot(range(len(errs)), list(errs.values()), marker="o", label=rname)
+    ax.set_xlabel("quantized layer (in model order)")
+    ax.set_ylabel(f"relative output error vs trainer {trainer}")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+# ---------------------------------------------------------------------- run report
 
 
 def load_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -62,40 +276,17 @@ def load_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    xs, ys = [], []
-    for r in records:
-        v = r.get(key)
-        if isinstance(v, int | float) and not isinstance(v, bool):
-            xs.append(int(r["step"]))
-            ys.append(float(v))
-    return xs, ys
-
-
-def _smooth(ys: list[float], w: int) -> list[float]:
-    out = []
-    for i in range(len(ys)):
-        win = ys[max(0, i - w + 1): i + 1]
-        out.append(sum(win) / len(win))
-    return out
-
-
-def _finite_mean(ys: list[float]) -> float:
-    f = [y for y in ys if math.isfinite(y)]
-    return sum(f) / len(f) if f else math.nan
-
-
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The numbers of the report table (see the module docstring for each definition)."""
     steps = [int(r["step"]) for r in records]
-    _, rew = _series(records, "reward/mean")
+    _, rew = series(records, "reward/mean")
     w = max(1, len(rew) // 10)
-    sm = _smooth(rew, w)
-    _, ev = _series(records, "eval/pass@1")
-    _, gmean = _series(records, "mismatch/logp_gap_mean")
-    _, gmax = _series(records, "mismatch/logp_gap_max")
-    _, gprobe = _series(records, "mismatch/logp_gap_max_probe")
-    _, k3 = _series(records, "mismatch/k3")
+    sm = smooth(rew, w)
+    _, ev = series(records, "eval/pass@1")
+    _, gmean = series(records, "mismatch/logp_gap_mean")
+    _, gmax = series(records, "mismatch/logp_gap_max")
+    _, gprobe = series(records, "mismatch/logp_gap_max_probe")
+    _, k3 = series(records, "mismatch/k3")
     s: dict[str, Any] = {
         "steps": max(steps) if steps else 0,
         "reward_start": sm[0] if sm else math.nan,
@@ -103,11 +294,11 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "reward_best": max(sm) if sm else math.nan,
         "eval_start": ev[0] if ev else math.nan,
         "eval_end": ev[-1] if ev else math.nan,
-        "gap_mean": _finite_mean(gmean),
+        "gap_mean": finite_mean(gmean),
         "gap_max": max(gmax) if gmax else math.nan,
-        "gap_max_step": _finite_mean(gmax),
-        "gap_max_probe": _finite_mean(gprobe),
-        "k3_mean": _finite_mean(k3),
+        "gap_max_step": finite_mean(gmax),
+        "gap_max_probe": finite_mean(gprobe),
+        "k3_mean": finite_mean(k3),
         "k3_final": k3[-1] if k3 else math.nan,
     }
     reasons = []
@@ -125,71 +316,22 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return s
 
 
-_COLUMNS = [
+_COLUMNS: list[Column] = [
+    ("run", "run", "{}"),
     ("steps", "steps", "{:d}"),
-    ("reward_start", "reward start", "{:.3f}"),
-    ("reward_final", "reward final", "{:.3f}"),
-    ("reward_best", "reward best", "{:.3f}"),
-    ("eval_start", "held-out pass@1 start", "{:.3f}"),
-    ("eval_end", "held-out pass@1 end", "{:.3f}"),
-    ("gap_mean", "gap mean", "{:.4f}"),
-    ("gap_max", "gap max", "{:.3f}"),
-    ("gap_max_step", "gap max (step mean)", "{:.3f}"),
-    ("gap_max_probe", "gap max (probe)", "{:.3f}"),
-    ("k3_mean", "k3 mean", "{:.2e}"),
-    ("k3_final", "k3 final", "{:.2e}"),
+    ("reward start", "reward_start", "{:.3f}"),
+    ("reward final", "reward_final", "{:.3f}"),
+    ("reward best", "reward_best", "{:.3f}"),
+    ("held-out pass@1 start", "eval_start", "{:.3f}"),
+    ("held-out pass@1 end", "eval_end", "{:.3f}"),
+    ("gap mean", "gap_mean", "{:.4f}"),
+    ("gap max", "gap_max", "{:.3f}"),
+    ("gap max (step mean)", "gap_max_step", "{:.3f}"),
+    ("gap max (probe)", "gap_max_probe", "{:.3f}"),
+    ("k3 mean", "k3_mean", "{:.2e}"),
+    ("k3 final", "k3_final", "{:.2e}"),
     ("collapse", "collapse", "{}"),
 ]
-
-
-def _fmt(v: Any, fmt: str) -> str:
-    if isinstance(v, float) and math.isnan(v):
-        return "n/a"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    return fmt.format(v)
-
-
-def _table(rows: Mapping[str, dict[str, Any]]) -> str:
-    head = "| run | " + " | ".join(c[1] for c in _COLUMNS) + " |"
-    sep = "|" + "---|" * (len(_COLUMNS) + 1)
-    body = [f"| {name} | " + " | ".join(_fmt(s[k], f) for k, _, f in _COLUMNS) + " |" for name, s in rows.items()]
-    return "\n".join([head, sep, *body])
-
-
-def _plot(runs: Mapping[str, list[dict[str, Any]]], keys: tuple[str, ...], title: str, path: Path) -> bool:
-    """One PNG; a line per (run, key). Returns False (and writes nothing) when no run has the keys."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    drawn = False
-    positive = True
-    for name, recs in runs.items():
-        for key in keys:
-            xs, ys = _series(recs, key)
-            if not xs:
-                continue
-            label = name if len(keys) == 1 else f"{name} {key.split('/')[-1]}"
-            ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label)
-            drawn = True
-            positive = positive and all(y > 0 for y in ys if math.isfinite(y))
-    if drawn:
-        if keys[0].startswith("mismatch/") and positive:
-            ax.set_yscale("log")  # gaps and k3 span decades (max vs mean, recipe vs recipe)
-        ax.set_xlabel("step")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp.png")
-        fig.savefig(tmp, dpi=100)
-        tmp.replace(path)
-    plt.close(fig)
-    return drawn
 
 
 def _write(runs: Mapping[str, list[dict[str, Any]]], out_dir: Path, title: str, notes: str) -> Path:
@@ -197,22 +339,20 @@ def _write(runs: Mapping[str, list[dict[str, Any]]], out_dir: Path, title: str, 
     summaries = {name: summarize(recs) for name, recs in runs.items()}
     figs = []
     for stem, (keys, ptitle) in PLOTS.items():
-        if _plot(runs, keys, ptitle, out_dir / f"{stem}.png"):
+        if plot_run_metrics(runs, keys, ptitle, out_dir / f"{stem}.png"):
             figs.append(f"![{ptitle}]({stem}.png)")
     collapse = [f"- {n}: {s['collapse_reason']}" for n, s in summaries.items()]
-    text = "\n\n".join([
+    write_markdown(out_dir / "report.md", [
         f"# {title}",
         notes,
-        _table(summaries),
+        table([{"run": n, **s} for n, s in summaries.items()], _COLUMNS),
         "Collapse detection (smoothed reward below half its best and 0.1 under it, held-out pass@1 down "
         "0.1 or more, or a NaN/Inf loss or gap):\n" + "\n".join(collapse),
         "Definitions: see `quads/metrics/report.py` and `docs/TRAINING.md`.",
         *figs,
-    ]) + "\n"
-    atomic_write_text(out_dir / "report.md", text)
+    ])
     atomic_write_text(out_dir / "summary.json", json.dumps(
-        {n: {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in s.items()}
-         for n, s in summaries.items()}, indent=2) + "\n")
+        {n: json_safe(s) for n, s in summaries.items()}, indent=2) + "\n")
     return out_dir
 
 

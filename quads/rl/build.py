@@ -27,10 +27,11 @@ from quads.model.checkpoint import check_model_folder, load_model
 from quads.model.config import ModelConfig
 from quads.model.transformer import MoEForCausalLM
 from quads.quant import Recipe, get_recipe, quantize_model
-from quads.rl.config import TrainConfig
+from quads.rl.config import TrainConfig, WarmStartSection
 from quads.tasks import Task, examples_up_to, get_task, require_sandbox
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# the compute / master dtypes a job may name (config strings -> torch dtypes)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Resolved:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return _TORCH_DTYPES[name]
+    return DTYPES[name]
 
 
 def build_task(cfg: TrainConfig) -> Task:
@@ -87,24 +88,33 @@ def build_recipe(cfg: TrainConfig) -> Recipe:
 
 
 def warm_start_checkpoint(cfg: TrainConfig, task: Task | None = None) -> Path:
-    """The cached supervised warm start of the built-in ``model.preset`` on the task.
+    """The cached supervised warm start of the built-in ``model.preset`` on the task (``warm_start_policy``).
 
     The task's resolved difficulty is passed explicitly, so a change of a task's default level can
     never return a cached warm start of another level.
     """
+    difficulty = cfg.task.difficulty if cfg.task.difficulty is not None else getattr(task, "difficulty", None)
+    return warm_start_policy(cfg.warm_start, task=cfg.task.name, difficulty=difficulty, preset=cfg.model.preset,
+                             seed=cfg.seed, device=cfg.device, threads=cfg.threads or None,
+                             progress=cfg.log.progress)
+
+
+def warm_start_policy(section: WarmStartSection, *, task: str, difficulty: int | None, preset: str, seed: int,
+                      device: str, threads: int | None = None, progress: bool = True) -> Path:
+    """The one path to the cached warm start (``quads.pretrain.warm_start``) for ``quads train``, ``compare``
+    and ``diagnose``: every ``section`` field that is a ``PretrainConfig`` field is passed on, and an unset
+    ``difficulty`` is resolved to the task's default level, so the same job finds the same cache folder
+    (``PretrainConfig.folder()``) whichever command asks. ``eval_size`` is 0: the callers measure
+    held-out pass@1 themselves, through their own recipe."""
     from quads.pretrain import PretrainConfig, warm_start
 
-    difficulty = cfg.task.difficulty if cfg.task.difficulty is not None else getattr(task, "difficulty", None)
-    want = {"preset": cfg.model.preset, "model": cfg.model.preset, "task": cfg.task.name,
-            "difficulty": difficulty, "dataset": cfg.task.dataset, "steps": cfg.warm_start.steps,
-            "lr": cfg.warm_start.lr, "batch_size": cfg.warm_start.batch_size,
-            "train_size": cfg.warm_start.train_size, "seed": cfg.seed,
-            "device": cfg.device, "cache_dir": cfg.warm_start.cache_dir, "threads": cfg.threads or None,
-            "progress": cfg.log.progress,
-            "eval_size": 0}  # quads train measures held-out pass@1 itself, through the rollout recipe
+    if difficulty is None:
+        difficulty = getattr(get_task(task, seed=seed), "difficulty", None)
     names = {f.name for f in dataclasses.fields(PretrainConfig)}
-    kwargs = {k: v for k, v in want.items() if k in names and v is not None}
-    return Path(warm_start(PretrainConfig(**kwargs)))
+    want = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+    want |= {"task": task, "difficulty": difficulty, "preset": preset, "seed": seed, "device": device,
+             "threads": threads, "progress": progress, "eval_size": 0}
+    return Path(warm_start(PretrainConfig(**{k: v for k, v in want.items() if k in names and v is not None})))
 
 
 def resolve(cfg: TrainConfig, *, allow_warm_start: bool = True) -> Resolved:
@@ -173,6 +183,11 @@ def build_models(res: Resolved, cfg: TrainConfig) -> tuple[MoEForCausalLM, MoEFo
 
 def autocast(cfg: TrainConfig) -> contextlib.AbstractContextManager:
     """Mixed precision for the trainer forward: compute in ``cfg.dtype`` over master-dtype weights."""
-    if not (cfg.dtype == "bfloat16" and cfg.model.master_dtype == "float32"):
+    return mixed_precision(cfg.dtype, cfg.model.master_dtype, cfg.device)
+
+
+def mixed_precision(dtype: str, master_dtype: str, device: str) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to BF16 over FP32 master weights; no context when both dtypes are the same."""
+    if not (dtype == "bfloat16" and master_dtype == "float32"):
         return contextlib.nullcontext()  # same dtype: the weights' own dtype is the compute dtype
-    return torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch_dtype(cfg.dtype))
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch_dtype(dtype))

@@ -1,0 +1,40 @@
+"""``quads pretrain``: parse a ``PretrainConfig``, train or fetch its cached warm start, print the result.
+
+The warm start itself is ``quads.pretrain`` (library).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from quads.config import add_dataclass_args, build_config
+from quads.pretrain import PretrainConfig, warm_start
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="YAML file with PretrainConfig fields")
+    add_dataclass_args(parser, PretrainConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from quads.model.checkpoint import read_checkpoint_config
+
+    try:
+        cfg = build_config(PretrainConfig, getattr(args, "config", None), args, skip=("config",))
+    except ValueError as e:
+        print(f"quads pretrain: {e}", file=sys.stderr)
+        return 2
+    cached = (cfg.folder() / "config.json").is_file()
+    folder = warm_start(cfg)
+    _, extra = read_checkpoint_config(folder)
+    res = extra.get("pretrain_result", {})
+    print(f"{'cached' if cached else 'trained'} checkpoint: {folder}")
+    print(f"task {cfg.task} difficulty {extra.get('difficulty')}, {cfg.steps} steps, final ce "
+          f"{res.get('final_ce', float('nan')):.4f}, held-out greedy pass@1 {res.get('heldout_pass@1')}")
+    print(json.dumps({"metric": "pretrain", "checkpoint": str(folder), "cached": cached,
+                      **{k: v for k, v in res.items() if k != "loss_history"},
+                      **dataclasses.asdict(cfg)}))
+    return 0
