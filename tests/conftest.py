@@ -74,3 +74,38 @@ def save_tiny_checkpoint(path, extra: dict | None = None, seed: int = 0, **field
 def small_checkpoint(tmp_path_factory):
     """A ``SMALL_MODEL`` checkpoint shared by a test module (read only)."""
     return save_tiny_checkpoint(tmp_path_factory.mktemp("small-ckpt") / "policy", **SMALL_MODEL)
+
+
+class EchoTask:
+    """A task whose right answer is always "1": a policy learns it in a few steps, so CLI and trainer
+    tests see rewards move without a real task's cost."""
+
+    name = "echo"
+
+    def __init__(self, seed=0, **_):
+        self.seed = seed
+
+    def examples(self, split, n=None):
+        import random
+
+        from quads.tasks.base import Example
+
+        rng = random.Random(f"{self.seed}:{split}")
+        return [Example(f"Q{rng.randint(0, 999)}:", "1", "echo") for _ in range(n or 32)]
+
+    def score(self, example, response):
+        from quads.tasks.base import Score
+
+        ok = response.startswith("1")
+        return Score(float(ok), ok, "first char")
+
+    def demonstration(self, example):
+        return "1"
+
+
+@pytest.fixture
+def echo_task(monkeypatch):
+    """Registers ``EchoTask`` as task ``echo`` for one test."""
+    from quads import tasks
+
+    monkeypatch.setitem(tasks.TASKS, "echo", EchoTask)

@@ -15,30 +15,8 @@ from quads import tasks
 from quads.cli import main
 from quads.rl.checkpoint import latest_checkpoint
 from quads.tasks.arithmetic import ArithmeticTask
-from quads.tasks.base import Example, Score
 
-
-class EchoTask:
-    name = "echo"
-
-    def __init__(self, seed=0, **_):
-        self.seed = seed
-
-    def examples(self, split, n=None):
-        rng = random.Random(f"{self.seed}:{split}")
-        return [Example(f"Q{rng.randint(0, 999)}:", "1", "echo") for _ in range(n or 32)]
-
-    def score(self, example, response):
-        ok = response.startswith("1")
-        return Score(float(ok), ok, "first char")
-
-    def demonstration(self, example):
-        return "1"
-
-
-@pytest.fixture(autouse=True)
-def echo_task(monkeypatch):
-    monkeypatch.setitem(tasks.TASKS, "echo", EchoTask)
+pytestmark = pytest.mark.usefixtures("echo_task")  # conftest: the "echo" task
 
 
 TINY = ["--task.name", "echo", "--recipe.name", "bf16", "--rollout.prompts-per-step", "2", "--rollout.n-samples",

@@ -1,42 +1,19 @@
 """``quads train`` from the command line: config resolution and bad input (errors name the field)."""
 
-import random
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import save_tiny_checkpoint
 
-from quads import tasks
 from quads.cli import main
 from quads.config import build_config
 from quads.rl.config import TrainConfig
-from quads.tasks.base import Example, Score
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
 
-class EchoTask:
-    name = "echo"
-
-    def __init__(self, seed=0, **_):
-        self.seed = seed
-
-    def examples(self, split, n=None):
-        rng = random.Random(f"{self.seed}:{split}")
-        return [Example(f"Q{rng.randint(0, 999)}:", "1", "echo") for _ in range(n or 32)]
-
-    def score(self, example, response):
-        ok = response.startswith("1")
-        return Score(float(ok), ok, "first char")
-
-    def demonstration(self, example):
-        return "1"
-
-
-@pytest.fixture(autouse=True)
-def echo_task(monkeypatch):
-    monkeypatch.setitem(tasks.TASKS, "echo", EchoTask)
+pytestmark = pytest.mark.usefixtures("echo_task")  # conftest: the "echo" task
 
 
 def make_ckpt(path, n_layers=1):
