@@ -291,6 +291,23 @@ class RolloutEngine:
         batch.stats.decode_path = f"{path}{'+graph' if graphs else ''}/{dispatch}"
         return batch
 
+    def _output_buffers(self, samples: list[list[int]], P: int, params: SamplingParams):
+        """The chunk's output tensors: ``input_ids`` / ``mask`` [B, P + R] with the left-padded prompts
+        written in, ``logprobs`` [B, R] (fp32, or fp64 for exactness tests) and ``routing``
+        [n_layers, B, P + R, k] (-1 = none; None without ``record_routing``)."""
+        model, dev, cfg = self.model, self.device, self.model.config
+        B, R = len(samples), params.max_new_tokens
+        input_ids = torch.full((B, P + R), self.tokenizer.pad_id, dtype=torch.long, device=dev)
+        mask = torch.zeros((B, P + R), dtype=torch.bool, device=dev)
+        for i, p in enumerate(samples):
+            input_ids[i, P - len(p):P] = torch.tensor(p, device=dev)
+            mask[i, P - len(p):P] = True
+        logprobs = torch.zeros((B, R), dtype=torch.promote_types(model.dtype, torch.float32), device=dev)
+        routing = None
+        if params.record_routing:
+            routing = torch.full((cfg.n_layers, B, P + R, cfg.top_k), -1, dtype=torch.long, device=dev)
+        return input_ids, mask, logprobs, routing
+
     def _generate_chunk(self, samples: list[list[int]], P: int, params: SamplingParams,
                         gen: torch.Generator) -> RolloutBatch:
         model, tok, dev = self.model, self.tokenizer, self.device
@@ -298,16 +315,8 @@ class RolloutEngine:
         B, R = len(samples), params.max_new_tokens
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
-        input_ids = torch.full((B, P + R), tok.pad_id, dtype=torch.long, device=dev)
-        mask = torch.zeros((B, P + R), dtype=torch.bool, device=dev)
-        for i, p in enumerate(samples):
-            input_ids[i, P - len(p):P] = torch.tensor(p, device=dev)
-            mask[i, P - len(p):P] = True
-        lp_dtype = torch.promote_types(model.dtype, torch.float32)  # fp32, or fp64 for exactness tests
-        logprobs = torch.zeros((B, R), dtype=lp_dtype, device=dev)
-        routing = None
-        if params.record_routing:
-            routing = torch.full((cfg.n_layers, B, P + R, cfg.top_k), -1, dtype=torch.long, device=dev)
+        input_ids, mask, logprobs, routing = self._output_buffers(samples, P, params)
+        lp_dtype = logprobs.dtype
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {tok.eos_id})
         stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
         cache = KVCache(cfg, B, P + R, dtype=model.dtype, device=dev)
@@ -364,20 +373,11 @@ class RolloutEngine:
                                gen: torch.Generator, dispatch: str, graphs: bool) -> RolloutBatch:
         """The static decode path (module docstring): fixed slots, one ``StaticDecoder`` step per token."""
         model, tok, dev = self.model, self.tokenizer, self.device
-        cfg = model.config
         B, R = len(samples), params.max_new_tokens
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
-        input_ids = torch.full((B, P + R), tok.pad_id, dtype=torch.long, device=dev)
-        mask = torch.zeros((B, P + R), dtype=torch.bool, device=dev)
-        for i, p in enumerate(samples):
-            input_ids[i, P - len(p):P] = torch.tensor(p, device=dev)
-            mask[i, P - len(p):P] = True
-        lp_dtype = torch.promote_types(model.dtype, torch.float32)
-        logprobs = torch.zeros((B, R), dtype=lp_dtype, device=dev)
-        routing = None
-        if params.record_routing:
-            routing = torch.full((cfg.n_layers, B, P + R, cfg.top_k), -1, dtype=torch.long, device=dev)
+        input_ids, mask, logprobs, routing = self._output_buffers(samples, P, params)
+        lp_dtype = logprobs.dtype
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {tok.eos_id})
         stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
         dec = self._decoder(B, cache_length(P + R), dispatch, graphs)
