@@ -377,9 +377,11 @@ def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> bool:
         os.close(fd)
 
 
-def _wait_namespace_gone(info_fd: int, timeout_s: float = 2.0) -> None:
+def _wait_namespace_gone(info_fd: int, timeout_s: float = 10.0) -> None:
     """Wait until the sandbox's PID namespace init (its host pid comes from ``bwrap --info-fd``) has
-    exited: it exits only after every other process of the namespace is gone."""
+    exited: it exits only after every other process of the namespace is gone. Returns as soon as it has;
+    the bound only matters on a machine so loaded that the kernel's tear-down of the namespace lags
+    (2 s was seen to be too short for it under a load average above 10)."""
     try:
         os.set_blocking(info_fd, False)
         pid = int(json.loads(os.read(info_fd, 4096))["child-pid"])
