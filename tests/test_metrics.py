@@ -72,3 +72,53 @@ def test_empty_and_bad_shapes():
         mismatch_metrics(torch.zeros(1, 2), torch.zeros(1, 3), torch.zeros(1, 2))
     with pytest.raises(ValueError, match="routing"):
         routing_diff(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 3, 2))
+
+
+def test_framework_aliases_match_their_definitions():
+    """verl's rollout_corr/* and TRL's sampling/* names against a plain per-sequence loop in fp64, on a
+    batch with an empty row and one huge log ratio (verl clamps log rho at +-20 in its chi^2 metrics)."""
+    import math
+
+    from quads.metrics.mismatch import framework_aliases
+
+    g = torch.Generator().manual_seed(0)
+    lt = -torch.rand(4, 7, generator=g, dtype=torch.float64) * 3
+    lr = lt + 0.1 * torch.randn(4, 7, generator=g, dtype=torch.float64)
+    mask = torch.ones(4, 7, dtype=torch.bool)
+    mask[1] = False  # an empty sequence: left out of the per-sequence means
+    mask[2, 4:] = False
+    lr[3, 2] = lt[3, 2] - 30.0  # log rho = 30: beyond the clamp
+    got = framework_aliases(lt, lr, mask)
+
+    toks = [(float(lt[b, t]), float(lr[b, t])) for b in range(4) for t in range(7) if mask[b, t]]
+    seqs = [[(float(lt[b, t]), float(lr[b, t])) for t in range(7) if mask[b, t]] for b in range(4) if mask[b].any()]
+    clamp = lambda v: max(-20.0, min(20.0, v))  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    mt = [mean([a for a, _ in s]) for s in seqs]
+    mr = [mean([b for _, b in s]) for s in seqs]
+    diff = [r - t for t, r in zip(mt, mr)]
+    want = {
+        "rollout_corr/kl": mean([b - a for a, b in toks]),
+        "rollout_corr/k3_kl": mean([math.exp(a - b) - (a - b) - 1 for a, b in toks]),
+        "rollout_corr/chi2_token": mean([math.exp(2 * clamp(a - b)) for a, b in toks]) - 1,
+        "rollout_corr/chi2_seq": mean([math.exp(2 * clamp(sum(a - b for a, b in s))) for s in seqs]) - 1,
+        "rollout_corr/training_ppl": mean([math.exp(-x) for x in mt]),
+        "rollout_corr/rollout_ppl": mean([math.exp(-x) for x in mr]),
+        "rollout_corr/training_log_ppl": -mean(mt), "rollout_corr/rollout_log_ppl": -mean(mr),
+        "rollout_corr/log_ppl_diff": mean(diff), "rollout_corr/log_ppl_abs_diff": mean([abs(x) for x in diff]),
+        "rollout_corr/log_ppl_diff_max": max(diff), "rollout_corr/log_ppl_diff_min": min(diff),
+        "rollout_corr/ppl_ratio": mean([math.exp(-t) / math.exp(-r) for t, r in zip(mt, mr)]),  # train / rollout
+        "sampling/sampling_logp_difference/mean": mean([abs(a - b) for a, b in toks]),
+        "sampling/sampling_logp_difference/max": max(abs(a - b) for a, b in toks),
+    }
+    assert set(got) == set(want)
+    for k, v in want.items():  # the aliases compute in fp32
+        assert math.isclose(got[k], v, rel_tol=1e-5, abs_tol=1e-6), (k, got[k], v)
+    assert got["rollout_corr/chi2_token"] < math.exp(40)  # clamped: exp(2 * 30) would be 1.1e26
+
+    full = mismatch_metrics(lt, lr, mask)  # emitted beside quads' own names, which agree where they coincide
+    assert full["rollout_corr/kl"] == pytest.approx(full["mismatch/k1"], rel=1e-6)
+    assert full["sampling/sampling_logp_difference/max"] == pytest.approx(full["mismatch/logp_gap_max"], rel=1e-6)
+    assert full["rollout_corr/ppl_ratio"] != pytest.approx(full["mismatch/ppl_ratio"], rel=1e-3)  # other direction
+    empty = framework_aliases(lt, lr, torch.zeros_like(mask))
+    assert all(math.isnan(v) for v in empty.values())

@@ -27,6 +27,23 @@ token on both sides and ``rho = exp(logp_train - logp_rollout)``:
 
 Samples come from the rollout policy ``mu``, so the k1/k3 means estimate KL(mu || pi_train).
 All arithmetic in fp32 (the inputs may be BF16 log-probs upcast by the caller or here).
+
+Beside these, ``framework_aliases`` gives the same batch under the names RL frameworks log, so runs can
+be read in the dashboards users already have (emitted by ``mismatch_metrics`` too):
+
+| key | definition (``d = logp_train - logp_rollout`` per token; per-sequence means over its tokens) |
+|---|---|
+| ``rollout_corr/kl`` (verl) | mean(logp_rollout - logp_train) = ``mismatch/k1`` |
+| ``rollout_corr/k3_kl`` (verl) | mean(exp(d) - d - 1) = ``mismatch/k3`` |
+| ``rollout_corr/chi2_token`` (verl) | mean(exp(2 clamp(d, +-20))) - 1 (``mismatch/chi2`` without the clamp) |
+| ``rollout_corr/chi2_seq`` (verl) | mean over sequences of exp(2 clamp(sum_t d, +-20)) - 1 |
+| ``rollout_corr/training_ppl``, ``rollout_ppl`` | mean over sequences of exp(-mean_t logp) on that side |
+| ``rollout_corr/training_log_ppl``, ``rollout_log_ppl`` | mean over sequences of -mean_t logp |
+| ``rollout_corr/log_ppl_diff`` (``_abs_diff``, ``_max``, ``_min``) | per sequence mean_t logp_rollout - mean_t logp_train: mean (of abs), max, min |
+| ``rollout_corr/ppl_ratio`` (verl) | mean over sequences of **ppl_train / ppl_rollout**: the inverse direction of ``mismatch/ppl_ratio`` |
+| ``sampling/sampling_logp_difference/mean``, ``/max`` (TRL) | mean and max of abs(d) = ``mismatch/logp_gap_mean``, ``_max`` |
+
+Sequences without response tokens are left out of the per-sequence means (verl requires none to be empty).
 """
 
 from __future__ import annotations
@@ -36,6 +53,7 @@ import math
 import torch
 
 BANDS = ((0.5, 2.0), (0.2, 5.0))
+_LOG_RATIO_BOUND = 20.0  # verl's clamp of log rho (and of its per-sequence sum) inside its chi^2 metrics
 
 
 def _band_key(lo: float, hi: float) -> str:
@@ -61,6 +79,44 @@ def routing_diff(routing_train: torch.Tensor, routing_rollout: torch.Tensor,
         return differ.mean().item()
     m = mask.float()[None].expand_as(differ)
     return ((differ * m).sum() / m.sum().clamp(min=1.0)).item()
+
+
+@torch.no_grad()
+def framework_aliases(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor
+                      ) -> dict[str, float]:
+    """verl's ``rollout_corr/*`` and TRL's ``sampling/sampling_logp_difference/*`` metrics of one batch
+    (module docstring: definitions, and the direction of ``rollout_corr/ppl_ratio``); ``logp_*`` and
+    ``mask`` [B, L]. NaN for a batch without response tokens."""
+    keys = ("kl", "k3_kl", "chi2_token", "chi2_seq", "training_ppl", "rollout_ppl", "training_log_ppl",
+            "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min",
+            "ppl_ratio")
+    m = mask.bool()
+    if not m.any():
+        out = {f"rollout_corr/{k}": math.nan for k in keys}
+        return out | {"sampling/sampling_logp_difference/mean": math.nan,
+                      "sampling/sampling_logp_difference/max": math.nan}
+    lt, lr = logp_train.float(), logp_rollout.float()
+    d = (lt - lr)[m]
+    d_safe = d.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    mf = m.float()
+    n = mf.sum(1)
+    has = n > 0
+    mean_t = ((lt * mf).sum(1) / n.clamp(min=1))[has]  # [B'] per-sequence mean log-prob
+    mean_r = ((lr * mf).sum(1) / n.clamp(min=1))[has]
+    seq_d = ((lt - lr) * mf).sum(1)[has].clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    diff = mean_r - mean_t  # log(ppl_train / ppl_rollout)
+    vals = {
+        "kl": (-d).mean(), "k3_kl": (torch.exp(d) - d - 1.0).mean(),
+        "chi2_token": torch.exp(2.0 * d_safe).mean() - 1.0, "chi2_seq": torch.exp(2.0 * seq_d).mean() - 1.0,
+        "training_ppl": torch.exp(-mean_t).mean(), "rollout_ppl": torch.exp(-mean_r).mean(),
+        "training_log_ppl": (-mean_t).mean(), "rollout_log_ppl": (-mean_r).mean(),
+        "log_ppl_diff": diff.mean(), "log_ppl_abs_diff": diff.abs().mean(), "log_ppl_diff_max": diff.max(),
+        "log_ppl_diff_min": diff.min(), "ppl_ratio": torch.exp(diff).mean(),
+    }
+    out = {f"rollout_corr/{k}": v.item() for k, v in vals.items()}
+    out["sampling/sampling_logp_difference/mean"] = d.abs().mean().item()
+    out["sampling/sampling_logp_difference/max"] = d.abs().max().item()
+    return out
 
 
 @torch.no_grad()
@@ -126,4 +182,5 @@ def mismatch_metrics(
             routing_train, routing_rollout, mask if routing_mask is None else routing_mask)
     for name, err in (layer_errors or {}).items():
         out[f"mismatch/layer_err/{name}"] = float(err)
+    out.update(framework_aliases(logp_train, logp_rollout, mask))
     return out
