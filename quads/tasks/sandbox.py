@@ -379,17 +379,17 @@ def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> bool:
 
 def _wait_namespace_gone(info_fd: int, timeout_s: float = 10.0) -> None:
     """Wait until the sandbox's PID namespace init (its host pid comes from ``bwrap --info-fd``) has
-    exited: it exits only after every other process of the namespace is gone. Returns as soon as it has;
-    the bound only matters on a machine so loaded that the kernel's tear-down of the namespace lags
-    (2 s was seen to be too short for it under a load average above 10)."""
+    exited: it exits only after every other process of the namespace is gone. Returns as soon as it has.
+    The init is identified by its ``comm`` (``/proc/<pid>/stat``): while the kernel tears the namespace
+    down the init has already released its memory, so its ``cmdline`` reads empty and cannot be used."""
     try:
         os.set_blocking(info_fd, False)
         pid = int(json.loads(os.read(info_fd, 4096))["child-pid"])
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if not f.read().startswith(b"bwrap\0"):
+        with open(f"/proc/{pid}/stat", "rb") as f:  # comm, not cmdline: an exiting process has no cmdline
+            if f.read().split(b" (", 1)[1].rsplit(b")", 1)[0] != b"bwrap":
                 return  # gone, and the pid already reused
         fd = os.pidfd_open(pid)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
         return  # no info (bwrap failed before the namespace) or the init is gone already
     try:
         poller = select.poll()
