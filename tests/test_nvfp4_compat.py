@@ -216,6 +216,8 @@ def test_ops_quantize_dispatches_to_compat(mode):
     assert ops.nvfp4_qdq(x, mode=mode).dtype == torch.bfloat16
     with pytest.raises(ValueError, match=f"mode '{mode}' is a compatibility mode: call quads.formats.nvfp4_compat"):
         nvfp4.quantize(x, mode=mode)
+    with pytest.raises(ValueError, match=f"nvfp4.qdq is the canonical .* mode '{mode}' is a compatibility mode"):
+        nvfp4.qdq(x, mode=mode)
 
 
 # ---------------------------------------------------------------- bad input

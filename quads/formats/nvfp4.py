@@ -240,6 +240,15 @@ def _te_quantize(
     return xf, value, code, scales, s_dec, nan
 
 
+def _canonical_only(mode: str, op: str) -> None:
+    """This module computes the canonical (te) mode only; the compatibility modes live in nvfp4_compat."""
+    if mode != "te":
+        raise ValueError(
+            f"nvfp4.{op} is the canonical (te) quantizer; mode {mode!r} is a compatibility mode: call "
+            f"quads.formats.nvfp4_compat.quantize(x, mode={mode!r}) or quads.quant.ops.nvfp4_{op}"
+        )
+
+
 def quantize(
     x: torch.Tensor,
     *,
@@ -258,11 +267,7 @@ def quantize(
     the module by mode.
     """
     check_input(x, tile, mode)
-    if mode != "te":
-        raise ValueError(
-            f"nvfp4.quantize is the canonical (te) quantizer; mode {mode!r} is a compatibility mode: call "
-            f"quads.formats.nvfp4_compat.quantize(x, mode={mode!r}) or quads.quant.ops.nvfp4_quantize"
-        )
+    _canonical_only(mode, "quantize")
     xf, _, code, scales, s_dec, nan = _te_quantize(x, tile, per_token, amax)
     code = code.reshape(xf.shape)
     code |= (xf.view(torch.int32) >> 28) & 0x8  # the sign bit of x (that of y = x * enc, enc > 0)
@@ -304,8 +309,7 @@ def qdq(
     """
     dtype = x.dtype if dtype is None else dtype
     check_input(x, tile, mode)
-    if mode != "te":
-        return dequantize(quantize(x, mode=mode, tile=tile, per_token=per_token, amax=amax), dtype)
+    _canonical_only(mode, "qdq")
     xf, value, _, scales, s_dec, _ = _te_quantize(x, tile, per_token, amax)
     blk = value.copysign_(_blocks(xf)) * scales.float().unsqueeze(-1)
     return (blk.reshape(xf.shape) * s_dec).to(dtype)
