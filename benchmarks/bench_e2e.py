@@ -137,14 +137,16 @@ def copy_bandwidth(device: str, mib: int = 1024) -> float:
     return 2 * n / statistics.median(ts)
 
 
-def _configs(args) -> list[tuple[str, bool]]:
-    """(decode path, cuda graphs) pairs to time."""
+def _configs(args) -> list[tuple[str, bool, bool]]:
+    """(decode path, cuda graphs, compiled step) triples to time."""
     out = []
+    compiles = [c.strip() == "on" for c in args.compile.split(",") if c.strip()]
     for decode in [d.strip() for d in args.decodes.split(",") if d.strip()]:
         graphs = [g.strip() == "on" for g in args.graphs.split(",") if g.strip()]
         if decode == "eager" or not args.device.startswith("cuda"):
             graphs = [False]
-        out += [(decode, g) for g in dict.fromkeys(graphs)]
+        comp = [False] if decode == "eager" else compiles
+        out += [(decode, g, c) for g in dict.fromkeys(graphs) for c in dict.fromkeys(comp)]
     return out
 
 
@@ -168,12 +170,12 @@ def bench_rollout(args, rows: list) -> None:
                 long = min(args.long_tokens, model.config.max_seq_len - args.prompt_len)  # tiny: 496
                 lengths = [args.new_tokens] + ([long] if args.long_tokens and name in long_recipes else [])
                 configs = _configs(args)
-                for decode, graphs in configs:
+                for decode, graphs, comp in configs:
                     for new_tokens in lengths:
-                        if new_tokens != args.new_tokens and not graphs and any(g for _, g in configs):
+                        if new_tokens != args.new_tokens and not graphs and any(g for _, g, _ in configs):
                             continue  # the longer row runs with graphs only (the engine's default)
                         rows.append(_time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs,
-                                                  new_tokens, preset, wb, bw))
+                                                  new_tokens, preset, wb, bw, comp))
                         print(_rollout_line(rows[-1]), flush=True)
                         _ratios(rows, paths)
                         _write_json(args, rows)  # partial results survive a time limit
@@ -181,12 +183,13 @@ def bench_rollout(args, rows: list) -> None:
     _ratios(rows, paths)
 
 
-def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, new_tokens, preset, wb, bw) -> dict:
+def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, new_tokens, preset, wb, bw,
+                  comp=False) -> dict:
     row = {"suite": "rollout", "preset": preset, "recipe": name, "experts": path, "decode": decode,
-           "graphs": graphs, "spec": spec.describe(), "samples": len(prompts) * args.n, "new_tokens": new_tokens}
+           "graphs": graphs, "compile": comp, "spec": spec.describe(), "samples": len(prompts) * args.n, "new_tokens": new_tokens}
     sp = SamplingParams(n=args.n, max_new_tokens=new_tokens, ignore_eos=True, seed=0, record_routing=True)
     try:
-        eng = RolloutEngine(model, tok, device=args.device, decode=decode, cuda_graphs=graphs)
+        eng = RolloutEngine(model, tok, device=args.device, decode=decode, cuda_graphs=graphs, compile=comp)
         first = eng.generate(prompts, sp)  # warm-up on the timed batch shape: kernels, allocator, graph capture
         tps, dec, pre = [], [], []
         for _ in range(args.reps):
@@ -218,20 +221,20 @@ def _ratios(rows: list, paths: list[str]) -> None:
         return all(r[k] == q[k] for k in keys)
 
     for r in roll:
-        cfg = ("preset", "experts", "decode", "graphs", "new_tokens")
+        cfg = ("preset", "experts", "decode", "graphs", "compile", "new_tokens")
         base = next((q for q in roll if q["recipe"] == "bf16" and same(r, q, *cfg)), None)
         if base is not None:
             r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
         if r["experts"] != paths[0]:
             first = next((q for q in roll if q["experts"] == paths[0]
-                          and same(r, q, "preset", "recipe", "decode", "graphs", "new_tokens")), None)
+                          and same(r, q, "preset", "recipe", "decode", "graphs", "compile", "new_tokens")), None)
             if first is not None:
                 r[f"vs_{paths[0]}"] = r["tokens_per_s"] / first["tokens_per_s"]
 
 
 def _rollout_line(r: dict) -> str:
     head = (f"rollout {r['preset']:>5} {r['recipe']:>11} ({r['experts']}, {r['decode']}, "
-            f"graphs {'on' if r['graphs'] else 'off'}, {r['new_tokens']} tok)")
+            f"graphs {'on' if r['graphs'] else 'off'}{', compiled' if r.get('compile') else ''}, {r['new_tokens']} tok)")
     if "error" in r:
         return f"{head}: ERROR {r['error']}"
     return (f"{head}: {r['tokens_per_s']:9.0f} tok/s  {r['decode_ms_per_step']:7.2f} ms/step  "
@@ -273,10 +276,11 @@ def profile_decode(args, rows: list) -> None:
             spec = ROLLOUT_RECIPES[name]
             model = _model(preset, args.device, "bfloat16").requires_grad_(False)
             quantize_model(model, Recipe(f"bench-{name}", rollout=spec), side="rollout", verbose=False)
-            for graphs in (True, False):
-                row = {"suite": "profile", "preset": preset, "recipe": name, "graphs": graphs}
+            compiles = [c.strip() == "on" for c in args.compile.split(",") if c.strip()]
+            for graphs, comp in [(True, c) for c in compiles] + [(False, False)]:
+                row = {"suite": "profile", "preset": preset, "recipe": name, "graphs": graphs, "compile": comp}
                 try:
-                    eng = RolloutEngine(model, tok, device=args.device, cuda_graphs=graphs)
+                    eng = RolloutEngine(model, tok, device=args.device, cuda_graphs=graphs, compile=comp)
                     eng.generate(prompts, long)  # warm-up (the cache bucket serves both lengths)
                     c16, b16, _ = _trace_counts(eng, prompts, short, args.device)
                     c48, b48, top = _trace_counts(eng, prompts, long, args.device)
@@ -360,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decodes", default="auto",
                     help="rollout decode paths, comma list: auto (static on CUDA), static, eager (the reference)")
     ap.add_argument("--graphs", default="on,off", help="static decode on CUDA: CUDA graphs on, off or on,off")
+    ap.add_argument("--compile", default="off", help="static decode: torch.compile of the step: off, on or off,on")
     ap.add_argument("--long-tokens", type=int, default=512, help="rollout: the longer-response row (0 = none)")
     ap.add_argument("--long-recipes", default="bf16,w4a4+rac50", help="recipes that get the longer-response row")
     ap.add_argument("--profile-recipes", default="bf16,w4a4+rac50", help="profile suite: recipes to trace")

@@ -124,3 +124,18 @@ def test_decode_step_has_no_host_sync(recipe):
             dec.step(ids[:, -1], rows)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "w4a16", "w4a4+rac50"])
+def test_compiled_step_graph_matches_no_graph_and_rescores(recipe):
+    """``compile=True``: the compiled step replayed from a graph = the compiled step without one, bit for
+    bit, and rescoring the batch replays the compiled step (its rounding, not the plain step's)."""
+    model = model_for(recipe)
+    params = stopping_params(model, 1.0)
+    off = RolloutEngine(model, TOK, cuda_graphs=False, compile=True).generate(PROMPTS, params)
+    on = RolloutEngine(model, TOK, cuda_graphs=True, compile=True, done_check_interval=4).generate(PROMPTS, params)
+    assert on.stats.decode_path == "static+compile+graph/device" and on.compiled and off.compiled
+    assert on.response_ids == off.response_ids and on.finish_reasons == off.finish_reasons
+    assert torch.equal(on.logprobs, off.logprobs) and torch.equal(on.routing, off.routing)
+    res = score_rollout(model, on)
+    assert torch.equal(res.logprobs, on.logprobs) and torch.equal(res.routing, on.routing)

@@ -70,7 +70,7 @@ def make_backend(cfg, rollout_model: nn.Module, tokenizer: Tokenizer, recipe: Re
         from quads.rollout.engine import RolloutEngine
 
         return RolloutEngine(rollout_model, tokenizer, device=cfg.device, recipe=recipe.name,
-                             cuda_graphs=cfg.rollout.cuda_graphs)
+                             cuda_graphs=cfg.rollout.cuda_graphs, compile=cfg.rollout.compile)
     from quads.rollout.vllm.engine import make_rollout_engine
 
     return make_rollout_engine(cfg, rollout_model, tokenizer, recipe, run_dir)

@@ -19,6 +19,13 @@ A decode step is idempotent for a given state (it writes the same cache column a
 again), which is what lets the warm-up calls run on the real state before the capture. Sampling
 happens after the step, outside the graph (``quads.rollout.engine.sample_tokens``: no host sync), so
 the seeded generator needs no graph registration and draws the same numbers with and without graphs.
+
+With ``compile``, the step is ``torch.compile(MoEForCausalLM.decode_step)`` (Inductor: fused pointwise
+kernels, one static shape, no recompilation across steps), run eagerly or captured in the graph like
+the plain step. Inductor computes fused BF16 pointwise chains in fp32 and rounds once, so a compiled
+step is a *different* rollout computation from the plain one (within rounding); the batch records
+it (``RolloutBatch.compiled``) and rescoring replays the same compiled step, so the engine's log-probs
+are still those of the computation that sampled each token.
 """
 
 from __future__ import annotations
@@ -61,11 +68,21 @@ def weights_key(model: torch.nn.Module) -> tuple:
     return tuple(key)
 
 
+def _compiled_step(model: torch.nn.Module):
+    """``torch.compile`` of ``model.decode_step``, one per model (every decoder of a model shares its
+    compiled code; a new batch size or cache length is a new static shape, compiled once)."""
+    fn = getattr(model, "_quads_compiled_decode_step", None)
+    if fn is None:
+        fn = torch.compile(model.decode_step, dynamic=False, fullgraph=False)
+        object.__setattr__(model, "_quads_compiled_decode_step", fn)  # not an nn.Module attribute
+    return fn
+
+
 class StaticDecoder:
     """Fixed-slot decode of ``batch`` rows over a cache of ``max_len`` columns (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, *, device_dispatch: bool,
-                 cuda_graphs: bool) -> None:
+                 cuda_graphs: bool, compile: bool = False) -> None:
         cfg, dev = model.config, model.device
         self.model = model
         self.batch, self.max_len = batch, max_len
@@ -76,6 +93,8 @@ class StaticDecoder:
         self.cuda_graphs = cuda_graphs and dev.type == "cuda"
         if self.cuda_graphs and not device_dispatch:
             raise ValueError("CUDA graphs need the capturable expert path (device_dispatch=True)")
+        self.compiled = compile
+        self._step_fn = _compiled_step(model) if compile else model.decode_step
         self.graph: torch.cuda.CUDAGraph | None = None
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
         self._key: tuple | None = None
@@ -89,7 +108,7 @@ class StaticDecoder:
         return self.cache
 
     def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.decode_step(self.tokens, self.cache, self.rows, device_dispatch=self.device_dispatch)
+        return self._step_fn(self.tokens, self.cache, self.rows, device_dispatch=self.device_dispatch)
 
     def _capture(self) -> None:
         side = torch.cuda.Stream()

@@ -114,6 +114,7 @@ class RolloutBatch:
     decode: str = "eager"  # the engine's decode path ("static" or "eager"): rescoring replays the same one
     moe_dispatch: str = "host"  # the expert dispatch of that path ("device" or "host")
     cache_len: int = 0  # static decode: the KV cache length it attended over (rescoring uses the same)
+    compiled: bool = False  # static decode: the step ran under torch.compile (rescoring replays the same)
 
     @property
     def response_tokens(self) -> torch.Tensor:
@@ -184,7 +185,7 @@ class RolloutEngine:
                  device: torch.device | str | None = None, max_batch_tokens: int | None = None,
                  decode: Literal["auto", "static", "eager"] = "auto", cuda_graphs: bool = True,
                  moe_dispatch: Literal["auto", "device", "host"] = "auto", done_check_interval: int = 16,
-                 ) -> None:
+                 compile: bool = False) -> None:
         """``recipe`` is stored for reporting only; ``max_batch_tokens`` caps samples per prefill/decode
         batch at max_batch_tokens // (P + max_new_tokens) (chunks run one after another, so results
         with sampling depend on it through the generator's draw order; greedy results do not).
@@ -195,6 +196,8 @@ class RolloutEngine:
         sort, grouped GEMMs with device offsets), host = their reference path (host-side grouping);
         auto = device on CUDA when every expert module has it. ``done_check_interval``: static decode
         reads "all rows done" back every this many steps (the only host sync of a step).
+        ``compile``: run the static decode step under ``torch.compile`` (``quads.rollout.decode``; fused
+        pointwise kernels, a different rounding from the plain step, recorded in the batch).
         """
         if decode not in ("auto", "static", "eager"):
             raise ValueError(f"decode must be auto, static or eager, got {decode!r}")
@@ -213,6 +216,7 @@ class RolloutEngine:
         self.recipe = recipe
         self.decode, self.cuda_graphs, self.moe_dispatch = decode, cuda_graphs, moe_dispatch
         self.done_check_interval = done_check_interval
+        self.compile = compile
         self._decoders: dict[tuple, StaticDecoder] = {}  # (B, cache length, dispatch, graphs) -> decoder
 
     def decode_plan(self) -> tuple[str, str, bool]:
@@ -232,12 +236,12 @@ class RolloutEngine:
         return path, dispatch, graphs
 
     def _decoder(self, batch: int, max_len: int, dispatch: str, graphs: bool) -> StaticDecoder:
-        key = (batch, max_len, dispatch, graphs)
+        key = (batch, max_len, dispatch, graphs, self.compile)
         if key not in self._decoders:
             while len(self._decoders) >= 2:  # bound the memory of caches and graphs kept warm
                 self._decoders.pop(next(iter(self._decoders)))
             self._decoders[key] = StaticDecoder(self.model, batch, max_len, device_dispatch=dispatch == "device",
-                                                cuda_graphs=graphs)
+                                                cuda_graphs=graphs, compile=self.compile)
         return self._decoders[key]
 
     def score(self, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
@@ -288,7 +292,8 @@ class RolloutEngine:
         batch.recipe = self.recipe
         batch.decode, batch.moe_dispatch = path, dispatch
         batch.cache_len = cache_length(P + params.max_new_tokens) if path == "static" else 0
-        batch.stats.decode_path = f"{path}{'+graph' if graphs else ''}/{dispatch}"
+        batch.compiled = path == "static" and self.compile
+        batch.stats.decode_path = f"{path}{'+compile' if batch.compiled else ''}{'+graph' if graphs else ''}/{dispatch}"
         return batch
 
     def _output_buffers(self, samples: list[list[int]], P: int, params: SamplingParams):

@@ -10,7 +10,7 @@ sampled it reproduces the engine's log-probs bit for bit, and scoring it with an
 variant changes exactly one thing: the numerics of the rollout forward.
 
 A batch from the engine's static decode path (``batch.decode == "static"``) is replayed on that path:
-the same fixed slots, cache length and expert dispatch, a row fed while its sample continues (the
+the same fixed slots, cache length, expert dispatch and compiled-or-plain step, a row fed while its sample continues (the
 same rule), a CUDA graph when ``cuda_graphs`` and the dispatch allow it.
 
 This is the rollout side only: it never calls the trainer's full forward (``quads.rl.logprobs``);
@@ -108,7 +108,7 @@ def _score_static(model: torch.nn.Module, batch: RolloutBatch, temperature: floa
     routing = torch.full((cfg.n_layers, B, S, cfg.top_k), -1, dtype=torch.long, device=dev)
     device_dispatch = batch.moe_dispatch == "device"
     dec = StaticDecoder(model, B, batch.cache_len or cache_length(S), device_dispatch=device_dispatch,
-                        cuda_graphs=cuda_graphs and device_dispatch)
+                        cuda_graphs=cuda_graphs and device_dispatch, compile=batch.compiled)
     was_training = model.training
     model.eval()
     try:
