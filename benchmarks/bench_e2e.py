@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decodes", default="auto",
                     help="rollout decode paths, comma list: auto (static on CUDA), static, eager (the reference)")
     ap.add_argument("--graphs", default="on,off", help="static decode on CUDA: CUDA graphs on, off or on,off")
-    ap.add_argument("--compile", default="off", help="static decode: torch.compile of the step: off, on or off,on")
+    ap.add_argument("--compile", default="on", help="static decode on CUDA: torch.compile of the step: on, off or on,off")
     ap.add_argument("--long-tokens", type=int, default=512, help="rollout: the longer-response row (0 = none)")
     ap.add_argument("--long-recipes", default="bf16,w4a4+rac50", help="recipes that get the longer-response row")
     ap.add_argument("--profile-recipes", default="bf16,w4a4+rac50", help="profile suite: recipes to trace")

@@ -12,7 +12,7 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 t0=$(date +%s)
 part() { echo "== $1 rc=$2 $(( $(date +%s) - t0 )) s" | tee -a "$OUT/env.txt"; }
 timeout ${TEST_TIMEOUT:-120} python3 -m pytest tests/test_engine_gpu.py -q -rfE -p no:cacheprovider \
-  -k "${TEST_K:-compiled}" > "$OUT/tests.log" 2>&1
+  ${TEST_K:+-k "$TEST_K"} > "$OUT/tests.log" 2>&1
 part tests $?
 timeout ${E2E_1B_TIMEOUT:-270} python3 benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 \
   --new-tokens 64 --long-tokens 512 --long-recipes bf16 --graphs on --compile off,on \

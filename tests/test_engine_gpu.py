@@ -48,16 +48,21 @@ def stopping_params(model, temperature):
                           stop_token_ids=(base.response_ids[2][5],))
 
 
+@pytest.mark.parametrize("compile", [True, False])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("recipe", list(SPECS))
-def test_graph_matches_no_graph(recipe, temperature):
+def test_graph_matches_no_graph(recipe, temperature, compile):
+    """Also with the compiled step (the engine's default on CUDA): its graph = its no-graph run, and
+    rescoring replays the compiled step (its rounding, not the plain step's)."""
     model = model_for(recipe)
     params = stopping_params(model, temperature)
-    off = RolloutEngine(model, TOK, cuda_graphs=False).generate(PROMPTS, params)
-    eng = RolloutEngine(model, TOK, cuda_graphs=True, done_check_interval=4)
+    off = RolloutEngine(model, TOK, cuda_graphs=False, compile=compile).generate(PROMPTS, params)
+    eng = RolloutEngine(model, TOK, cuda_graphs=True, done_check_interval=4, compile=compile)
     on = eng.generate(PROMPTS, params)
     again = eng.generate(PROMPTS, params)
-    assert on.stats.decode_path == "static+graph/device" and off.stats.decode_path == "static/device"
+    c = "+compile" if compile else ""
+    assert on.stats.decode_path == f"static{c}+graph/device" and off.stats.decode_path == f"static{c}/device"
+    assert on.compiled == off.compiled == compile
     assert on.stats.graph_captures == 1 and again.stats.graph_captures == 0
     assert len({len(r) for r in on.response_ids}) > 1
     for b in (on, again):
@@ -125,17 +130,3 @@ def test_decode_step_has_no_host_sync(recipe):
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-
-@pytest.mark.parametrize("recipe", ["bf16", "w4a16", "w4a4+rac50"])
-def test_compiled_step_graph_matches_no_graph_and_rescores(recipe):
-    """``compile=True``: the compiled step replayed from a graph = the compiled step without one, bit for
-    bit, and rescoring the batch replays the compiled step (its rounding, not the plain step's)."""
-    model = model_for(recipe)
-    params = stopping_params(model, 1.0)
-    off = RolloutEngine(model, TOK, cuda_graphs=False, compile=True).generate(PROMPTS, params)
-    on = RolloutEngine(model, TOK, cuda_graphs=True, compile=True, done_check_interval=4).generate(PROMPTS, params)
-    assert on.stats.decode_path == "static+compile+graph/device" and on.compiled and off.compiled
-    assert on.response_ids == off.response_ids and on.finish_reasons == off.finish_reasons
-    assert torch.equal(on.logprobs, off.logprobs) and torch.equal(on.routing, off.routing)
-    res = score_rollout(model, on)
-    assert torch.equal(res.logprobs, on.logprobs) and torch.equal(res.routing, on.routing)

@@ -29,7 +29,7 @@ def _pair(recipe="quads"):
 
 
 def _cfg(backend):
-    return SimpleNamespace(rollout_backend=backend, device="cpu", rollout=SimpleNamespace(cuda_graphs=False))
+    return SimpleNamespace(rollout_backend=backend, device="cpu", rollout=SimpleNamespace(cuda_graphs=False, compile=True))
 
 
 def test_make_backend_picks_quads_engine_and_refuses_unknown(tmp_path):

@@ -105,7 +105,7 @@ class RolloutSection:
     temperature: float = 1.0  # sampling temperature; trainer log-probs use the same one
     max_new_tokens: int = 48  # response length cap (arithmetic level 6 answers take up to 46 characters + eos)
     cuda_graphs: bool = True  # quads backend on CUDA: replay the static decode step from a CUDA graph (false: debugging)
-    compile: bool = False  # quads backend, static decode: torch.compile the decode step (fused kernels; own rounding)
+    compile: bool = True  # quads backend on CUDA: torch.compile the static decode step (fused kernels, own rounding; false: debugging)
 
     def __post_init__(self) -> None:
         _positive("rollout", prompts_per_step=self.prompts_per_step, temperature=self.temperature,
