@@ -15,8 +15,9 @@ import torch
 
 NVFP4_BLOCK = 16  # NVFP4 block length along K: every quantized in-feature dim must be a multiple of it
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64,
-           "float16": torch.float16}
+# the project's one map of dtype names (configs, checkpoints, CLI flags) to torch dtypes
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64,
+          "float16": torch.float16}
 
 
 @dataclass
@@ -67,14 +68,14 @@ class ModelConfig:
             raise ValueError(f"top_k ({self.top_k}) must be <= n_experts ({self.n_experts})")
         if self.qk_norm not in ("none", "head", "full"):
             raise ValueError(f"qk_norm must be 'none', 'head' or 'full', got {self.qk_norm!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.router_aux_loss_coef < 0:
             raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:

@@ -24,14 +24,15 @@ import torch
 
 from quads.errors import UsageError, check_device
 from quads.model.checkpoint import check_model_folder, load_model
+from quads.model.config import DTYPES as DTYPE_MAP
 from quads.model.config import ModelConfig
 from quads.model.transformer import MoEForCausalLM
 from quads.quant import Recipe, get_recipe, quantize_model
-from quads.rl.config import TrainConfig, WarmStartSection
+from quads.rl.config import TRAIN_DTYPES, TrainConfig, WarmStartSection
 from quads.tasks import Task, examples_up_to, get_task, require_sandbox
 
-# the compute / master dtypes a job may name (config strings -> torch dtypes)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# the compute / master dtypes a job may name (``quads.model.config.DTYPES`` without float16)
+DTYPES = {name: DTYPE_MAP[name] for name in TRAIN_DTYPES}
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Literal
 from quads.rl.correction import CorrectionConfig
 from quads.rl.grpo import GRPOLossConfig
 
-DTYPES = ("float32", "bfloat16", "float64")
+TRAIN_DTYPES = ("float32", "bfloat16", "float64")  # names from quads.model.config.DTYPES a job may use
 
 
 def _positive(section: str, **values: float) -> None:
@@ -208,8 +208,8 @@ class TrainConfig:
             raise ValueError(f"time_limit_s must be >= 0 (0 = no limit); got {self.time_limit_s}")
         if self.eval_every < 0 or self.eval_n < 1:
             raise ValueError(f"eval_every must be >= 0 and eval_n >= 1; got {self.eval_every}, {self.eval_n}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}; got {self.dtype!r}")
+        if self.dtype not in TRAIN_DTYPES:
+            raise ValueError(f"dtype must be one of {TRAIN_DTYPES}; got {self.dtype!r}")
         if self.resume and self.out_dir is None:
             raise ValueError("resume needs out_dir: pass --out-dir <run folder> --resume true")
         if self.threads < 0:
