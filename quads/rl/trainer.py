@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from quads.config import from_dict, save_config, to_dict
+from quads.evaluation import evaluate_backend
 from quads.io import atomic_write_text, check_output_dir
 from quads.kernels import dispatch
 from quads.metrics.mismatch import mismatch_metrics
@@ -405,16 +406,15 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out pass@1: greedy decoding with the rollout engine on the fixed test subset."""
+        """Held-out pass@1: greedy decoding with the rollout backend on the fixed test subset, one
+        generation per rank (``quads.evaluation.evaluate_backend``)."""
         t0 = time.perf_counter()
-        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                record_routing=False)
         mine = self.eval_set[self.dist.rank::self.dist.world]  # under torchrun each rank scores a share
-        batch = self.engine.generate([e.prompt for e in mine], params)
-        correct = [self.task.score(e, t).correct for e, t in zip(mine, batch.texts)]
-        n = distributed.all_reduce(len(correct), self.dist)
-        return {"eval/pass@1": distributed.all_reduce(sum(correct), self.dist) / n, "eval/n": n,
-                "eval/len_mean": distributed.all_reduce(batch.response_lengths().sum(), self.dist) / n,
+        res = evaluate_backend(self.engine, self.task, mine, max_new_tokens=self.cfg.rollout.max_new_tokens,
+                               batch_size=None, seed=None)
+        n = distributed.all_reduce(len(res.correct), self.dist)
+        return {"eval/pass@1": distributed.all_reduce(sum(res.correct), self.dist) / n, "eval/n": n,
+                "eval/len_mean": distributed.all_reduce(res.response_tokens, self.dist) / n,
                 "time/eval_s": distributed.all_reduce(time.perf_counter() - t0, self.dist, "max")}
 
     def step(self, step: int) -> dict[str, float]:
