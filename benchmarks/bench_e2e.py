@@ -20,6 +20,12 @@ rollout: the rollout engine (``quads.rollout.RolloutEngine``) on MoE presets (``
 profile (``--suites profile``): torch.profiler per preset and ``--profile-recipes`` recipe, graphs on
   and off: GPU kernels, launches and host syncs per decode step (difference of a 48- and a 16-token
   generation over the 32 extra steps, so prefill and read-back cancel).
+vllm (``--suites vllm``, run with the vLLM environment's python, e.g. ``.venv-vllm/bin/python``): the
+  quads engine and vLLM's own engine (native BF16 layers, ``enforce_eager`` as quads' vLLM backend
+  starts it) on the same ``--preset`` model (random weights, saved once as a Hugging Face folder),
+  the same prompts, greedy decoding, ``ignore_eos``, generations interleaved, ``--reps`` each after a
+  warm-up; tokens/s of each, their ratio, and the share of samples whose greedy tokens agree. A peer
+  number for the CPU (``--device cpu --preset tiny``), not a target.
 trainer: one GRPO-shaped trainer step on a fixed batch (``--batch`` sequences of ``--seq-len``
   tokens): full-sequence forward of the response log-probs under BF16 autocast over fp32 master
   weights, a policy-gradient loss, backward, grad clip, AdamW step; BF16 against W4A16-QAT
@@ -47,7 +53,7 @@ from quads.model.tokenizer import CharTokenizer  # noqa: E402
 from quads.quant import quantize_model  # noqa: E402
 from quads.quant.recipe import LinearSpec, Recipe  # noqa: E402
 from quads.rl.logprobs import SequenceBatch, forward_logprobs  # noqa: E402
-from quads.rollout.engine import RolloutEngine, SamplingParams  # noqa: E402
+from quads.rollout import RolloutEngine, SamplingParams  # noqa: E402
 
 ROLLOUT_RECIPES = {
     "bf16": LinearSpec(),
@@ -340,6 +346,49 @@ def bench_trainer(args, rows: list) -> None:
     rows[-1]["vs_bf16"] = times["w4a16-qat"] / times["bf16"]
 
 
+def bench_vllm(args, rows: list) -> None:
+    """quads' engine against vLLM's on one model, greedy, interleaved (module docstring)."""
+    import tempfile
+
+    from quads.model.hf import save_hf_model
+    from quads.rollout.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
+
+    tok = CharTokenizer()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, tok.vocab_size, (args.prompt_len,), generator=g).tolist()
+               for _ in range(args.prompts)]
+    sp = SamplingParams(n=args.n, temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0,
+                        record_routing=False)
+    for preset in [p.strip() for p in args.preset.split(",") if p.strip()]:
+        model = _model(preset, args.device, "bfloat16").requires_grad_(False)
+        row = {"suite": "vllm", "preset": preset, "samples": len(prompts) * args.n, "new_tokens": args.new_tokens,
+               "threads": torch.get_num_threads()}
+        with tempfile.TemporaryDirectory() as d:
+            folder = save_hf_model(model, tok, Path(d) / "policy")
+            ec = VLLMEngineConfig(dtype="bfloat16", max_num_seqs=len(prompts) * args.n,
+                                  max_model_len=args.prompt_len + args.new_tokens)
+            engines = {"quads": RolloutEngine(model, tok, device=args.device),
+                       "vllm": VLLMRolloutEngine(folder, tok, "bf16", ec)}
+            first = {name: eng.generate(prompts, sp) for name, eng in engines.items()}  # warm-up
+            tps: dict[str, list[float]] = {name: [] for name in engines}
+            for _ in range(args.reps):
+                for name, eng in engines.items():
+                    _sync(args.device)
+                    b = eng.generate(prompts, sp)
+                    tps[name].append(b.stats.n_response_tokens / max(b.stats.prefill_s + b.stats.decode_s, 1e-9))
+            del engines
+        same = sum(a == b for a, b in zip(first["quads"].response_ids, first["vllm"].response_ids))
+        row.update(quads_tokens_per_s=statistics.median(tps["quads"]), vllm_tokens_per_s=statistics.median(tps["vllm"]),
+                   greedy_agree=same / len(first["quads"].response_ids))
+        row["quads_vs_vllm"] = row["quads_tokens_per_s"] / row["vllm_tokens_per_s"]
+        rows.append(row)
+        print(f"vllm {preset:>5}: quads {row['quads_tokens_per_s']:8.0f} tok/s  vllm {row['vllm_tokens_per_s']:8.0f} "
+              f"tok/s  quads/vllm {row['quads_vs_vllm']:.2f}x  greedy samples identical {same}/"
+              f"{len(first['quads'].response_ids)}", flush=True)
+        _write_json(args, rows)
+        del model
+
+
 def _write_json(args, rows: list) -> None:
     if args.json:
         path = Path(args.json)
@@ -350,7 +399,7 @@ def _write_json(args, rows: list) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suites", default="rollout,trainer", help="comma list: rollout, trainer")
+    ap.add_argument("--suites", default="rollout,trainer", help="comma list: rollout, trainer, profile, vllm")
     ap.add_argument("--preset", default="100m", help="model preset(s) (quads.model.PRESETS), comma list")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prompts", type=int, default=16, help="rollout: prompts per generation")
@@ -374,9 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
-    bad = set(suites) - {"rollout", "trainer", "profile"}
+    bad = set(suites) - {"rollout", "trainer", "profile", "vllm"}
     if bad:
-        ap.error(f"unknown suite(s) {sorted(bad)}; valid: rollout, trainer, profile")
+        ap.error(f"unknown suite(s) {sorted(bad)}; valid: rollout, trainer, profile, vllm")
     rows: list = []
     info = env_info(args.device)
     print("# " + json.dumps(info))
@@ -386,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_trainer(args, rows)
     if "profile" in suites:
         profile_decode(args, rows)
+    if "vllm" in suites:
+        bench_vllm(args, rows)
     for r in rows:
         if r["suite"] == "rollout":
             extra = "".join(f"  {v:.2f}x {k[3:]}" for k, v in r.items() if k.startswith("vs_"))

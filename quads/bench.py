@@ -22,7 +22,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("suite", nargs="?", default="kernels", choices=SUITES, help="what to benchmark")
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
     parser.add_argument("--only", default=None,
-                        help="comma list of sub-suites (kernels: quantize,w4a16,moe,w4a4; e2e: rollout,trainer)")
+                        help="comma list of sub-suites (kernels: quantize,w4a16,moe,w4a4; e2e: rollout,trainer,profile,vllm; vllm needs the vLLM environment)")
     parser.add_argument("--preset", default="100m", help="e2e: model preset")
     parser.add_argument("--device", default=None, help="e2e: torch device (default cuda when available)")
     parser.add_argument("--experts", default="grouped", help="e2e: rollout expert paths to time (grouped,loop)")

@@ -35,7 +35,7 @@ def main() -> None:
     from quads.model.tokenizer import CharTokenizer
     from quads.model.transformer import MoEForCausalLM
     from quads.quant import get_recipe, quantize_model
-    from quads.rollout.engine import SamplingParams
+    from quads.rollout.types import SamplingParams
     from quads.rollout.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
 
     torch.manual_seed(0)
@@ -81,7 +81,7 @@ def diagnose(folder: str, tok, dtype: str) -> dict:
     from quads.model.hf import load_hf_model
     from quads.quant import LinearSpec, Recipe, quantize_model
     from quads.rl.logprobs import forward_logprobs
-    from quads.rollout.engine import RolloutEngine, SamplingParams
+    from quads.rollout import RolloutEngine, SamplingParams
     from quads.rollout.vllm.diagnose import vllm_rollout_logprobs
 
     policy, _ = load_hf_model(folder, dtype=dtype)

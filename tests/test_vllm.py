@@ -169,7 +169,7 @@ def test_weight_push_bit_identical_and_corruption_refused(engine, policy, sequen
     from quads.model.hf import load_hf_model
     from quads.quant import quantize_model, sync_weights
     from quads.quant.sync import WeightSyncError
-    from quads.rollout.engine import SamplingParams
+    from quads.rollout.types import SamplingParams
     from quads.rollout.vllm import worker
 
     recipe = _recipe("quads")
@@ -212,7 +212,7 @@ def test_generate_rollout_batch(engine, policy):
     """quads' RolloutBatch layout; seeds; processed (temperature) log-probs equal quads' trainer forward."""
     from quads.experiments.vllm_compare import replay_layer_inputs
     from quads.rl.logprobs import forward_logprobs
-    from quads.rollout.engine import SamplingParams
+    from quads.rollout.types import SamplingParams
 
     _, tok = policy
     params = SamplingParams(n=3, temperature=0.7, max_new_tokens=7, seed=11, ignore_eos=True)

@@ -24,7 +24,7 @@ from torch import nn
 from quads.model.tokenizer import Tokenizer
 from quads.quant.recipe import Recipe
 from quads.quant.sync import SyncReport, WeightSource
-from quads.rollout.engine import RolloutBatch, SamplingParams
+from quads.rollout.types import RolloutBatch, SamplingParams
 
 BACKENDS = ("quads", "vllm")
 MULTI_PROCESS = {"quads": True, "vllm": False}  # one backend per rank under torchrun

@@ -28,7 +28,8 @@ from torch.nn.attention import sdpa_kernel
 
 from quads.model.attention import KVCache
 from quads.rollout.decode import StaticDecoder, cache_length
-from quads.rollout.engine import _DECODE_BACKENDS, RolloutBatch
+from quads.rollout.engine import _DECODE_BACKENDS
+from quads.rollout.types import RolloutBatch
 
 
 @dataclass

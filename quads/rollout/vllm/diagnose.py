@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from quads.quant.recipe import DEFAULT_TARGETS, LinearSpec, Recipe
-from quads.rollout.engine import RolloutBatch
+from quads.rollout.types import RolloutBatch
 from quads.rollout.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
 
 

@@ -45,7 +45,7 @@ from quads.quant.sync import (
     WeightSyncError,
     reference_fingerprints,
 )
-from quads.rollout.engine import RolloutBatch, RolloutStats, SamplingParams, encode_prompt
+from quads.rollout.types import RolloutBatch, RolloutStats, SamplingParams, encode_prompt
 
 
 @dataclass
