@@ -237,6 +237,43 @@ def test_bf16_trainer_recipes_swap_nothing():
         assert summary.modules == [] and not quantized_modules(model)
 
 
+def bare_engine(engine_config, monkeypatch, model):
+    """A ``QuadsFSDPEngine`` whose verl parts are stubbed: verl's ``FSDPEngine.__init__`` needs a CUDA
+    device mesh and its ``_build_module`` a model folder; ``model`` stands for what verl built."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    def init(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        self.engine_config, self._is_lora, self.module = engine_config, False, model
+
+    monkeypatch.setattr(FSDPEngine, "__init__", init)
+    monkeypatch.setattr(FSDPEngine, "_build_module", lambda self: model)
+    monkeypatch.setattr(FSDPEngine, "optimizer_step", lambda self: 1.5)
+    return QuadsFSDPEngine(None, engine_config, None, None)
+
+
+def test_engine_quantizes_what_verl_builds_and_drops_the_cache_after_a_step(monkeypatch):
+    cfg = QuadsFSDPEngineConfig(strategy="fsdp2")
+    object.__setattr__(cfg, "strategy", STRATEGY)  # as verl's FSDPActorConfig sets it
+    model = qwen3_moe()
+    eng = bare_engine(cfg, monkeypatch, model)
+    assert cfg.strategy == "fsdp2"  # what verl's FSDP build branches on
+    assert eng._build_module() is model and eng.quads_summary.n_quantized_params > 0
+    experts = quantized_modules(model)
+    assert set(experts) == {f"model.layers.{i}.mlp.experts" for i in range(LAYERS)}
+    model(torch.randint(0, 96, (2, 5)))  # fills the QDQ(W) cache
+    assert all(s.w_q is not None for m in experts.values() for s in m.stores.values())
+    assert eng.optimizer_step() == 1.5
+    assert all(s.w_q is None for m in experts.values() for s in m.stores.values())
+
+
+def test_forward_only_engine_keeps_the_model_plain(monkeypatch):
+    from verl.workers.config import FSDPEngineConfig
+
+    model = qwen3_moe()
+    eng = bare_engine(FSDPEngineConfig(strategy="fsdp2", forward_only=True), monkeypatch, model)
+    assert eng._build_module() is model and not quantized_modules(model)
+
+
 # ------------------------------------------------------------------------------------------ weight stream
 
 
