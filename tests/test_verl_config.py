@@ -32,8 +32,24 @@ def test_both_sides_get_the_same_recipe(recipe):
 def test_cli_prints_overrides_and_refuses_bad_input(capsys):
     assert main(["--recipe", "quads", "--rac-ratio", "0.25"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "actor_rollout_ref.actor.strategy='quads_fsdp2'" in out
+    assert "\"actor_rollout_ref.actor.strategy='quads_fsdp2'\"" in out
     assert any("rac_ratio:0.25" in line for line in out)
     assert main(["--recipe", "bf16", "--rac-ratio", "0.3"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "rac_ratio=0.3 needs NVFP4 activations" in err
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{r.name}-{r.rollout.describe()}")
+def test_shell_quoting_gives_hydra_the_overrides_unchanged(recipe):
+    """What bash hands ``main_ppo`` for the printed lines is ``hydra_overrides`` word for word (no brace
+    expansion of ``{a:1,b:2}``, Hydra's quotes kept)."""
+    import subprocess
+
+    lines = vconfig.shell_overrides(recipe)
+    got = subprocess.run(["bash", "-c", "printf '%s\\n' " + " ".join(lines)], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert got == vconfig.hydra_overrides(recipe)
+    unquoted = subprocess.run(["bash", "-c", "printf '%s\\n' " + " ".join(vconfig.hydra_overrides(recipe))],
+                              capture_output=True, text=True, check=True).stdout.splitlines()
+    if any("{" in o for o in vconfig.hydra_overrides(recipe)):
+        assert unquoted != vconfig.hydra_overrides(recipe)  # why the quoting is needed

@@ -7,7 +7,7 @@ import sys
 
 import yaml
 
-from quads.integrations.verl.config import hydra_overrides, verl_config
+from quads.integrations.verl.config import shell_overrides, verl_config
 from quads.quant.recipe import PRESETS, get_recipe
 
 
@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default="quads", choices=list(PRESETS), help="quads recipe preset (default quads)")
     p.add_argument("--rac-ratio", type=float, default=None, help="RAC ratio of the rollout (recipes with NVFP4 activations)")
     p.add_argument("--format", default="overrides", choices=("overrides", "yaml"),
-                   help="overrides: one Hydra override per line; yaml: a block to merge into a PPO config")
+                   help="overrides: one Hydra override per line, quoted for a shell; yaml: a block to merge into a PPO config")
     a = p.parse_args(argv)
     try:
         recipe = get_recipe(a.recipe, **({} if a.rac_ratio is None else {"rac_ratio": a.rac_ratio}))
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.format == "yaml":
         print(yaml.safe_dump(verl_config(recipe), sort_keys=False), end="")
     else:
-        print("\n".join(hydra_overrides(recipe)))
+        print("\n".join(shell_overrides(recipe)))
     return 0
 
 

@@ -1,7 +1,8 @@
 """The verl config entries that run one quads recipe, written from one ``Recipe`` (both sides agree).
 
 ``verl_config(recipe)`` is the nested dict to merge into a verl PPO config (YAML), and
-``hydra_overrides(recipe)`` the same as Hydra command-line overrides for ``verl.trainer.main_ppo``:
+``hydra_overrides(recipe)`` the same as Hydra command-line overrides for ``verl.trainer.main_ppo``
+(``shell_overrides``: each quoted for a shell command line):
 
 | entry | what it does |
 |---|---|
@@ -102,4 +103,17 @@ def hydra_overrides(recipe: Recipe) -> list[str]:
                 out.append(f"{'' if key in _EXISTING else '+'}{key}={_hydra_value(v)}")
 
     walk("", verl_config(recipe))
+    return out
+
+
+def shell_overrides(recipe: Recipe) -> list[str]:
+    """``hydra_overrides`` quoted for a POSIX shell command line (double quotes: bash would otherwise
+    brace-expand ``{a:1,b:2}`` into two words and strip Hydra's single quotes)."""
+    out = []
+    for o in hydra_overrides(recipe):
+        bad = set(o) & set('"$`\\!')
+        if bad:
+            raise ValueError(f"override {o!r} holds {sorted(bad)}, which a double-quoted shell word changes; "
+                             "use --format yaml")
+        out.append(f'"{o}"')
     return out
