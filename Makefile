@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.quads-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-main test-vllm test-vllm-avx2 lint setup clean
+.PHONY: run test test-main test-vllm test-vllm-avx2 test-verl lint setup clean
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup_env.sh
@@ -25,7 +25,11 @@ lint: $(STAMP)
 QUADS_TEST_VLLM ?= 1
 VLLM_STAMP := .venv-vllm/.quads-installed
 
-test: test-main $(if $(filter 1,$(QUADS_TEST_VLLM)),test-vllm)
+# QUADS_TEST_VERL=0 skips the verl plugin tests (their own venv, see scripts/setup_verl_env.sh)
+QUADS_TEST_VERL ?= 1
+VERL_STAMP := .venv-verl/.quads-installed
+
+test: test-main $(if $(filter 1,$(QUADS_TEST_VLLM)),test-vllm) $(if $(filter 1,$(QUADS_TEST_VERL)),test-verl)
 
 test-main: $(STAMP) lint
 	$(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS)
@@ -44,5 +48,13 @@ test-vllm: $(VLLM_STAMP)
 test-vllm-avx2: $(VLLM_STAMP)
 	.venv-vllm/bin/python scripts/force_avx2.py -m pytest -q -p no:cacheprovider tests/test_vllm.py
 
+$(VERL_STAMP): pyproject.toml scripts/setup_verl_env.sh
+	PYTHON=$(PYTHON) bash scripts/setup_verl_env.sh
+	touch $(VERL_STAMP)
+
+# the verl plugin against the released verl package (plugin discovery, configs, QAT swap, weight stream, metrics)
+test-verl: $(VERL_STAMP)
+	.venv-verl/bin/python -m pytest -q -p no:cacheprovider tests/test_verl_plugin.py
+
 clean:
-	rm -rf $(VENV) .venv-vllm .pytest_cache .hypothesis .ruff_cache
+	rm -rf $(VENV) .venv-vllm .venv-verl .pytest_cache .hypothesis .ruff_cache

@@ -45,6 +45,8 @@ def violations(root: Path) -> list[str]:
                 bad.append(f"{where} (rollout backends do not import the trainer or the experiments)")
             if under(mod, "vllm") and not under(me, "quads.rollout.vllm"):
                 bad.append(f"{where} (only quads.rollout.vllm imports vLLM)")
+            if under(mod, "verl") and not under(me, "quads.integrations.verl"):
+                bad.append(f"{where} (only quads.integrations.verl imports verl)")
     return bad
 
 

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv-verl: verl (from the package index) beside quads, for the verl plugin tests
+# (tests/test_verl_plugin.py). A separate venv because verl pins transformers <5.11 and pulls ray,
+# wandb, datasets, peft, hydra and tensordict, none of which quads needs; verl is never a core
+# dependency of quads (the `verl` extra only names it).
+set -euo pipefail
+PYTHON=${PYTHON:-python3}
+VENV=${VENV_VERL:-.venv-verl}
+VERL_VERSION=${VERL_VERSION:-0.9.1}
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+q() { "$@" 2>&1 | grep -v "is ignored" || true; }
+q $PIP install -q --upgrade pip
+"$VENV/bin/python" -c "import torch" 2>/dev/null || q $PIP install -q "torch==2.13.0"
+if ! "$VENV/bin/python" -c "import verl" 2>/dev/null; then
+  start=$(date +%s)
+  q $PIP install -q "verl==$VERL_VERSION"
+  echo "[setup-verl] pip install verl==$VERL_VERSION took $(( $(date +%s) - start )) s"
+fi
+q $PIP install -q -e ".[test]"
+"$VENV/bin/python" -c "import verl, quads, transformers; print('[setup-verl] verl', verl.__version__, 'quads', quads.__version__, 'transformers', transformers.__version__)"
