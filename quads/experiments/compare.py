@@ -25,7 +25,9 @@ on one figure, mean over seeds), ``runs/<recipe>-s<seed>/`` (each run's folder, 
 Table columns, per recipe over its finished seeds: final reward (smoothed, ``summarize``), held-out
 pass@1 at the end (mean, and spread = max - min over seeds), max over steps of the per-step gap max,
 mean over steps of the per-step gap mean and of k3, collapse (``summarize``'s rule; the step is the
-first at which the rule holds on the records up to that step), rollout tokens/s (mean over steps).
+first at which the rule holds on the records up to that step), rollout tokens/s (mean over steps); the
+trend of the gap (least-squares slope per step of k3 and of the per-sequence gap, mean over seeds) and
+each run's IS correction, mini-batches and rollout error scale (from its config.yaml; ``run_settings``).
 """
 
 from __future__ import annotations
