@@ -97,21 +97,28 @@ def test_bad_alpha_and_fast_paths_refused():
         TrainConfig(recipe=RecipeSection(rollout_error_scale=4.0), rollout_backend="vllm")
 
 
-def test_engine_decodes_eagerly_and_config_records_alpha(tmp_path):
+def test_engine_refuses_the_capturable_expert_path_and_config_records_alpha(tmp_path):
+    """The static decode's device-side expert dispatch (forward_static, the batched layout) has no amplifier:
+    an amplified rollout model dispatches experts on the host, to the loop, and refuses moe_dispatch=device."""
     from conftest import tiny_model
 
     from quads.model.tokenizer import CharTokenizer
     from quads.quant import quantize_model
-    from quads.rollout import make_backend
+    from quads.rollout import RolloutEngine
+    from quads.rollout.decode import supports_device_dispatch
+
+    def rollout_model(recipe):
+        model = tiny_model()
+        quantize_model(model, recipe, side="rollout", verbose=False)
+        return model
 
     cfg = TrainConfig(recipe=RecipeSection(name="nvfp4", rollout_error_scale=8.0), device="cpu")
-    recipe = get_recipe(cfg.recipe.name, **cfg.recipe.overrides())
-    model = tiny_model()
-    quantize_model(model, recipe, side="rollout", verbose=False)
-    engine = make_backend(cfg, model, CharTokenizer(), recipe, tmp_path)
-    assert (engine.decode, engine.moe_dispatch) == ("eager", "host")
-    plain = make_backend(replace(cfg, recipe=RecipeSection(name="nvfp4")), model, CharTokenizer(),
-                         get_recipe("nvfp4"), tmp_path)
-    assert (plain.decode, plain.moe_dispatch) == ("auto", "auto")
+    amplified = rollout_model(get_recipe(cfg.recipe.name, **cfg.recipe.overrides()))
+    assert supports_device_dispatch(rollout_model(get_recipe("nvfp4")))
+    assert not supports_device_dispatch(amplified)
+    assert all(m.mlp.experts.grouped is False for m in amplified.model.layers)  # the loop, not the batched path
+    assert RolloutEngine(amplified, CharTokenizer(), decode="static").decode_plan()[1] == "host"
+    with pytest.raises(ValueError, match="capturable"):
+        RolloutEngine(amplified, CharTokenizer(), moe_dispatch="device").decode_plan()
     save_config(cfg, tmp_path / "config.yaml")
     assert "rollout_error_scale: 8.0" in (tmp_path / "config.yaml").read_text()

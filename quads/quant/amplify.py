@@ -15,8 +15,8 @@ compensated operand ``X_eff = Xq + scatter_S(QDQ(R[:, S]))``, kept as one GEMM o
 ``spec_linear`` calls this module only when ``alpha != 1``, so ``alpha = 1`` is the unamplified path
 bit for bit. The weight store and the weight sync are untouched (the synced operand stays ``QDQ(W)``;
 the amplified weight is formed here, per GEMM), and only this eager, per-expert path implements it:
-the rollout engine decodes eagerly and the recipe takes the experts loop when ``alpha != 1``
-(``quads.rollout.backend.make_backend``, ``Recipe``).
+with ``alpha != 1`` the recipe takes the experts loop (``Recipe``) and the rollout engine dispatches
+experts on the host, to that loop (``quads.rollout.decode.supports_device_dispatch``).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class RecipeSection:
     targets: list[str] | None = None  # module-name patterns to quantize (default: routed experts)
     expert_path: Literal["auto", "grouped", "loop"] | None = None  # rollout experts: batched GEMMs or the loop (auto: grouped on CUDA)
     # mismatch amplifier alpha (diagnostic): every quantized rollout GEMM uses x + alpha * (Q(x) - x) for its
-    # weight and activation operands (quads.quant.amplify); 1 = the recipe as is; != 1 decodes eagerly
+    # weight and activation operands (quads.quant.amplify); 1 = the recipe as is; != 1 runs the experts loop
     rollout_error_scale: float = 1.0
 
     def overrides(self) -> dict:
