@@ -18,8 +18,9 @@
 # again with STATE_DIR=<that folder> and the same knobs: the state is unpacked into WORK, the warm start is
 # reused, and quads compare continues every unfinished run from its checkpoint (exact resume) and skips the
 # finished ones. Size: a checkpoint holds ~12 bytes per parameter (fp32 master weights + AdamW; ~6 with
-# EXTRA_SET=model.master_dtype=bfloat16), ~22 MB per run of the tiny preset; the device returns at most 8 files
-# of 16 MiB, 64 MiB in all, so only small models and few runs per call fit (the script warns when not).
+# EXTRA_SET=model.master_dtype=bfloat16), 21.7 MB per run of the tiny preset, ~7 MB gzipped; the device
+# returns at most 8 files of 16 MiB, 64 MiB in all, so only small models and few runs per call fit (the
+# script warns when not). The warm start is packed when WARM_DIR is inside WORK (the default).
 #
 # Knobs (env): OUT, BUDGET_S (default 540), TASK (arithmetic), LEVEL (4: the task difficulty), PRESET (100m: the
 #   model preset), MAX_NEW_TOKENS (48), DEVICE (cuda), PY (python3), DIAG_PROMPTS (64), CKPT (skip the warm
@@ -65,7 +66,7 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT" "$WORK"
 if [ -n "$STATE_DIR" ]; then
   ls "$STATE_DIR"/state.tar.part-* > /dev/null || { echo "STATE_DIR=$STATE_DIR holds no state.tar.part-* files"; exit 2; }
-  cat "$STATE_DIR"/state.tar.part-* | tar -x -C "$WORK" && echo "continuing: unpacked $(du -sh "$WORK" | cut -f1) of state into $WORK"
+  cat "$STATE_DIR"/state.tar.part-* | tar -xz -C "$WORK" && echo "continuing: unpacked $(du -sh "$WORK" | cut -f1) of state into $WORK"
 fi
 elapsed() { echo $(( $(date +%s) - T0 )); }
 {
@@ -170,7 +171,7 @@ if [ "${KEEP_STATE:-1}" = 1 ]; then
     rel=${run#"$WORK"/}
     ( cd "$WORK" && find "${rel}checkpoints/$latest" -type f && echo "${rel}checkpoints/latest" ) >> "$LIST"
   done
-  tar -c -C "$WORK" -T "$LIST" | split -b 15M -d - "$OUT/state.tar.part-"
+  tar -c -C "$WORK" -T "$LIST" | gzip -1 | split -b 15M -d - "$OUT/state.tar.part-"
   NPARTS=$(ls "$OUT"/state.tar.part-* | wc -l)
   echo "state to continue from: $NPARTS part(s), $(du -ch "$OUT"/state.tar.part-* | tail -1 | cut -f1) (next call: STATE_DIR=<folder with them>)"
   [ "$NPARTS" -le 7 ] || echo "WARNING: $NPARTS state parts, but the device returns 8 files at most (results.tar.gz is one): the state will not all come back; fewer runs per call, a smaller PRESET or model.master_dtype=bfloat16"
