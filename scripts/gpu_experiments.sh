@@ -171,8 +171,19 @@ if [ "${KEEP_STATE:-1}" = 1 ]; then
     rel=${run#"$WORK"/}
     ( cd "$WORK" && find "${rel}checkpoints/$latest" -type f && echo "${rel}checkpoints/latest" ) >> "$LIST"
   done
-  tar -c -C "$WORK" -T "$LIST" | gzip -1 | split -b 15M -d - "$OUT/state.tar.part-"
-  NPARTS=$(ls "$OUT"/state.tar.part-* | wc -l)
-  echo "state to continue from: $NPARTS part(s), $(du -ch "$OUT"/state.tar.part-* | tail -1 | cut -f1) (next call: STATE_DIR=<folder with them>)"
-  [ "$NPARTS" -le 7 ] || echo "WARNING: $NPARTS state parts, but the device returns 8 files at most (results.tar.gz is one): the state will not all come back; fewer runs per call, a smaller PRESET or model.master_dtype=bfloat16"
+  RAW=$( (cd "$WORK" && tr '\n' '\0' < "$LIST" | du -cb --files0-from=- | tail -1 | cut -f1) )
+  if [ "$RAW" -gt $((1024 * 1024 * 1024)) ]; then  # would not come back anyway (64 MiB): spare the gzip time
+    echo "state not packed: $((RAW / 1048576)) MiB of checkpoints, far above the 64 MiB a device call returns (smaller PRESET or fewer runs)"
+  else
+    STAGE=$(mktemp -d)  # packed outside $OUT: only a state that fits comes into $OUT, so results.tar.gz always comes back
+    tar -c -C "$WORK" -T "$LIST" | gzip -1 | split -b 15M -d - "$STAGE/state.tar.part-"
+    NPARTS=$(ls "$STAGE"/state.tar.part-* | wc -l)
+    if [ "$NPARTS" -le 7 ]; then
+      mv "$STAGE"/state.tar.part-* "$OUT/"
+      echo "state to continue from: $NPARTS part(s), $(du -ch "$OUT"/state.tar.part-* | tail -1 | cut -f1) (next call: STATE_DIR=<folder with them>)"
+    else
+      echo "state not kept: $NPARTS parts of 15 MiB, but a device call returns 8 files at most (results.tar.gz is one); fewer runs per call, a smaller PRESET or model.master_dtype=bfloat16"
+    fi
+    rm -rf "$STAGE"
+  fi
 fi
