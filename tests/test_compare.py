@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from quads.cli import main
 from quads.experiments.compare import (
@@ -17,6 +18,7 @@ from quads.experiments.compare import (
     plan_runs,
 )
 from quads.experiments.compare import write_report as write_compare
+from quads.metrics.report import load_metrics
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +89,41 @@ def test_compare_runs_in_parallel_and_reports_a_crash(checkpoint, tmp_path):
     # a second call reuses finished runs instead of training again
     again = launch(cfg, runs[:1], say=lambda s: None)
     assert again[0].reused and again[0].ok
+
+
+@pytest.mark.slow
+def test_compare_called_again_continues_time_limited_runs_exactly(checkpoint, tmp_path):
+    """A compare whose runs stop at train.time_limit_s (here after every step), called again until done,
+    ends with the metrics and weights of an uninterrupted compare: each call resumes from the checkpoint."""
+    from quads.experiments.compare import compare
+    from quads.model.checkpoint import load_checkpoint
+    from quads.rl.trainer import NONDETERMINISTIC
+
+    s = _set(checkpoint).replace("steps=2", "steps=3") + ",log.save_every=0"
+    straight = CompareConfig(recipes="quads", seeds="0", set=s, out_dir=str(tmp_path / "a"))
+    assert compare(straight, say=lambda m: None)[1][0].ok
+    limited = dataclasses.replace(straight, set=s + ",time_limit_s=1e-9", out_dir=str(tmp_path / "b"))
+    said = []
+    starts = [compare(limited, say=said.append)[1][0] for _ in range(4)]
+    assert [o.ok for o in starts] == [True] * 4
+    assert [o.resumed_from for o in starts[:3]] == [None, 1, 2] and starts[3].reused
+    assert any("continuing the unfinished run" in m and "step-2 checkpoint" in m for m in said)
+
+    def records(out):
+        return {r["step"]: {k: v for k, v in r.items() if not k.startswith(NONDETERMINISTIC)}
+                for r in load_metrics(out / "runs" / "quads-s0")}
+
+    a, b = records(tmp_path / "a"), records(tmp_path / "b")
+    assert sorted(a) == sorted(b) == [0, 1, 2, 3] and a == b
+    pa, _ = load_checkpoint(tmp_path / "a" / "runs" / "quads-s0" / "policy")
+    pb, _ = load_checkpoint(tmp_path / "b" / "runs" / "quads-s0" / "policy")
+    for (n, x), (_, y) in zip(pa.named_parameters(), pb.named_parameters()):
+        assert torch.equal(x, y), n
+    # resume=false starts an unfinished run again from step 0
+    again = dataclasses.replace(limited, out_dir=str(tmp_path / "c"))
+    compare(again, say=lambda m: None)
+    o = compare(dataclasses.replace(again, resume=False), say=lambda m: None)[1][0]
+    assert o.resumed_from is None and [r["step"] for r in load_metrics(tmp_path / "c" / "runs" / "quads-s0")] == [0, 1]
 
 
 @pytest.mark.slow

@@ -108,3 +108,30 @@ def test_config_validation():
         GRPOLossConfig(agg="sum")
     with pytest.raises(ValueError, match="same"):
         grpo_loss(torch.zeros(2, 3), torch.zeros(2, 2), torch.zeros(2), torch.ones(2, 3), GRPOLossConfig())
+
+
+def test_correction_none_is_the_on_policy_grpo_formula():
+    """The paper's naive baseline: no IS correction. On a hand-made batch whose rollout log-probs differ from
+    the trainer's, loss and gradient are on-policy GRPO's, -sum_t A_b / n_tokens, with d/dlogp_bt = -A_b / n;
+    the mismatch to the rollout is ignored (TIS, on the same batch, is not)."""
+    from quads.rl.correction import CorrectionConfig, is_correction
+
+    logp_old = torch.tensor([[-1.0, -0.5, -2.0, -0.1], [-0.3, -1.2, -0.7, -4.0]], dtype=torch.float64)
+    logp_rollout = logp_old + torch.tensor([[0.9, -0.6, 1.5, 0.0], [-2.0, 0.3, 0.1, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    adv = torch.tensor([0.75, -1.5], dtype=torch.float64)
+    cfg = GRPOLossConfig()
+
+    def run(kind):
+        corr = is_correction(logp_old, logp_rollout, mask, CorrectionConfig(kind=kind))
+        logp = logp_old.clone().requires_grad_(True)  # first optimizer step: logp = logp_old, ratio 1
+        loss, _ = grpo_loss(logp, logp_old, adv, corr.mask, cfg, is_weights=corr.weights)
+        loss.backward()
+        return loss.item(), logp.grad
+
+    loss, grad = run("none")
+    n = 7.0  # response tokens
+    assert loss == -(3 * 0.75 - 4 * 1.5) / n
+    assert torch.equal(grad, -adv[:, None] * mask / n)
+    tis_loss, tis_grad = run("tis")
+    assert tis_loss != loss and not torch.equal(tis_grad, grad)  # the test sees a correction when there is one

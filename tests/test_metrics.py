@@ -122,3 +122,28 @@ def test_framework_aliases_match_their_definitions():
     assert full["rollout_corr/ppl_ratio"] != pytest.approx(full["mismatch/ppl_ratio"], rel=1e-3)  # other direction
     empty = framework_aliases(lt, lr, torch.zeros_like(mask))
     assert all(math.isnan(v) for v in empty.values())
+
+
+def test_sequence_metrics_match_a_plain_fp64_loop():
+    """Per response: sum_t |d| and sum_t d (d = logp_train - logp_rollout), mean / max over responses."""
+    from quads.metrics.mismatch import SEQUENCE_KEYS, sequence_metrics
+
+    g = torch.Generator().manual_seed(1)
+    lt = -torch.rand(5, 300, generator=g) * 4  # fp32 inputs, long responses
+    lr = lt + 0.05 * torch.randn(5, 300, generator=g)
+    mask = torch.ones(5, 300, dtype=torch.bool)
+    mask[1] = False  # an empty response is left out
+    mask[3, 120:] = False
+    lr[4, 7] = lt[4, 7] + 2.0  # one large token gap
+    got = mismatch_metrics(lt, lr, mask)
+    seqs = [[float(lt[b, t]) - float(lr[b, t]) for t in range(300) if mask[b, t]] for b in range(5) if mask[b].any()]
+    gaps = [math.fsum(abs(d) for d in s) for s in seqs]
+    ratios = [math.fsum(s) for s in seqs]
+    want = {"mismatch/seq_gap_mean": sum(gaps) / len(gaps), "mismatch/seq_gap_max": max(gaps),
+            "mismatch/seq_log_ratio_mean": sum(ratios) / len(ratios),
+            "mismatch/seq_log_ratio_abs_max": max(abs(r) for r in ratios)}
+    for k, v in want.items():
+        assert math.isclose(got[k], v, rel_tol=1e-12, abs_tol=1e-12), (k, got[k], v)
+    assert got["mismatch/seq_gap_max"] > 100 * got["mismatch/logp_gap_mean"]  # a sum, not a mean, over tokens
+    empty = sequence_metrics(lt, lr, torch.zeros_like(mask))
+    assert set(empty) == {f"mismatch/{k}" for k in SEQUENCE_KEYS} and all(math.isnan(v) for v in empty.values())

@@ -5,7 +5,14 @@ import math
 
 import pytest
 
-from quads.metrics.report import load_metrics, summarize, write_compare_report, write_report
+from quads.metrics.report import (
+    load_metrics,
+    run_settings,
+    slope,
+    summarize,
+    write_compare_report,
+    write_report,
+)
 
 
 def _write_run(path, rewards, evals=None, gap_scale=1.0, torn=False):
@@ -14,7 +21,8 @@ def _write_run(path, rewards, evals=None, gap_scale=1.0, torn=False):
     for i, r in enumerate(rewards):
         rec = {"step": i + 1, "reward/mean": r, "mismatch/logp_gap_max": 0.5 * gap_scale * (i + 1),
                "mismatch/logp_gap_mean": 0.01 * gap_scale, "mismatch/k3": 1e-4 * gap_scale,
-               "mismatch/logp_gap_max_probe": 0.3 * gap_scale, "loss/total": 0.1}
+               "mismatch/logp_gap_max_probe": 0.3 * gap_scale, "loss/total": 0.1,
+               "mismatch/seq_gap_mean": 0.2 * gap_scale * (i + 1)}
         lines.append(json.dumps(rec))
         if evals and (i + 1) in evals:
             lines.append(json.dumps({"step": i + 1, "eval/pass@1": evals[i + 1]}))
@@ -22,6 +30,7 @@ def _write_run(path, rewards, evals=None, gap_scale=1.0, torn=False):
     if torn:
         text += '{"step": 99, "reward/me'
     (path / "metrics.jsonl").write_text(text)
+    (path / "config.yaml").write_text("correction: {kind: none}\noptim: {mini_batches: 2, ppo_epochs: 1}\n")
     return path
 
 
@@ -80,3 +89,25 @@ def test_compare_report(tmp_path):
 def test_missing_metrics_file(tmp_path):
     with pytest.raises(ValueError, match="metrics.jsonl"):
         write_report(tmp_path / "nothing")
+
+
+def test_trend_slopes_and_run_settings(tmp_path):
+    """Least-squares slope against numpy's fit; the settings each report row states come from config.yaml."""
+    import numpy as np
+
+    xs, ys = [1, 2, 4, 7, 8], [0.5, 0.1, 0.9, 1.3, float("nan")]
+    assert slope(xs, ys) == pytest.approx(np.polyfit(xs[:4], ys[:4], 1)[0], rel=1e-12)  # NaN pairs left out
+    assert math.isnan(slope([3], [1.0])) and math.isnan(slope([2, 2], [1.0, 3.0]))
+    run = _write_run(tmp_path / "r", [0.1, 0.2, 0.3, 0.4])
+    s = summarize(load_metrics(run))
+    assert s["seq_gap_slope"] == pytest.approx(0.2) and s["k3_slope"] == pytest.approx(0.0)
+    assert s["seq_gap_mean"] == pytest.approx(0.5)
+    st = run_settings(run)
+    assert (st["correction"], st["mini_batches"], st["mini_batches_text"]) == ("none", 2, "2")
+    (run / "config.yaml").write_text("correction: {kind: tis, cap: 3}\noptim: {mini_batches: 1, ppo_epochs: 2}\n"
+                                     "recipe: {rollout_error_scale: 4.0}\n")
+    st = run_settings(run / "metrics.jsonl")
+    assert (st["correction"], st["mini_batches_text"], st["error_scale"]) == ("tis (cap 3)", "1 x 2 epochs", 4.0)
+    md = (write_report(run) / "report.md").read_text()
+    assert "| IS correction | mini-batches |" in md and "| tis (cap 3) | 1 x 2 epochs |" in md
+    assert run_settings(tmp_path) == {}

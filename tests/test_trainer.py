@@ -285,3 +285,37 @@ def test_adv_eps_must_be_positive():
     for bad in (0.0, -1e-6, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="grpo.adv_eps"):
             GRPOLossConfig(adv_eps=bad)
+
+
+def test_two_mini_batches_without_correction_take_an_off_policy_second_step(tmp_path, digits_task, monkeypatch):
+    """optim.mini_batches=2, correction none (the paper's naive baseline): two optimizer steps per batch. The
+    first mini-batch is on-policy (logp = logp_old, ratio 1, IS weight 1); the second is evaluated after the first
+    optimizer step, so its PPO ratio exp(logp - logp_old) against the step-start trainer log-probs is off 1
+    (quads.rl.grpo: both sides of the ratio from the trainer; the rollout log-probs only enter the IS weight)."""
+    from quads.rl import trainer as trainer_mod
+    from quads.rl.correction import CorrectionConfig
+
+    calls = []
+    real = trainer_mod.grpo_loss
+
+    def spy(logp, logp_old, adv, mask, cfg, **kw):
+        calls.append((logp.detach().clone(), logp_old.clone(), kw["is_weights"].clone(), mask.clone()))
+        return real(logp, logp_old, adv, mask, cfg, **kw)
+
+    monkeypatch.setattr(trainer_mod, "grpo_loss", spy)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    cfg = tiny_config(tmp_path, ckpt, steps=1, eval_every=0, recipe=RecipeSection(name="nvfp4"),
+                      correction=CorrectionConfig(kind="none"),
+                      optim=OptimSection(lr=2e-2, mini_batches=2))
+    res = GRPOTrainer(cfg, quiet=True).run()
+    m = read_metrics(res.run_dir)
+    assert m[1]["optim/steps"] == 2.0 and len(calls) == 2
+    (lp1, old1, w1, mask1), (lp2, old2, w2, mask2) = calls
+    assert old1.shape[0] == old2.shape[0] == 8  # 16 samples in two halves
+    for w, mask in ((w1, mask1), (w2, mask2)):
+        assert torch.equal(w, mask)  # correction none: weight 1 on every response token, nothing dropped
+    on = mask1.bool()
+    assert torch.allclose(lp1[on], old1[on], atol=1e-6)  # the first step is on-policy
+    off = (lp2 - old2)[mask2.bool()].abs().max().item()
+    assert off > 1e-4, off  # the second step's ratio moved: its weights are one optimizer step newer
+    assert m[1]["correction/weight_mean"] == 1.0

@@ -10,6 +10,13 @@ Each (recipe, seed) is one ``quads train --config <run>.yaml`` subprocess; ``par
 once. A run that exits non-zero (or passes ``timeout_s``) is reported with its exit code and the tail
 of its log; the others go on and the report covers what finished.
 
+Calling ``quads compare`` again on the same ``out_dir`` (with ``reuse`` and ``resume``, the defaults)
+skips the runs that logged every planned step and continues the others from their latest checkpoint
+(``train.resume``: weights, optimizer, sampler and RNG states, so the metrics equal an uninterrupted
+run's); a run without a checkpoint starts again. So a compare larger than one time-limited call
+(``train.time_limit_s``, ``timeout_s``; e.g. a GPU lease of 10 minutes) is finished by calling it again,
+with ``steps`` the whole run's length. ``train.time_limit_s`` counts afresh in every call.
+
 Report (``out_dir``): ``compare.md`` (per-recipe table over seeds + per-run table + crashes + plots),
 ``compare.json``, ``compare.png`` (reward, held-out pass@1, gap max and k3 against steps, every recipe
 on one figure, mean over seeds), ``runs/<recipe>-s<seed>/`` (each run's folder, ``metrics.jsonl``),
@@ -18,7 +25,9 @@ on one figure, mean over seeds), ``runs/<recipe>-s<seed>/`` (each run's folder, 
 Table columns, per recipe over its finished seeds: final reward (smoothed, ``summarize``), held-out
 pass@1 at the end (mean, and spread = max - min over seeds), max over steps of the per-step gap max,
 mean over steps of the per-step gap mean and of k3, collapse (``summarize``'s rule; the step is the
-first at which the rule holds on the records up to that step), rollout tokens/s (mean over steps).
+first at which the rule holds on the records up to that step), rollout tokens/s (mean over steps); the
+trend of the gap (least-squares slope per step of k3 and of the per-sequence gap, mean over seeds) and
+each run's IS correction, mini-batches and rollout error scale (from its config.yaml; ``run_settings``).
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from quads.metrics.report import (
     json_safe,
     load_metrics,
     plot_compare,
+    run_settings,
     smooth,
     summarize,
     table,
@@ -70,7 +80,8 @@ class CompareConfig:
     gpus: str = "auto"  # CUDA devices to spread runs over, e.g. "0,1" (each run sees one); auto: all visible, none: off
     timeout_s: float = 0  # kill a run after this many seconds (0: no limit); it is reported as crashed
     report_only: bool = False  # rebuild the report from the runs already in out_dir (no training, no set-up)
-    reuse: bool = True  # skip runs whose folder already holds a finished run (policy/ and metrics.jsonl)
+    reuse: bool = True  # skip runs whose folder already holds a finished run (all planned steps logged); false: start every run again
+    resume: bool = True  # continue an unfinished run (stopped by train.time_limit_s, killed at timeout_s) from its latest checkpoint
     out_dir: str = "runs/compare"  # report folder; runs go to <out_dir>/runs/<recipe>-s<seed>
     python: str = sys.executable  # interpreter for the run subprocesses
 
@@ -105,6 +116,7 @@ class RunOutcome:
     seconds: float
     log_tail: str  # last lines of the run's stdout+stderr when it failed
     reused: bool = False
+    resumed_from: int | None = None  # the checkpoint step an unfinished run was continued from
 
     @property
     def ok(self) -> bool:
@@ -183,8 +195,30 @@ def _train_command(python: str, config_path: Path) -> list[str]:
     return [python, "-c", code, str(config_path)]
 
 
-def _finished(run_dir: Path) -> bool:
-    return (run_dir / "policy" / "config.json").is_file() and (run_dir / "metrics.jsonl").is_file()
+def _finished(run_dir: Path, tc) -> bool:
+    """The run logged every planned step (or its mismatch guard stopped it with ``guard.action=abort``) and
+    wrote its policy; a run that a time limit stopped early is not finished."""
+    if not ((run_dir / "policy" / "config.json").is_file() and (run_dir / "metrics.jsonl").is_file()):
+        return False
+    try:
+        recs = load_metrics(run_dir)
+    except ValueError:
+        return False
+    if not recs:
+        return False
+    last = recs[-1]
+    return int(last["step"]) >= tc.steps or (tc.guard.action == "abort" and last.get("guard/tripped") == 1.0)
+
+
+def _checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the run's latest complete checkpoint (``quads.rl.checkpoint``), None without one."""
+    from quads.rl.checkpoint import latest_checkpoint
+
+    try:
+        ckpt = latest_checkpoint(run_dir)
+    except ValueError:
+        return None
+    return None if ckpt is None else int(ckpt.name.rpartition("_")[2])
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -230,23 +264,27 @@ def launch(cfg: CompareConfig, runs: list[tuple[str, Any]], say=print) -> list[R
     pending = list(runs)
     gpus = gpu_list(cfg, runs)
     on_gpu: dict[str, str] = {}  # active run -> its device id
-    active: dict[str, tuple[subprocess.Popen, float, Any, Path, Any]] = {}
+    active: dict[str, tuple[subprocess.Popen, float, Any, Path, Any, int | None]] = {}
     outcomes: dict[str, RunOutcome] = {}
     while pending or active:
         while pending and len(active) < cfg.parallel:
             name, tc = pending.pop(0)
             run_dir = Path(tc.out_dir)
-            if cfg.reuse and _finished(run_dir):
+            if cfg.reuse and _finished(run_dir, tc):
                 outcomes[name] = RunOutcome(name, tc.recipe.name, tc.seed, str(run_dir), 0, 0.0, "", reused=True)
                 say(f"compare: {name}: reusing the finished run in {run_dir}")
                 continue
-            if run_dir.exists():  # a stale or crashed attempt: start clean
+            start = _checkpoint_step(run_dir) if cfg.reuse and cfg.resume else None
+            if start is not None:  # exact resume (quads.rl.trainer): the trainer checks the config is the run's
+                tc = dataclasses.replace(tc, resume=True)
+                say(f"compare: {name}: continuing the unfinished run in {run_dir} from its step-{start} checkpoint")
+            elif run_dir.exists():  # a stale or crashed attempt without a checkpoint: start clean
                 import shutil
 
                 shutil.rmtree(run_dir)
             cpath = out / "configs" / f"{name}.yaml"
             save_config(tc, cpath)
-            log = open(out / "logs" / f"{name}.log", "w")
+            log = open(out / "logs" / f"{name}.log", "a" if start is not None else "w")
             run_env, where = env, ""
             if gpus and _spreadable(tc):
                 gpu = min(gpus, key=lambda g: sum(v == g for v in on_gpu.values()))
@@ -254,11 +292,11 @@ def launch(cfg: CompareConfig, runs: list[tuple[str, Any]], say=print) -> list[R
                 run_env, where = {**env, "CUDA_VISIBLE_DEVICES": gpu}, f" on GPU {gpu}"
             proc = subprocess.Popen(_train_command(cfg.python, cpath), stdout=log, stderr=subprocess.STDOUT,
                                     env=run_env)
-            active[name] = (proc, time.monotonic(), tc, out / "logs" / f"{name}.log", log)
+            active[name] = (proc, time.monotonic(), tc, out / "logs" / f"{name}.log", log, start)
             say(f"compare: started {name} (pid {proc.pid}){where}")
         time.sleep(0.5)
         for name in list(active):
-            proc, t0, tc, log_path, log = active[name]
+            proc, t0, tc, log_path, log, start = active[name]
             rc = proc.poll()
             elapsed = time.monotonic() - t0
             if rc is None and cfg.timeout_s and elapsed > cfg.timeout_s:
@@ -272,7 +310,8 @@ def launch(cfg: CompareConfig, runs: list[tuple[str, Any]], say=print) -> list[R
             del active[name]
             on_gpu.pop(name, None)
             tail = "" if rc == 0 else _tail(log_path)
-            outcomes[name] = RunOutcome(name, tc.recipe.name, tc.seed, tc.out_dir, rc, elapsed, tail)
+            outcomes[name] = RunOutcome(name, tc.recipe.name, tc.seed, tc.out_dir, rc, elapsed, tail,
+                                        resumed_from=start)
             say(f"compare: {name} {'finished' if rc == 0 else f'FAILED (exit {rc})'} in {elapsed:.0f}s")
     return [outcomes[name] for name, _ in runs]
 
@@ -299,7 +338,15 @@ def run_summary(run_dir: str) -> dict[str, Any]:
     s = summarize(recs)
     s["collapse_step"] = collapse_step(recs) if s["collapse"] else None
     s["rollout_tokens_per_s"] = finite_mean([r.get("perf/rollout_tokens_per_s", math.nan) for r in recs])
+    s.update(run_settings(run_dir))
     return s
+
+
+def _values(done: list[dict[str, Any]], key: str) -> str:
+    """The distinct values of ``key`` over a recipe's runs, in order, ``/``-joined (``n/a`` when none has it)."""
+    vals = list(dict.fromkeys(f"{s[key]:g}" if isinstance(s[key], float) else str(s[key])
+                              for s in done if s.get(key) is not None))
+    return " / ".join(vals) if vals else "n/a"
 
 
 def recipe_table(cfg: CompareConfig, outcomes: list[RunOutcome], per_run: dict[str, dict]) -> list[dict[str, Any]]:
@@ -321,6 +368,12 @@ def recipe_table(cfg: CompareConfig, outcomes: list[RunOutcome], per_run: dict[s
             "gap_max_step": finite_mean([s["gap_max_step"] for s in done]),
             "gap_mean": finite_mean([s["gap_mean"] for s in done]),
             "k3_mean": finite_mean([s["k3_mean"] for s in done]),
+            "k3_slope": finite_mean([s["k3_slope"] for s in done]),
+            "seq_gap_mean": finite_mean([s["seq_gap_mean"] for s in done]),
+            "seq_gap_slope": finite_mean([s["seq_gap_slope"] for s in done]),
+            "correction": _values(done, "correction"),
+            "mini_batches": _values(done, "mini_batches_text"),
+            "error_scale": _values(done, "error_scale"),
             "collapsed": coll,
             "rollout_tokens_per_s": finite_mean([s["rollout_tokens_per_s"] for s in done]),
         })
@@ -339,6 +392,12 @@ RECIPE_COLUMNS: list[Column] = [
     ("gap max (step mean)", "gap_max_step", "{:.3f}"),
     ("gap mean", "gap_mean", "{:.4f}"),
     ("k3 mean", "k3_mean", "{:.2e}"),
+    ("k3 slope /step", "k3_slope", "{:.2e}"),
+    ("seq gap mean", "seq_gap_mean", "{:.3f}"),
+    ("seq gap slope /step", "seq_gap_slope", "{:.2e}"),
+    ("IS correction", "correction", "{}"),
+    ("mini-batches", "mini_batches", "{}"),
+    ("rollout error x", "error_scale", "{}"),
     ("collapsed (seed@step)", lambda r: ", ".join(f"s{s}@{st}" for s, st in r["collapsed"]) or "no", "{}"),
     ("rollout tok/s", "rollout_tokens_per_s", "{:.0f}"),
 ]
@@ -399,14 +458,19 @@ def write_report(cfg: CompareConfig, base, outcomes: list[RunOutcome]) -> Path:
         f"Recipes {cfg.recipes}; seeds {cfg.seeds}. Shared config: checkpoint `{b.model.checkpoint}`, task "
         f"{b.task.name} (difficulty {b.task.difficulty}), {b.steps} steps of {b.rollout.prompts_per_step} prompts x "
         f"{b.rollout.n_samples} samples, max_new_tokens {b.rollout.max_new_tokens}, lr {b.optim.lr:g}, dtype "
-        f"{b.dtype}, device {b.device}, eval every {b.eval_every} steps on {b.eval_n} held-out prompts. "
+        f"{b.dtype}, device {b.device}, eval every {b.eval_every} steps on {b.eval_n} held-out prompts, "
+        f"IS correction {b.correction.kind}, {b.optim.mini_batches} mini-batch(es) x {b.optim.ppo_epochs} PPO "
+        f"epoch(s) per step, rollout error scale {b.recipe.rollout_error_scale:g}. "
         f"Every run's config: `configs/<recipe>-s<seed>.yaml`.",
         markdown_table(rows),
         "Columns over the seeds of a recipe that logged steps (a failed run, e.g. one killed at `timeout_s`, counts with what it logged; runs ok counts clean exits; steps = the fewest steps any seed logged, fewer than planned when a run hit train.time_limit_s): final reward = smoothed last reward (mean over seeds); "
         "held-out pass@1 = greedy on the rollout engine, at step 0 and at the end; spread = max - min over "
         "seeds; gap max = max over steps and seeds of the per-step max |logp_rollout - logp_train|; gap max (step "
         "mean) = that per-step max averaged over steps and seeds; gap mean, "
-        "k3 = mean over steps and seeds; collapse rule in `quads/metrics/report.py`; rollout tok/s = sampled "
+        "k3 = mean over steps and seeds; k3 slope and seq gap slope = least-squares slope over steps of the "
+        "per-step k3 and of the per-step mean over responses of sum_t |dlogp| (seq gap), per step, mean over "
+        "seeds; IS correction, mini-batches (optimizer steps per PPO epoch) and rollout error x (the mismatch "
+        "amplifier alpha) = each run's config.yaml, the distinct values over seeds; collapse rule in `quads/metrics/report.py`; rollout tok/s = sampled "
         "tokens per second of the rollout phase.",
     ]
     if crashed:

@@ -23,10 +23,17 @@ token on both sides and ``rho = exp(logp_train - logp_rollout)``:
 |                                       | (row-major), NaN when the batch has fewer; a max grows with  |
 |                                       | the number of tokens it covers, so only this one is          |
 |                                       | comparable across runs and batch sizes                       |
+| ``mismatch/seq_gap_mean``, ``_max``     | mean / max over responses of sum_t |logp_train - logp_rollout| |
+|                                       | (the per-token gap accumulated over a response: it grows     |
+|                                       | with the response length, as the sequence IS ratio's error)  |
+| ``mismatch/seq_log_ratio_mean``       | mean over responses of sum_t (logp_train - logp_rollout), the |
+|                                       | log of the sequence importance ratio pi(y) / mu(y)           |
+| ``mismatch/seq_log_ratio_abs_max``    | max over responses of |sum_t (logp_train - logp_rollout)|   |
 | ``mismatch/layer_err/<name>``         | per-layer relative output error, passed through when given   |
 
 Samples come from the rollout policy ``mu``, so the k1/k3 means estimate KL(mu || pi_train).
-All arithmetic in fp32 (the inputs may be BF16 log-probs upcast by the caller or here).
+All arithmetic in fp32 (the inputs may be BF16 log-probs upcast by the caller or here), except the
+per-response sums of ``mismatch/seq_*``, which are fp64.
 
 Beside these, ``framework_aliases`` gives the same batch under the names RL frameworks log, so runs can
 be read in the dashboards users already have (emitted by ``mismatch_metrics`` too):
@@ -119,6 +126,27 @@ def framework_aliases(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask
     return out
 
 
+SEQUENCE_KEYS = ("seq_gap_mean", "seq_gap_max", "seq_log_ratio_mean", "seq_log_ratio_abs_max")
+
+
+@torch.no_grad()
+def sequence_metrics(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The per-response mismatch (module docstring: ``mismatch/seq_*``); ``logp_*`` and ``mask`` [B, L].
+
+    Per response ``b``: ``gap_b = sum_t |d_bt|`` and ``log_ratio_b = sum_t d_bt`` with
+    ``d = logp_train - logp_rollout`` over its response tokens, summed in fp64 (a sum over hundreds of
+    tokens); responses without tokens are left out; NaN when none has any."""
+    m = mask.bool()
+    has = m.any(dim=1)
+    if not has.any():
+        return {f"mismatch/{k}": math.nan for k in SEQUENCE_KEYS}
+    d = (logp_train.double() - logp_rollout.double()).masked_fill(~m, 0.0)[has]  # [B', L]
+    gap, log_ratio = d.abs().sum(dim=1), d.sum(dim=1)  # [B']
+    return {"mismatch/seq_gap_mean": gap.mean().item(), "mismatch/seq_gap_max": gap.max().item(),
+            "mismatch/seq_log_ratio_mean": log_ratio.mean().item(),
+            "mismatch/seq_log_ratio_abs_max": log_ratio.abs().max().item()}
+
+
 @torch.no_grad()
 def mismatch_metrics(
     logp_train: torch.Tensor,
@@ -180,6 +208,7 @@ def mismatch_metrics(
     if routing_train is not None and routing_rollout is not None:
         out["mismatch/routing_diff"] = routing_diff(
             routing_train, routing_rollout, mask if routing_mask is None else routing_mask)
+    out.update(sequence_metrics(logp_train, logp_rollout, mask))
     for name, err in (layer_errors or {}).items():
         out[f"mismatch/layer_err/{name}"] = float(err)
     out.update(framework_aliases(logp_train, logp_rollout, mask))

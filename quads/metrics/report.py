@@ -21,7 +21,12 @@ Summary definitions (``summarize``):
 - ``gap_mean``: mean over steps of ``mismatch/logp_gap_mean``; ``gap_max``: max over steps of
   ``mismatch/logp_gap_max``; ``gap_max_step``: mean over steps of ``mismatch/logp_gap_max`` (the
   typical per-step max, which one outlier token does not set); ``gap_max_probe``: mean over steps of ``mismatch/logp_gap_max_probe``;
-  ``k3_mean`` / ``k3_final``: mean over steps and last value of ``mismatch/k3``.
+  ``k3_mean`` / ``k3_final``: mean over steps and last value of ``mismatch/k3``;
+  ``seq_gap_mean``: mean over steps of ``mismatch/seq_gap_mean`` (per-response sum of |dlogp|).
+- trends: ``k3_slope`` and ``seq_gap_slope``: the least-squares slope (``slope``) over steps of the
+  per-step ``mismatch/k3`` and ``mismatch/seq_gap_mean``, per step (positive: the gap grows in training).
+- settings (``run_settings``, from the run's ``config.yaml``): the IS correction, mini-batches (optimizer
+  steps per PPO epoch) and PPO epochs, and the rollout error scale (the mismatch amplifier alpha).
 - ``collapse`` is reported (with its reason) when any of: the smoothed reward ends below half of its
   best and at least 0.1 under it; held-out pass@1 ends 0.1 or more below its start; a logged loss or
   gap is NaN/Inf.
@@ -34,6 +39,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from quads.io import atomic_write_text
 
@@ -72,6 +79,18 @@ def smooth(ys: list[float], w: int) -> list[float]:
         win = ys[max(0, i - w + 1): i + 1]
         out.append(sum(win) / len(win))
     return out
+
+
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ``ys`` against ``xs`` over the pairs where both are finite (fp64, centred);
+    NaN with fewer than two such pairs or when every ``x`` is the same."""
+    pts = [(float(x), float(y)) for x, y in zip(xs, ys) if math.isfinite(x) and math.isfinite(y)]
+    if len(pts) < 2:
+        return math.nan
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx > 0 else math.nan
 
 
 def finite_mean(xs: Iterable[Any]) -> float:
@@ -286,7 +305,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     _, gmean = series(records, "mismatch/logp_gap_mean")
     _, gmax = series(records, "mismatch/logp_gap_max")
     _, gprobe = series(records, "mismatch/logp_gap_max_probe")
-    _, k3 = series(records, "mismatch/k3")
+    k3_steps, k3 = series(records, "mismatch/k3")
+    seq_steps, seq_gap = series(records, "mismatch/seq_gap_mean")
     s: dict[str, Any] = {
         "steps": max(steps) if steps else 0,
         "reward_start": sm[0] if sm else math.nan,
@@ -300,6 +320,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "gap_max_probe": finite_mean(gprobe),
         "k3_mean": finite_mean(k3),
         "k3_final": k3[-1] if k3 else math.nan,
+        "k3_slope": slope(k3_steps, k3),
+        "seq_gap_mean": finite_mean(seq_gap),
+        "seq_gap_slope": slope(seq_steps, seq_gap),
     }
     reasons = []
     if sm and s["reward_final"] < 0.5 * s["reward_best"] and s["reward_best"] - s["reward_final"] >= _COLLAPSE_DROP:
@@ -330,13 +353,42 @@ _COLUMNS: list[Column] = [
     ("gap max (probe)", "gap_max_probe", "{:.3f}"),
     ("k3 mean", "k3_mean", "{:.2e}"),
     ("k3 final", "k3_final", "{:.2e}"),
+    ("k3 slope /step", "k3_slope", "{:.2e}"),
+    ("seq gap mean", "seq_gap_mean", "{:.3f}"),
+    ("seq gap slope /step", "seq_gap_slope", "{:.2e}"),
+    ("IS correction", lambda r: r.get("correction"), "{}"),
+    ("mini-batches", lambda r: r.get("mini_batches_text"), "{}"),
+    ("rollout error x", lambda r: r.get("error_scale"), "{:g}"),
     ("collapse", "collapse", "{}"),
 ]
 
 
-def _write(runs: Mapping[str, list[dict[str, Any]]], out_dir: Path, title: str, notes: str) -> Path:
+def run_settings(run_dir: str | Path) -> dict[str, Any]:
+    """What a run was trained with, from its ``config.yaml`` (``{}`` when it has none): ``correction``
+    (e.g. ``tis (cap 2)``, ``none``), ``mini_batches``, ``ppo_epochs``, ``mini_batches_text`` (``2`` or
+    ``2 x 3 epochs``), ``error_scale`` (the rollout's mismatch amplifier alpha)."""
+    run_dir = Path(run_dir)
+    path = (run_dir.parent if run_dir.is_file() else run_dir) / "config.yaml"  # a folder or its metrics.jsonl
+    if not path.is_file():
+        return {}
+    try:
+        cfg = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not a YAML config ({e}); restore the run's config.yaml") from None
+    corr, optim = cfg.get("correction") or {}, cfg.get("optim") or {}
+    kind = corr.get("kind", "tis")  # the defaults of quads.rl.correction.CorrectionConfig
+    text = {"none": "none", "tis": f"tis (cap {corr.get('cap', 2.0):g})"}.get(
+        kind, f"{kind} [{corr.get('low', 0.5):g}, {corr.get('high', 2.0):g}]")
+    mb, ep = int(optim.get("mini_batches", 1)), int(optim.get("ppo_epochs", 1))
+    return {"correction": text, "mini_batches": mb, "ppo_epochs": ep,
+            "mini_batches_text": f"{mb}" if ep == 1 else f"{mb} x {ep} epochs",
+            "error_scale": float((cfg.get("recipe") or {}).get("rollout_error_scale", 1.0))}
+
+
+def _write(runs: Mapping[str, list[dict[str, Any]]], out_dir: Path, title: str, notes: str,
+           settings: Mapping[str, dict[str, Any]]) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    summaries = {name: summarize(recs) for name, recs in runs.items()}
+    summaries = {name: {**summarize(recs), **settings.get(name, {})} for name, recs in runs.items()}
     figs = []
     for stem, (keys, ptitle) in PLOTS.items():
         if plot_run_metrics(runs, keys, ptitle, out_dir / f"{stem}.png"):
@@ -361,8 +413,9 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, name: s
     run_dir = Path(run_dir)
     records = load_metrics(run_dir)
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
-    return _write({name or run_dir.name: records}, out, f"quads run report: {name or run_dir.name}",
-                  f"Run folder: `{run_dir}`.")
+    key = name or run_dir.name
+    return _write({key: records}, out, f"quads run report: {key}", f"Run folder: `{run_dir}`.",
+                  {key: run_settings(run_dir)})
 
 
 def write_compare_report(runs: Mapping[str, str | Path], out_dir: str | Path,
@@ -372,4 +425,5 @@ def write_compare_report(runs: Mapping[str, str | Path], out_dir: str | Path,
         raise ValueError("write_compare_report needs at least one run (name -> run folder)")
     loaded = {name: load_metrics(p) for name, p in runs.items()}
     return _write(loaded, Path(out_dir), title,
-                  "Runs: " + ", ".join(f"{n} (`{p}`)" for n, p in runs.items()) + ".")
+                  "Runs: " + ", ".join(f"{n} (`{p}`)" for n, p in runs.items()) + ".",
+                  {name: run_settings(p) for name, p in runs.items()})

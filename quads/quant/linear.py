@@ -6,6 +6,9 @@
 | nvfp4    | ``w4a4_linear`` (RAC when ``rac_ratio > 0``)      | fp32       |
 | fp8      | ``fp8_linear``                                    | fp32       |
 
+With ``spec.error_scale != 1`` (the mismatch amplifier) every row goes through ``amplified_linear``
+(fp32 GEMM of ``x + alpha (Q(x) - x)`` operands, ``quads.quant.amplify``).
+
 The weight operand ``w_q`` comes from the caller (a per-step cache on the trainer side, the
 synced store on the rollout side, see ``quads.quant.layers``); all paths have STE gradients.
 """
@@ -17,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from quads.model import gemm
+from quads.quant.amplify import amplified_linear
 from quads.quant.fp8_linear import fp8_linear
 from quads.quant.qat import qat_linear
 from quads.quant.recipe import LinearSpec
@@ -36,6 +40,8 @@ def spec_linear(
     """``x`` ``[..., K]`` times master weight ``w`` ``[N, K]`` (operand ``w_q``) under ``spec``."""
     if spec.is_identity:
         return gemm.linear(x, w, bias)
+    if spec.error_scale != 1.0:
+        return amplified_linear(x, w, spec, w_q=w_q, bias=bias, static_channels=static_channels, observe=observe)
     if spec.act == "none":
         return qat_linear(x, w, w_q=w_q, bias=bias)
     if spec.act == "nvfp4":

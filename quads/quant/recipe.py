@@ -64,6 +64,9 @@ class LinearSpec:
     fp8_scheme: str = (
         "row"  # FP8 scales: tensor | row (per-channel W, per-token X) | block (128x128 W, 1x128 X)
     )
+    # diagnostic: every quantized operand x becomes x + error_scale * (Q(x) - x) (quads.quant.amplify);
+    # 1 = the format itself; not part of the weight key (the synced operand stays QDQ(W))
+    error_scale: float = 1.0
 
     def __post_init__(self) -> None:
         _choice("weight format", self.weight, FORMATS)
@@ -79,6 +82,11 @@ class LinearSpec:
         if isinstance(r, bool) or not isinstance(r, int | float) or not (0.0 <= float(r) <= 1.0):
             raise ValueError(f"rac_ratio must be a number in [0, 1], got {r!r}")
         object.__setattr__(self, "rac_ratio", float(r))
+        a = self.error_scale
+        if isinstance(a, bool) or not isinstance(a, int | float) or not (0.0 <= float(a) < float("inf")):
+            raise ValueError(f"error_scale (the mismatch amplifier alpha) must be a finite number >= 0, got {a!r}; "
+                             "1 keeps the format's own error, 0 removes it, 4 makes it four times larger")
+        object.__setattr__(self, "error_scale", float(a))
         if self.rac_ratio > 0 and self.act != "nvfp4":
             raise ValueError(
                 f"rac_ratio={self.rac_ratio} needs NVFP4 activations (act='nvfp4'), got act={self.act!r}; "
@@ -104,6 +112,8 @@ class LinearSpec:
         s = f"W{bits[self.weight]}A{bits[self.act]}"
         if self.rac_ratio > 0:
             s += f"+RAC{self.rac_ratio:g}({self.rac_selection})"
+        if self.error_scale != 1.0 and not self.is_identity:
+            s += f" x{self.error_scale:g} error"
         return s
 
 
@@ -145,6 +155,12 @@ class Recipe:
         object.__setattr__(self, "targets", targets)
         _choice("weight_dtype", self.weight_dtype, tuple(WEIGHT_DTYPES))
         _choice("expert_path", self.expert_path, EXPERT_PATHS)
+        if self.rollout.error_scale != 1.0 and not self.rollout.is_identity:
+            # the amplifier (quads.quant.amplify) exists on the experts loop only
+            if self.expert_path == "grouped":
+                raise ValueError(f"recipe {self.name!r}: expert_path='grouped' has no amplified rollout GEMM "
+                                 f"(rollout error_scale={self.rollout.error_scale:g}); use expert_path 'auto' or 'loop'")
+            object.__setattr__(self, "expert_path", "loop")
         t, r = self.trainer, self.rollout
         if t.weight != "none" and r.weight != "none" and t.weight_key() != r.weight_key():
             raise ValueError(
@@ -203,7 +219,7 @@ PRESETS: dict[str, Recipe] = {
 
 # Unprefixed overrides of these fields go to the rollout side only (RAC is a rollout technique);
 # every other LinearSpec field goes to both sides. ``trainer_<field>`` / ``rollout_<field>`` target one.
-_ROLLOUT_ONLY = ("rac_ratio", "rac_selection")
+_ROLLOUT_ONLY = ("rac_ratio", "rac_selection", "error_scale")
 
 
 def get_recipe(name: str, **overrides: Any) -> Recipe:
@@ -211,7 +227,7 @@ def get_recipe(name: str, **overrides: Any) -> Recipe:
 
     Overrides: Recipe fields (``targets``, ``weight_dtype``, ``name``); ``trainer_<f>`` / ``rollout_<f>``
     for a LinearSpec field ``f`` of one side; an unprefixed LinearSpec field applies to both sides,
-    except ``rac_ratio`` / ``rac_selection`` which apply to the rollout side.
+    except ``rac_ratio`` / ``rac_selection`` / ``error_scale`` which apply to the rollout side.
     Example: ``get_recipe("quads", rac_ratio=0.25, act_scale="token")``.
     """
     if isinstance(name, Recipe):

@@ -79,10 +79,13 @@ class RecipeSection:
     weight_tile: Literal["1x16", "16x16"] | None = None  # NVFP4 weight block shape, both sides
     targets: list[str] | None = None  # module-name patterns to quantize (default: routed experts)
     expert_path: Literal["auto", "grouped", "loop"] | None = None  # rollout experts: batched GEMMs or the loop (auto: grouped on CUDA)
+    # mismatch amplifier alpha (diagnostic): every quantized rollout GEMM uses x + alpha * (Q(x) - x) for its
+    # weight and activation operands (quads.quant.amplify); 1 = the recipe as is; != 1 runs the experts loop
+    rollout_error_scale: float = 1.0
 
     def overrides(self) -> dict:
         """Keyword overrides for ``quads.quant.get_recipe``."""
-        out: dict = {}
+        out: dict = {"rollout_error_scale": self.rollout_error_scale} if self.rollout_error_scale != 1.0 else {}
         for k in ("rac_ratio", "rac_selection", "act_scale", "targets", "expert_path"):
             v = getattr(self, k)
             if v is not None:
@@ -94,6 +97,9 @@ class RecipeSection:
     def __post_init__(self) -> None:
         if self.rac_ratio is not None and not 0.0 <= self.rac_ratio <= 1.0:
             raise ValueError(f"recipe.rac_ratio must be in [0, 1]; got {self.rac_ratio}")
+        if not 0.0 <= self.rollout_error_scale < float("inf"):
+            raise ValueError(f"recipe.rollout_error_scale (the mismatch amplifier alpha) must be a finite number "
+                             f">= 0; got {self.rollout_error_scale} (1 = the recipe's own rollout error)")
 
 
 @dataclass
@@ -220,6 +226,9 @@ class TrainConfig:
             raise ValueError(f"kernels must be auto, triton or reference; got {self.kernels!r}")
         if not self.dist_timeout_s > 0:
             raise ValueError(f"dist_timeout_s must be > 0 seconds; got {self.dist_timeout_s}")
+        if self.rollout_backend == "vllm" and self.recipe.rollout_error_scale != 1.0:
+            raise ValueError(f"recipe.rollout_error_scale={self.recipe.rollout_error_scale:g} (the mismatch amplifier) "
+                             "needs rollout_backend=quads (vLLM's kernels do not implement it)")
         if self.rollout_backend == "vllm" and self.dtype == "float64":
             raise ValueError("rollout_backend=vllm needs dtype float32 or bfloat16 (vLLM has no float64)")
         b = self.rollout.prompts_per_step * self.rollout.n_samples

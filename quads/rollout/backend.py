@@ -63,6 +63,8 @@ def make_backend(cfg, rollout_model: nn.Module, tokenizer: Tokenizer, recipe: Re
 
     ``rollout_model``: a full (never sharded) quads rollout model: the quads engine generates from it;
     the vLLM engine takes its architecture from it (the weights come with the first ``load_weights``).
+    A rollout recipe with ``error_scale != 1`` (the mismatch amplifier, ``quads.quant.amplify``) needs the
+    quads engine, which then dispatches experts on the host, to their loop (``supports_device_dispatch``).
     """
     name = cfg.rollout_backend
     check_backend(name)
@@ -71,6 +73,9 @@ def make_backend(cfg, rollout_model: nn.Module, tokenizer: Tokenizer, recipe: Re
 
         return RolloutEngine(rollout_model, tokenizer, device=cfg.device, recipe=recipe.name,
                              cuda_graphs=cfg.rollout.cuda_graphs, compile=cfg.rollout.compile)
+    if recipe.rollout.error_scale != 1.0:
+        raise ValueError(f"recipe.rollout_error_scale={recipe.rollout.error_scale:g} (the mismatch amplifier) needs "
+                         "the quads rollout backend; use --rollout-backend quads or rollout_error_scale 1")
     from quads.rollout.vllm.engine import make_rollout_engine
 
     return make_rollout_engine(cfg, rollout_model, tokenizer, recipe, run_dir)

@@ -50,6 +50,8 @@ def supports_device_dispatch(model: torch.nn.Module) -> bool:
             return False
         if hasattr(experts, "supports_static") and not experts.supports_static():
             return False
+        if getattr(getattr(experts, "spec", None), "error_scale", 1.0) != 1.0:
+            return False  # the mismatch amplifier (quads.quant.amplify) runs in the experts loop only
     return True
 
 
