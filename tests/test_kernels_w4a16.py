@@ -310,6 +310,48 @@ def test_rollout_layers_on_the_kernel_path(monkeypatch):
     assert not torch.equal(y2, y)
 
 
+def test_weight_sync_verifies_the_packed_weights(monkeypatch):
+    """sync_weights into a rollout model on the kernel path: the fingerprints (taken of the weight
+    decoded from the packed bytes) match the trainer's QDQ weights, and a corrupted packed byte is
+    caught."""
+    from quads.model import ModelConfig, MoEForCausalLM
+    from quads.quant import ops
+    from quads.quant.apply import quantize_model
+    from quads.quant.recipe import LinearSpec, Recipe
+    from quads.quant.sync import LocalWeights, ReplicaTarget, WeightSync, WeightSyncError, sync_weights
+
+    class NoRequantize(ReplicaTarget):  # verifies what is stored, without re-quantizing first
+        def commit(self, source):
+            return 0
+
+    if not HAS_CUDA:
+        quantize = ops.nvfp4_quantize
+
+        def reference_quantize(x, **opts):
+            with dispatch.kernels("reference"):
+                return quantize(x, **opts)
+
+        monkeypatch.setattr(ops, "nvfp4_quantize", reference_quantize)
+    cfg = dict(vocab_size=64, hidden_size=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32, n_experts=4,
+               top_k=2, moe_intermediate_size=32, max_seq_len=32, dtype="bfloat16")
+    recipe = Recipe("w4a16", trainer=LinearSpec(weight="nvfp4"), rollout=LinearSpec(weight="nvfp4"))
+    with dispatch.kernels("triton"):
+        torch.manual_seed(0)
+        trainer = MoEForCausalLM(ModelConfig(**cfg)).to(DEV)
+        quantize_model(trainer, recipe, side="trainer", verbose=False)
+        torch.manual_seed(1)
+        rollout = MoEForCausalLM(ModelConfig(**cfg)).to(DEV)
+        quantize_model(rollout, recipe, side="rollout", verbose=False)
+        stores = [st for m in rollout.modules() if hasattr(m, "stores") for st in m.stores.values()]
+        assert stores and all(st.kernel is not None and st.w_q is None for st in stores)
+        report = sync_weights(trainer, rollout)
+        assert report.ok and report.n_checked == len(stores)
+        assert WeightSync(LocalWeights(trainer), NoRequantize(rollout)).run().ok
+        stores[0].kernel.codes.view(-1)[0] ^= 0x10  # one code in the packed layout
+        with pytest.raises(WeightSyncError):
+            WeightSync(LocalWeights(trainer), NoRequantize(rollout)).run()
+
+
 # ------------------------------------------------------------------------------------------ real size
 
 

@@ -228,7 +228,7 @@ if HAS_TRITON:
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
         g = tl.load(g_ptr)
         n_tiles = tl.cdiv(K, BLOCK_K)
         per = tl.cdiv(n_tiles, SPLIT_K)
@@ -253,7 +253,7 @@ if HAS_TRITON:
     @triton.jit
     def _split_sum_kernel(ws_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
         """out = sum over s = 0..SPLIT_K-1 of ws[s] (this order), cast to out's dtype."""
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = i < MN
         acc = tl.load(ws_ptr + i, mask=m, other=0.0)
         for s in tl.static_range(1, SPLIT_K):
@@ -274,7 +274,7 @@ if HAS_TRITON:
         start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
         if e == E:
             for m0 in range(start, T, BLOCK_M):
-                rm = m0 + tl.arange(0, BLOCK_M)
+                rm = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
                 z = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                 om = (rm[:, None] < T) & (rn[None, :] < N)
                 tl.store(out_ptr + rm[:, None] * N + rn[None, :], z.to(out_ptr.dtype.element_ty), mask=om)
@@ -284,7 +284,7 @@ if HAS_TRITON:
             se = s_ptr + e.to(tl.int64) * KT * N
             g = tl.load(g_ptr + e)
             for m0 in range(start, end, BLOCK_M):  # experts without rows read no weights
-                rm = m0 + tl.arange(0, BLOCK_M)
+                rm = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
                 acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                 for k0 in range(0, K, BLOCK_K):
                     rk = k0 + tl.arange(0, BLOCK_K)
