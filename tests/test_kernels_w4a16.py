@@ -51,6 +51,13 @@ def _bf16_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         f"{float(((a - b).abs() / b.abs().clamp_min(1e-30)).max()):.2e}"
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal BF16 bit patterns, NaN where the other is NaN (a NaN's payload and sign are not the format's)."""
+    nan = b.isnan()
+    return a.shape == b.shape and torch.equal(a.isnan(), nan) and torch.equal(
+        a.view(torch.int16)[~nan], b.view(torch.int16)[~nan])
+
+
 def _weight(shape, seed=0, experts_amax=False):
     """NVFP4 weight with scales over 5 decades (subnormal E4M3 scales included) and every E2M1 code."""
     g = torch.Generator().manual_seed(seed)
@@ -91,6 +98,8 @@ def test_decoded_weights_bit_exact(shape):
     got = w4a16.dequantize(w4a16.pack(q))
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    got = w4a16.dequantize_bf16(w4a16.pack(q))  # the kernels' decode, stored
+    assert got.isnan().any() and _same_bits(got, want)
 
 
 def test_pack_refuses_what_it_cannot_hold():
@@ -132,6 +141,7 @@ def test_kernel_decode_every_code_and_scale(gbits):
     want = nvfp4.dequantize(q, torch.bfloat16)
     p = w4a16.pack(q)
     assert torch.equal(w4a16.dequantize(p).view(torch.int16), want.view(torch.int16))
+    assert torch.equal(w4a16.dequantize_bf16(p).view(torch.int16), want.view(torch.int16))
     y = w4a16.gemm(torch.eye(16, dtype=torch.bfloat16, device=DEV), p)
     assert torch.equal(y.view(torch.int16), (want.T.contiguous() + 0.0).view(torch.int16))
 
@@ -145,7 +155,8 @@ def test_kernel_decode_every_code_and_scale(gbits):
         (1, 64, 256, {}),
         (5, 80, 160, {"split_k": 2, "block_k": 64}),  # N, K not multiples of the tiles; split-K
         (17, 48, 384, {"block_n": 16, "block_k": 128, "split_k": 3}),  # M past one tile; uneven split
-        (70, 32, 128, {}),  # the "large" bucket
+        (70, 32, 128, {"fused_max_m": 100}),  # the fused kernel's "large" bucket
+        (70, 32, 128, {}),  # above w4a16_dispatch.dense: cuBLAS over dequantize_bf16
     ],
     ids=str,
 )
@@ -193,6 +204,8 @@ def test_grouped_gemm_matches_reference(t, e, n, k, masked):
     got = w4a16.grouped_gemm(x, p, routes.ends, block_m=16)
     want = w4a16.grouped_gemm_reference(x, p, routes.ends)
     _bf16_close(got, want, f"grouped T={t} E={e} N={n} K={k}")
+    # above w4a16_dispatch.grouped: torch._grouped_mm over dequantize_bf16, masked rows zeroed too
+    _bf16_close(w4a16.grouped_gemm(x, p, routes.ends, fused_max_rows_per_expert=0), want, "grouped, dequant path")
     valid = int(routes.ends[-1])
     assert valid == t * 2 - masked
     assert (got[valid:] == 0).all(), "rows of masked slots must be zeros"
@@ -232,6 +245,8 @@ def test_tuning_table_has_the_w4a16_cases():
     for case in ("decode", "prefill"):
         assert set(tuning.config("w4a16_grouped_gemm", case)) == {"block_m", "block_n", "block_k", "num_warps",
                                                                   "num_stages"}  # fmt: skip
+    assert set(tuning.config("w4a16_dispatch", "dense")) == {"fused_max_m"}
+    assert set(tuning.config("w4a16_dispatch", "grouped")) == {"fused_max_rows_per_expert"}
     assert [w4a16.m_bucket(m) for m in (1, 2, 16, 33, 64, 65)] == ["m1", "m4", "m16", "m64", "m64", "large"]
 
 

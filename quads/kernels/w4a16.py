@@ -298,6 +298,22 @@ if HAS_TRITON:
                 tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(acc, out_ptr), mask=om)
 
 
+    @triton.jit
+    def _dequantize_kernel(c_ptr, s_ptr, g_ptr, out_ptr, N, K, KT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           EVEN_K: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+        """Grid (N tiles, K tiles, E): the BF16 weight [E?, N, K] the GEMMs multiply (``_decode``)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        e = tl.program_id(2).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = pid_k * BLOCK_K
+        rk = k0 + tl.arange(0, BLOCK_K)
+        w = _decode(c_ptr + e * KT * N * 8, s_ptr + e * KT * N, tl.load(g_ptr + e), rn, k0, N, K, KT, BLOCK_N,
+                    BLOCK_K, EVEN_K, INTERP)  # fmt: skip
+        om = (rn[:, None] < N) & (rk[None, :] < K)
+        tl.store(out_ptr + e * N * K + rn[:, None].to(tl.int64) * K + rk[None, :], w, mask=om)
+
+
 def _require_triton() -> None:
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use w4a16.gemm_reference / grouped_gemm_reference "
@@ -355,16 +371,21 @@ def gemm(
     split_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fused_max_m: int | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` BF16 x packed weight ``[N, K]`` -> ``[M, N]`` BF16 (module docstring).
 
-    Launch config: ``tuning.json`` ``w4a16_gemm.n{N}_k{K}_{bucket}`` if present, else
-    ``w4a16_gemm.{bucket}`` (``m_bucket``); explicit arguments override it. ``split_k`` None or 0 (in the
-    call or the table) picks one with ``split_for``."""
+    Above ``fused_max_m`` rows (``tuning.json`` ``w4a16_dispatch.dense``) the product is cuBLAS over
+    the BF16 weight decoded by ``dequantize_bf16`` (many rows: compute bound, where decoding each weight
+    tile once per row tile costs more than one decode pass). Launch config of the fused kernel:
+    ``w4a16_gemm.n{N}_k{K}_{bucket}`` if present, else ``w4a16_gemm.{bucket}`` (``m_bucket``); explicit
+    arguments override it. ``split_k`` None or 0 (in the call or the table) picks one with ``split_for``."""
     _require_triton()
     _check_x(x, w, "w4a16.gemm", experts=False)
     x = x.contiguous()
     m, k, n = x.shape[0], w.k, w.n
+    if m > (fused_max_m if fused_max_m is not None else tuning.config("w4a16_dispatch", "dense")["fused_max_m"]):
+        return x @ dequantize_bf16(w).T
     mb = m_bucket(m)
     case = f"n{n}_k{k}_{mb}" if f"n{n}_k{k}_{mb}" in tuning.table()["w4a16_gemm"] else mb
     d = _cfg("w4a16_gemm", case, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
@@ -398,9 +419,14 @@ def grouped_gemm(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fused_max_rows_per_expert: int | None = None,
 ) -> torch.Tensor:
     """Grouped MoE W4A16 (module docstring): ``x`` ``[T, K]`` BF16 sorted by expert, packed ``w``
     ``[E, N, K]``, ``ends`` ``[E]`` int32 on the device -> ``[T, N]`` BF16.
+
+    Above ``fused_max_rows_per_expert`` rows per expert on average (``tuning.json``
+    ``w4a16_dispatch.grouped``; prefill) the product is ``torch._grouped_mm`` over the BF16 stack
+    decoded by ``dequantize_bf16``, with the rows past ``ends[E-1]`` zeroed.
 
     Launch config: ``tuning.json`` ``w4a16_grouped_gemm.decode`` at <= ``GROUPED_DECODE_ROWS`` rows per
     expert on average (``T <= 16 E``), else ``.prefill``; explicit arguments override it."""
@@ -415,6 +441,11 @@ def grouped_gemm(
     case = "decode" if t <= GROUPED_DECODE_ROWS * e else "prefill"
     d = _cfg("w4a16_grouped_gemm", case, block_m=block_m, block_n=block_n, block_k=block_k,
              num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+    rpe = fused_max_rows_per_expert
+    if t > e * (rpe if rpe is not None else tuning.config("w4a16_dispatch", "grouped")["fused_max_rows_per_expert"]):
+        y = torch._grouped_mm(x, dequantize_bf16(w).transpose(-2, -1), offs=ends)
+        rows = torch.arange(t, device=x.device)
+        return torch.where((rows < ends[-1])[:, None], y, 0.0)  # rows past the last offset are not written
     bk = min(d["block_k"], _padded_k(k))
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     if t == 0:
@@ -423,5 +454,18 @@ def grouped_gemm(
         x, w.codes, w.scales, w.global_scale, ends, out, t, n, k, w.codes.shape[-3], e, x.stride(0),
         BLOCK_M=d["block_m"], BLOCK_N=d["block_n"], BLOCK_K=bk, EVEN_K=k % bk == 0, INTERP=interpreted(x),
         num_warps=d["num_warps"], num_stages=d["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+def dequantize_bf16(w: W4A16Weight, *, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
+    """``dequantize(w)`` by the GEMMs' own decode (Triton): the BF16 weight ``[(E,) N, K]``, bit for bit."""
+    _require_triton()
+    e = w.experts or 1
+    out = torch.empty(*(() if w.experts is None else (e,)), w.n, w.k, dtype=torch.bfloat16, device=w.device)
+    bk = min(block_k, _padded_k(w.k))
+    _dequantize_kernel[(triton.cdiv(w.n, block_n), triton.cdiv(w.k, bk), e)](
+        w.codes, w.scales, w.global_scale, out, w.n, w.k, w.codes.shape[-3], BLOCK_N=block_n, BLOCK_K=bk,
+        EVEN_K=w.k % bk == 0, INTERP=interpreted(w.codes),
     )  # fmt: skip
     return out
