@@ -220,8 +220,11 @@ def test_grouped_gemm_rows_past_one_tile_and_empty_batch():
     ends = torch.tensor([20, 20, 37], dtype=torch.int32, device=DEV)  # 20 rows: two M tiles of 16
     x = _x(40, 128)
     got = w4a16.grouped_gemm(x, p, ends, block_m=16)
-    _bf16_close(got, w4a16.grouped_gemm_reference(x, p, ends), "grouped, 2 M tiles")
+    want = w4a16.grouped_gemm_reference(x, p, ends)
+    _bf16_close(got, want, "grouped, 2 M tiles")
     assert (got[37:] == 0).all()
+    assert w4a16.grouped_block_m(40, 3) == 32
+    _bf16_close(w4a16.grouped_gemm(x, p, ends), want, "grouped, block_m from the row count")
     empty = w4a16.grouped_gemm(x[:0], p, torch.zeros(3, dtype=torch.int32, device=DEV))
     assert empty.shape == (0, 32)
 

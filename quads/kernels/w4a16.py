@@ -409,6 +409,13 @@ def gemm(
     return out
 
 
+def grouped_block_m(rows: int, experts: int) -> int:
+    """Rows per M tile of the grouped kernel when the table says null: twice the mean rows per expert
+    (so that most experts fit one tile and decode each weight tile once), a power of two in [16, 64]."""
+    mean = -(-rows // max(experts, 1))
+    return min(64, max(16, triton.next_power_of_2(2 * mean)))
+
+
 def grouped_gemm(
     x: torch.Tensor,
     w: W4A16Weight,
@@ -429,7 +436,8 @@ def grouped_gemm(
     decoded by ``dequantize_bf16``, with the rows past ``ends[E-1]`` zeroed.
 
     Launch config: ``tuning.json`` ``w4a16_grouped_gemm.decode`` at <= ``GROUPED_DECODE_ROWS`` rows per
-    expert on average (``T <= 16 E``), else ``.prefill``; explicit arguments override it."""
+    expert on average (``T <= 16 E``), else ``.prefill``; explicit arguments override it; ``block_m``
+    null picks ``grouped_block_m``."""
     _require_triton()
     _check_x(x, w, "w4a16.grouped_gemm", experts=True)
     e = w.experts
@@ -447,12 +455,13 @@ def grouped_gemm(
         rows = torch.arange(t, device=x.device)
         return torch.where((rows < ends[-1])[:, None], y, 0.0)  # rows past the last offset are not written
     bk = min(d["block_k"], _padded_k(k))
+    bm = d["block_m"] or grouped_block_m(t, e)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
     _grouped_kernel[(triton.cdiv(n, d["block_n"]), e + 1)](
         x, w.codes, w.scales, w.global_scale, ends, out, t, n, k, w.codes.shape[-3], e, x.stride(0),
-        BLOCK_M=d["block_m"], BLOCK_N=d["block_n"], BLOCK_K=bk, EVEN_K=k % bk == 0, INTERP=interpreted(x),
+        BLOCK_M=bm, BLOCK_N=d["block_n"], BLOCK_K=bk, EVEN_K=k % bk == 0, INTERP=interpreted(x),
         num_warps=d["num_warps"], num_stages=d["num_stages"],
     )  # fmt: skip
     return out
