@@ -204,6 +204,9 @@ def test_grouped_gemm_matches_reference(t, e, n, k, masked):
     got = w4a16.grouped_gemm(x, p, routes.ends, block_m=16)
     want = w4a16.grouped_gemm_reference(x, p, routes.ends)
     _bf16_close(got, want, f"grouped T={t} E={e} N={n} K={k}")
+    split = w4a16.grouped_gemm(x, p, routes.ends, block_k=64, split_k=3)  # uneven split of the K tiles
+    _bf16_close(split, want, "grouped split-K")
+    assert (split[int(routes.ends[-1]):] == 0).all()
     # above w4a16_dispatch.grouped: torch._grouped_mm over dequantize_bf16, masked rows zeroed too
     _bf16_close(w4a16.grouped_gemm(x, p, routes.ends, fused_max_rows_per_expert=0), want, "grouped, dequant path")
     valid = int(routes.ends[-1])
@@ -225,6 +228,9 @@ def test_grouped_gemm_rows_past_one_tile_and_empty_batch():
     assert (got[37:] == 0).all()
     assert w4a16.grouped_block_m(40, 3) == 32
     _bf16_close(w4a16.grouped_gemm(x, p, ends), want, "grouped, block_m from the row count")
+    a = w4a16.grouped_gemm(x, p, ends, split_k=2, block_k=64)  # split-K: partials summed in a fixed order
+    _bf16_close(a, want, "grouped, split-K")
+    assert (a[37:] == 0).all() and torch.equal(a, w4a16.grouped_gemm(x, p, ends, split_k=2, block_k=64))
     empty = w4a16.grouped_gemm(x[:0], p, torch.zeros(3, dtype=torch.int32, device=DEV))
     assert empty.shape == (0, 32)
 
@@ -246,8 +252,8 @@ def test_tuning_table_has_the_w4a16_cases():
         assert set(tuning.config("w4a16_gemm", case)) == {"block_n", "block_k", "split_k", "num_warps",
                                                           "num_stages"}  # fmt: skip
     for case in ("decode", "prefill"):
-        assert set(tuning.config("w4a16_grouped_gemm", case)) == {"block_m", "block_n", "block_k", "num_warps",
-                                                                  "num_stages"}  # fmt: skip
+        assert set(tuning.config("w4a16_grouped_gemm", case)) == {"block_m", "block_n", "block_k", "split_k",
+                                                                  "num_warps", "num_stages"}  # fmt: skip
     assert set(tuning.config("w4a16_dispatch", "dense")) == {"fused_max_m"}
     assert set(tuning.config("w4a16_dispatch", "grouped")) == {"fused_max_rows_per_expert"}
     assert [w4a16.m_bucket(m) for m in (1, 2, 16, 33, 64, 65)] == ["m1", "m4", "m16", "m64", "m64", "large"]

@@ -262,31 +262,41 @@ if HAS_TRITON:
 
     @triton.jit
     def _grouped_kernel(
-        x_ptr, c_ptr, s_ptr, g_ptr, ends_ptr, out_ptr, T, N, K, KT, E, stride_xm,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr, c_ptr, s_ptr, g_ptr, ends_ptr, out_ptr, ws_ptr, T, N, K, KT, E, stride_xm,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         EVEN_K: tl.constexpr, INTERP: tl.constexpr,
     ):  # fmt: skip
-        """Grid (N tiles, E + 1): program e < E runs the rows of expert e, program E zeroes the rows
-        past ``ends[E-1]``."""
+        """Grid (N tiles, E + 1, SPLIT_K): program e < E runs the rows of expert e (split s: a contiguous
+        range of the K tiles, into ``ws[s]``), program E writes zeros to the rows past ``ends[E-1]``."""
         pid_n = tl.program_id(0)
         e = tl.program_id(1)
+        pid_k = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        if SPLIT_K == 1:
+            dst = out_ptr
+        else:
+            dst = ws_ptr + pid_k.to(tl.int64) * T * N
         if e == E:
             for m0 in range(start, T, BLOCK_M):
                 rm = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
                 z = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                 om = (rm[:, None] < T) & (rn[None, :] < N)
-                tl.store(out_ptr + rm[:, None] * N + rn[None, :], z.to(out_ptr.dtype.element_ty), mask=om)
+                tl.store(dst + rm[:, None] * N + rn[None, :], z.to(dst.dtype.element_ty), mask=om)
         else:
             end = tl.load(ends_ptr + e)
             ce = c_ptr + e.to(tl.int64) * KT * N * 8
             se = s_ptr + e.to(tl.int64) * KT * N
             g = tl.load(g_ptr + e)
+            n_tiles = tl.cdiv(K, BLOCK_K)
+            per = tl.cdiv(n_tiles, SPLIT_K)
+            lo = pid_k * per
+            hi = tl.minimum(lo + per, n_tiles)
             for m0 in range(start, end, BLOCK_M):  # experts without rows read no weights
                 rm = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
                 acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                for k0 in range(0, K, BLOCK_K):
+                for kt in range(lo, hi):
+                    k0 = kt * BLOCK_K
                     rk = k0 + tl.arange(0, BLOCK_K)
                     xm = rm[:, None] < end
                     if not EVEN_K:
@@ -295,7 +305,10 @@ if HAS_TRITON:
                     w = _decode(ce, se, g, rn, k0, N, K, KT, BLOCK_N, BLOCK_K, EVEN_K, INTERP)
                     acc = _dot(x.to(tl.bfloat16), tl.trans(w), acc, INTERP)
                 om = (rm[:, None] < end) & (rn[None, :] < N)
-                tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(acc, out_ptr), mask=om)
+                if SPLIT_K == 1:
+                    tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(acc, out_ptr), mask=om)
+                else:
+                    tl.store(dst + rm[:, None] * N + rn[None, :], acc, mask=om)
 
 
     @triton.jit
@@ -416,6 +429,20 @@ def grouped_block_m(rows: int, experts: int) -> int:
     return min(64, max(16, triton.next_power_of_2(2 * mean)))
 
 
+def grouped_split_for(rows: int, experts: int, n: int, k: int, block_n: int, block_k: int) -> int:
+    """A split-K for the grouped kernel: powers of two while the programs that can have rows
+    (``min(E, rows)`` experts x N tiles) are fewer than 4 per SM, each split keeps at least 2 K tiles, and
+    the fp32 partials (``split x rows x N x 4`` bytes, written and read once) stay under 1/8 of the
+    weight bytes those experts read."""
+    active = min(experts, rows)
+    wbytes = active * n * k * 9 // 16
+    split = 1
+    while (active * -(-n // block_n) * split < 4 * SMS and -(-k // block_k) // (split * 2) >= 2
+           and 2 * split * rows * n * 4 * 8 <= wbytes):  # fmt: skip
+        split *= 2
+    return split
+
+
 def grouped_gemm(
     x: torch.Tensor,
     w: W4A16Weight,
@@ -426,6 +453,7 @@ def grouped_gemm(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    split_k: int | None = None,
     fused_max_rows_per_expert: int | None = None,
 ) -> torch.Tensor:
     """Grouped MoE W4A16 (module docstring): ``x`` ``[T, K]`` BF16 sorted by expert, packed ``w``
@@ -437,7 +465,7 @@ def grouped_gemm(
 
     Launch config: ``tuning.json`` ``w4a16_grouped_gemm.decode`` at <= ``GROUPED_DECODE_ROWS`` rows per
     expert on average (``T <= 16 E``), else ``.prefill``; explicit arguments override it; ``block_m``
-    null picks ``grouped_block_m``."""
+    null picks ``grouped_block_m``, ``split_k`` null (or 0) ``grouped_split_for``."""
     _require_triton()
     _check_x(x, w, "w4a16.grouped_gemm", experts=True)
     e = w.experts
@@ -448,7 +476,7 @@ def grouped_gemm(
     t, k, n = x.shape[0], w.k, w.n
     case = "decode" if t <= GROUPED_DECODE_ROWS * e else "prefill"
     d = _cfg("w4a16_grouped_gemm", case, block_m=block_m, block_n=block_n, block_k=block_k,
-             num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+             num_warps=num_warps, num_stages=num_stages, split_k=split_k)  # fmt: skip
     rpe = fused_max_rows_per_expert
     if t > e * (rpe if rpe is not None else tuning.config("w4a16_dispatch", "grouped")["fused_max_rows_per_expert"]):
         y = torch._grouped_mm(x, dequantize_bf16(w).transpose(-2, -1), offs=ends)
@@ -459,11 +487,17 @@ def grouped_gemm(
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    _grouped_kernel[(triton.cdiv(n, d["block_n"]), e + 1)](
-        x, w.codes, w.scales, w.global_scale, ends, out, t, n, k, w.codes.shape[-3], e, x.stride(0),
-        BLOCK_M=bm, BLOCK_N=d["block_n"], BLOCK_K=bk, EVEN_K=k % bk == 0, INTERP=interpreted(x),
+    bn = d["block_n"]
+    split = max(1, min(d["split_k"] or grouped_split_for(t, e, n, k, bn, bk), -(-k // bk)))
+    ws = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    _grouped_kernel[(triton.cdiv(n, bn), e + 1, split)](
+        x, w.codes, w.scales, w.global_scale, ends, out, ws, t, n, k, w.codes.shape[-3], e, x.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, BLOCK_K=bk, EVEN_K=k % bk == 0, INTERP=interpreted(x),
         num_warps=d["num_warps"], num_stages=d["num_stages"],
     )  # fmt: skip
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(t * n, block),)](ws, out, t * n, SPLIT_K=split, BLOCK=block, num_warps=4)
     return out
 
 
