@@ -169,7 +169,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from quads.kernels._common import cast_out, e2m1_times_scale, e4m3_to_f32_hw, f32_to_bf16_rne
+    from quads.kernels._common import cast_out, e4m3_to_f32_hw, f32_to_bf16_rne
 
     @triton.jit
     def _dot(a, b, acc, INTERP: tl.constexpr):
@@ -179,6 +179,14 @@ if HAS_TRITON:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _e2m1_pair(t):
+        """int32 ``t`` -> the fp32 values ``e2m1 * 2**-14`` of its nibbles at bits 0-3 and 16-19 (exact)."""
+        h = ((t & 0x70007) << 9) | ((t & 0x80008) << 12)
+        lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
 
     @triton.jit
     def _decode(c_ptr, s_ptr, g, rn, k0, N, K, KT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -202,14 +210,18 @@ if HAS_TRITON:
         # 4 scale bytes per word -> [BLOCK_N, BLOCK_K / 16] in block order (join tree: see pack's layout)
         sb = tl.join(tl.join(sw & 0xFF, (sw >> 16) & 0xFF), tl.join((sw >> 8) & 0xFF, (sw >> 24) & 0xFF))
         s16 = e4m3_to_f32_hw(tl.reshape(sb, (BLOCK_N, BLOCK_K // 16)), INTERP) * 16384.0
-        # 8 codes per word -> [BLOCK_N, BLOCK_K] in K order: nested joins put nibble i at position i
-        c = tl.join(
-            tl.join(tl.join(words & 0xF, (words >> 16) & 0xF), tl.join((words >> 8) & 0xF, (words >> 24) & 0xF)),
-            tl.join(tl.join((words >> 4) & 0xF, (words >> 20) & 0xF),
-                    tl.join((words >> 12) & 0xF, (words >> 28) & 0xF)),
-        )  # fmt: skip
-        c = tl.reshape(c, (BLOCK_N, BLOCK_K // 16, 16))
-        v = tl.reshape(e2m1_times_scale(c, s16[:, :, None]) * g, (BLOCK_N, BLOCK_K))
+        # 8 codes per word -> [BLOCK_N, BLOCK_K] in K order. Nibbles q and q + 4 at once: one int32
+        # holds the fp16 bits of both (low / high half), each E2M1 by bits: e2m1 * 2**-14 exactly (the
+        # magnitude bits to the fp16 exponent and top mantissa bit, code 1 on the subnormal 2**-15); the
+        # nested joins put nibble i at position i.
+        e0, e4 = _e2m1_pair(words)
+        e1, e5 = _e2m1_pair(words >> 4)
+        e2, e6 = _e2m1_pair(words >> 8)
+        e3, e7 = _e2m1_pair(words >> 12)
+        e = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
+        e = tl.reshape(e, (BLOCK_N, BLOCK_K // 16, 16))
+        # e2m1 * s exact (2 + 4 significant bits), times S_dec: the reference's one rounding
+        v = tl.reshape((e * s16[:, :, None]) * g, (BLOCK_N, BLOCK_K))
         if not EVEN_K:
             v = tl.where((k0 + tl.arange(0, BLOCK_K) < K)[None, :], v, 0.0)
         if INTERP:
