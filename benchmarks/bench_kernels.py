@@ -326,7 +326,7 @@ def _tune_data(n: int, k: int, nsets: int, quant_rows: int, ms=(1, 16, 64), dev:
 
 
 def _moe_data(
-    nsets: int, dev: str = "cuda", e: int = 128, n: int = 1536, k: int = 2048, topk: int = 8
+    nsets: int, dev: str = "cuda", e: int = 128, n: int = 1536, k: int = 2048, topk: int = 8, tokens=(1, 16, 64)
 ) -> dict:
     from quads.kernels import nvfp4_quant, w4a16
 
@@ -335,9 +335,9 @@ def _moe_data(
         w = (torch.randn(e, n, k, device=dev) * 0.02).bfloat16()
         ws.append(w4a16.pack(nvfp4_quant.nvfp4_quantize(w, amax=w.float().abs().amax(dim=(-2, -1), keepdim=True))))
     xs = {}
-    for tokens in (1, 16, 64):
-        _, ends = _routed(e, tokens, topk, dev, seed=tokens)
-        xs[tokens] = (torch.randn(tokens * topk, k, device=dev).bfloat16(), ends)
+    for t in tokens:
+        _, ends = _routed(e, t, topk, dev, seed=t)
+        xs[t] = (torch.randn(t * topk, k, device=dev).bfloat16(), ends)
     return {"moe_w": ws, "moe_x": xs, "moe_ends": {t: ends for t, (x, ends) in xs.items()}}
 
 
@@ -404,7 +404,8 @@ def tuning_from_rows(rows: list) -> dict:
                     gemm_t[key] = dict(zip(("block_n", "block_k", "split_k", "num_warps", "num_stages"), cs))
                 elif c is not None:
                     gemm_t.pop(key, None)
-    for case, shapes in (("decode", ["T=1"]), ("prefill", ["T=16", "T=64"])):
+    # every timed shape has <= 16 routed rows per expert: the launcher's "decode" case (prefill is not timed)
+    for case, shapes in (("decode", ["T=1", "T=16", "T=64", "1b gate_up T=128", "1b down T=128"]),):
         c = best("tune moe", shapes)
         if c is not None:
             table["w4a16_grouped_gemm"][case].update(zip(("block_n", "block_k", "num_warps", "num_stages"), c))
@@ -464,26 +465,29 @@ def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None) -> 
                              "x_vs_bf16": t_bf / t})  # fmt: skip
         del data
         torch.cuda.empty_cache()
-    moe = _moe_data(4)
-    for tokens in (1, 16, 64):
-        x, offs = moe["moe_x"][tokens]
-        ends = moe["moe_ends"][tokens]
-        wb = [(torch.randn(128, 1536, 2048, device="cuda") * 0.02).bfloat16() for _ in range(4)]
-        t_bf = time_graph([lambda w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends) for w in wb])
-        del wb
-        add({"bench": "tune base grouped_mm", "shape": f"T={tokens}", "us": t_bf * 1e6})
-        for kind, _key, cfg in space:
-            if kind != "moe":
-                continue
-            try:
-                t = time_graph(_tune_call(kind, tokens, cfg, moe))
-            except Exception as e:
-                print(f"tune moe {tokens} {cfg}: {type(e).__name__}: {e}"[:300], file=sys.stderr)
-                continue
-            add({"bench": "tune moe", "shape": f"T={tokens}", "cfg": list(cfg), "us": t * 1e6,
-                         "x_vs_bf16": t_bf / t})  # fmt: skip
-    del moe
-    torch.cuda.empty_cache()
+    # Qwen3-30B-A3B's gate_up at T = 1, 16, 64, then the 1b preset's expert GEMMs at its decode step
+    for (e, n, k, topk), nsets, tokens, label in (((128, 1536, 2048, 8), 4, (1, 16, 64), ""),
+                                                  ((64, 512, 1024, 8), 8, (128,), "1b gate_up "),
+                                                  ((64, 1024, 256, 8), 8, (128,), "1b down ")):  # fmt: skip
+        moe = _moe_data(nsets, "cuda", e, n, k, topk, tokens)
+        for t_rows in tokens:
+            x, ends = moe["moe_x"][t_rows]
+            wb = [(torch.randn(e, n, k, device="cuda") * 0.02).bfloat16() for _ in range(nsets)]
+            t_bf = time_graph([lambda w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends) for w in wb])
+            del wb
+            add({"bench": "tune base grouped_mm", "shape": f"{label}T={t_rows}", "us": t_bf * 1e6})
+            for kind, _key, cfg in space:
+                if kind != "moe":
+                    continue
+                try:
+                    t = time_graph(_tune_call(kind, t_rows, cfg, moe))
+                except Exception as ex:
+                    print(f"tune moe {label}{t_rows} {cfg}: {type(ex).__name__}: {ex}"[:300], file=sys.stderr)
+                    continue
+                add({"bench": "tune moe", "shape": f"{label}T={t_rows}", "cfg": list(cfg), "us": t * 1e6,
+                     "x_vs_bf16": t_bf / t})  # fmt: skip
+        del moe
+        torch.cuda.empty_cache()
     data = {"xq": torch.randn(16384, 8192, device="cuda").bfloat16()}
     out_b = 16384 * 8192 // 2 + 16384 * 8192 // 16
     min_bytes = data["xq"].numel() * 2 + out_b
