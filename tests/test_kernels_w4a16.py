@@ -304,6 +304,8 @@ def test_rollout_layers_on_the_kernel_path(monkeypatch):
     with dispatch.kernels("reference"):
         y_ref = rl(x)
     _bf16_close(y, y_ref, "QuantizedLinear kernel vs reference")
+    with dispatch.kernels("reference"):  # the typed switch turns the kernel off; same operand, same bits
+        assert torch.equal(ql(x), y_ref)
     # the operand weight sync fingerprints: decoded from the packed bytes, the reference's bits
     assert torch.equal(st.get().view(torch.int16), rl.stores["weight"].get().view(torch.int16))
 

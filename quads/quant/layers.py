@@ -110,6 +110,11 @@ class WeightStore:
                 and self.spec.nvfp4_mode == "te" and self.dtype == torch.bfloat16 and p.dtype == torch.bfloat16
                 and dispatch.use_triton(p))  # fmt: skip
 
+    def use_packed(self, x: torch.Tensor) -> bool:
+        """Whether a GEMM of activations ``x`` runs the packed W4A16 kernel (a packed weight is kept, x is
+        BF16, and the kernel backend runs Triton on x)."""
+        return self.kernel is not None and w4a16.supports(x) and dispatch.use_triton(x)
+
     def get_packed(self) -> w4a16.W4A16Weight:
         """The packed W4A16 weight (refreshed first if the parameter moved device)."""
         if self.kernel is None or self.kernel.device != self.param.device:
@@ -221,7 +226,7 @@ class QuantizedLinear(_QuantizedBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         store = self.stores["weight"]
-        if store.kernel is not None and w4a16.supports(x):
+        if store.use_packed(x):
             y = w4a16.gemm(x.reshape(-1, x.shape[-1]), store.get_packed()).reshape(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         return self._gemm("weight", None, x, store.get())
@@ -304,7 +309,7 @@ class QuantizedExperts(_QuantizedBase):
                 and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.gate_up_proj.requires_grad)))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if self.stores["gate_up_proj"].kernel is not None and w4a16.supports(hidden_states):
+        if self.stores["gate_up_proj"].use_packed(hidden_states):
             return self.forward_static(hidden_states, top_k_index, top_k_weights)  # the packed W4A16 GEMMs
         slots = grouped.sort_slots(top_k_index, self.num_experts)  # read by both paths below
         if hidden_states.shape[0] and self._use_grouped(hidden_states):
@@ -348,7 +353,7 @@ class QuantizedExperts(_QuantizedBase):
         def gemm(name: str, a: torch.Tensor) -> torch.Tensor:
             store = self.stores[name]
             if self.spec.act == "none":
-                if store.kernel is not None and w4a16.supports(a):
+                if store.use_packed(a):
                     return w4a16.grouped_gemm(a, store.get_packed(), routes.ends)
                 return moe.grouped_mm(a, store.get(), routes)
             sel = self.selectors[name] if name in self.selectors else None
