@@ -88,6 +88,7 @@ def test_layout_round_trip_byte_exact(shape):
     assert torch.equal(back.scales.view(torch.uint8), q.scales.view(torch.uint8))
     assert back.global_scale.shape == q.global_scale.shape
     assert torch.equal(back.global_scale, q.global_scale)
+    assert (back.shape, back.dtype, back.tile, back.mode) == (q.shape, q.dtype, q.tile, q.mode)
 
 
 @pytest.mark.parametrize("shape", [(48, 256), (16, 80), (3, 32, 208)], ids=str)

@@ -14,8 +14,8 @@ padded to ``Kp``, a multiple of ``LAYOUT_K`` = 64 (zero codes and scales):
 
 The weight the kernels multiply is ``bf16(fp32(e2m1 * s) * S_dec)``, the value of
 ``quads.formats.nvfp4.dequantize(q, torch.bfloat16)`` bit for bit: ``e2m1 * s`` is exact in fp32
-(E2M1 by bits into an fp16, ``_common.e2m1_times_scale``), the product with S_dec is the reference's
-one fp32 rounding, and the cast to BF16 rounds to nearest even. Products with the BF16 activations are
+(E2M1 by bits into fp16 halves, two codes per int32, ``_e2m1_pair``), the product with S_dec is the
+reference's one fp32 rounding, and the cast to BF16 rounds to nearest even. Products with the BF16 activations are
 accumulated in fp32 on the tensor cores (``tl.dot``), so a GEMM equals ``x @ dequantize(q, bf16).T`` up
 to fp32 summation order; the output is cast (RNE) to ``x.dtype``.
 
@@ -25,7 +25,11 @@ to fp32 summation order; the output is cast (RNE) to ``x.dtype``.
 - ``grouped_gemm(x [T, K], w [E, N, K], ends [E] int32) -> [T, N]``: rows sorted by expert, rows
   ``ends[e-1]:ends[e]`` use expert e (``torch._grouped_mm``'s offsets, read on the device: no host sync,
   no data-dependent shape, so it can be captured in a CUDA graph); experts without rows read no
-  weights; rows past ``ends[E-1]`` (masked slots) are written as zeros.
+  weights; rows past ``ends[E-1]`` (masked slots) are written as zeros; split-K when few experts have
+  rows (decided from the shapes only).
+- Many rows (prefill; ``tuning.json`` ``w4a16_dispatch``): cuBLAS / ``torch._grouped_mm`` over the BF16
+  weight decoded by the same decode (``dequantize_bf16``), where decoding once beats decoding per row
+  tile.
 
 Launch configs come from ``tuning.json`` (``w4a16_gemm``, ``w4a16_grouped_gemm``); explicit arguments
 override them. ``dequantize``, ``gemm_reference`` and ``grouped_gemm_reference`` are the pure-PyTorch
@@ -46,7 +50,7 @@ from quads.kernels._common import HAS_TRITON, interpreted
 LAYOUT_K = 64  # K elements per layout tile: 8 code words and 1 scale word per row
 # the grouped GEMM takes the "decode" launch config at <= this many routed rows per expert (on average)
 GROUPED_DECODE_ROWS = 16
-SMS = 132  # H200 streaming multiprocessors: the split-K heuristic aims at >= 1 program per SM
+SMS = 132  # H200 streaming multiprocessors, for the split-K heuristics (programs per SM)
 
 
 @dataclass
@@ -59,6 +63,9 @@ class W4A16Weight:
     n: int  # output features
     k: int  # input features (before padding)
     experts: int | None  # E for an expert stack, None for one weight
+    dtype: torch.dtype = torch.bfloat16  # the NVFP4Tensor's metadata, kept for unpack
+    tile: tuple[int, int] = (1, 16)
+    mode: str = "te"
 
     @property
     def device(self) -> torch.device:
@@ -110,7 +117,8 @@ def pack(q: nvfp4.NVFP4Tensor) -> W4A16Weight:
     lead = c.shape[:-2]
     cw = c.view(torch.int32).reshape(*lead, n, kp // LAYOUT_K, 8).transpose(-3, -2).contiguous()
     sw = s.view(torch.int32).reshape(*lead, n, kp // LAYOUT_K).transpose(-2, -1).contiguous()
-    return W4A16Weight(codes=cw, scales=sw, global_scale=g, n=n, k=k, experts=experts)
+    return W4A16Weight(codes=cw, scales=sw, global_scale=g, n=n, k=k, experts=experts, dtype=q.dtype,
+                       tile=tuple(q.tile), mode=q.mode)  # fmt: skip
 
 
 def unpack(w: W4A16Weight) -> nvfp4.NVFP4Tensor:
@@ -123,7 +131,7 @@ def unpack(w: W4A16Weight) -> nvfp4.NVFP4Tensor:
     g = w.global_scale.reshape(()) if w.experts is None else w.global_scale.reshape(-1, 1, 1)
     shape = torch.Size((*lead, w.n, w.k))
     return nvfp4.NVFP4Tensor(codes=codes.contiguous(), scales=scales, global_scale=g.clone(), shape=shape,
-                             dtype=torch.bfloat16)  # fmt: skip
+                             dtype=w.dtype, tile=w.tile, mode=w.mode)  # fmt: skip
 
 
 def dequantize(w: W4A16Weight) -> torch.Tensor:
