@@ -140,8 +140,10 @@ def _weight_sets(n: int, k: int, nsets: int):
 
 
 def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
-    from quads.kernels import nvfp4_quant
-    from quads.prototype.kernels import gemm
+    """``quads.kernels.w4a16.gemm`` (packed weights; the fused kernel at every M, and the launcher's
+    choice above 64 rows) against cuBLAS BF16 ``torch.mm`` and FP8 ``_scaled_mm``; weight bytes read per
+    second and as a fraction of the copy."""
+    from quads.kernels import w4a16
 
     shapes = [(8192, 8192), (28672, 4096)]
     ms = [1, 4, 16, 64, 256, 1024, 4096] if not quick else [1, 16, 64, 1024]
@@ -150,6 +152,7 @@ def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
     for n, k in shapes:
         nsets = max(4, int(3 * GB // (n * k * 2)))  # ~3 GB of BF16 weights, ~0.85 GB of NVFP4
         bf, fp4, fp8w = _weight_sets(n, k, nsets)
+        packed = [w4a16.pack(q) for q in fp4]
         for m in ms:
             x = torch.randn(m, k, device="cuda").bfloat16()
             mp = max(16, m)
@@ -158,61 +161,55 @@ def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
             t_bf = time_graph([lambda w=w: torch.mm(x, w.T) for w in bf])
             t_f8 = time_graph([lambda w=w: torch._scaled_mm(x8, w[0].T, one, w[1], out_dtype=torch.bfloat16)
                                for w in fp8w])  # fmt: skip
-            t_fused = (
-                time_graph([lambda q=q: gemm.w4a16_gemm(x, q) for q in fp4]) if m <= 1024 else float("nan")
-            )
-            t_fb = (time_graph([lambda q=q: x @ nvfp4_quant.nvfp4_dequantize(q, torch.bfloat16).T for q in fp4])
-                    if m >= 256 else float("nan"))  # fmt: skip
-            best = min(t for t in (t_fused, t_fb) if t == t)
+            t_fused = time_graph([lambda p=p: w4a16.gemm(x, p, fused_max_m=1 << 30) for p in packed])
+            # the launcher's own choice (above w4a16_dispatch.dense: dequantize_bf16 + cuBLAS)
+            t = time_graph([lambda p=p: w4a16.gemm(x, p) for p in packed]) if m > 64 else t_fused
             wbytes = n * k // 2 + n * k // 16
-            rows.append({"bench": "W4A16 GEMM", "shape": f"M={m} N={n} K={k}", "us": best * 1e6,
-                         "fused_us": t_fused * 1e6, "dequant_mm_us": t_fb * 1e6, "bf16_us": t_bf * 1e6,
-                         "fp8_us": t_f8 * 1e6, "x_vs_bf16": t_bf / best, "x_vs_fp8": t_f8 / best,
-                         "w_TBps": wbytes / best / 1e12, "frac_copy": wbytes / best / copy_bw,
-                         "TFLOPs": 2 * m * n * k / best / 1e12})  # fmt: skip
-        del bf, fp4, fp8w
+            rows.append({"bench": "W4A16 GEMM", "shape": f"M={m} N={n} K={k}", "us": t * 1e6,
+                         "fused_us": t_fused * 1e6, "dequant_mm_us": t * 1e6 if m > 64 else float("nan"),
+                         "bf16_us": t_bf * 1e6, "fp8_us": t_f8 * 1e6, "x_vs_bf16": t_bf / t, "x_vs_fp8": t_f8 / t,
+                         "w_TBps": wbytes / t / 1e12, "frac_copy": wbytes / t / copy_bw,
+                         "bf16_w_TBps": 2 * n * k / t_bf / 1e12, "TFLOPs": 2 * m * n * k / t / 1e12})  # fmt: skip
+        del bf, fp4, fp8w, packed
         torch.cuda.empty_cache()
 
 
-def bench_moe(rows: list, quick: bool) -> None:
-    from quads.kernels import nvfp4_quant
-    from quads.prototype.kernels import gemm
+# (experts, N, K, tokens, top-k, what): Qwen3-30B-A3B's gate_up at decode, and the 1b preset's expert
+# GEMMs at its decode batch (128 rows x top-8 = 1024 routed rows, ~16 per expert)
+MOE_SHAPES = [(128, 1536, 2048, t, 8, "qwen3-30b gate_up") for t in (1, 4, 16, 64)] + [
+    (64, 512, 1024, 128, 8, "1b gate_up"), (64, 1024, 256, 128, 8, "1b down")]
 
-    e, n, k, topk = 128, 1536, 2048, 8  # Qwen3-30B-A3B gate_up
-    nsets = 2 if quick else 4
-    for tokens in (1, 16, 64):
+
+def _routed(e: int, tokens: int, topk: int, dev: str = "cuda", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows sorted by expert for ``tokens`` x top-``topk`` random routes: (counts [E], ends [E] int32)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)]).flatten().to(dev)
+    counts = torch.bincount(ids, minlength=e)
+    return counts, torch.cumsum(counts, 0).to(torch.int32)
+
+
+def bench_moe(rows: list, quick: bool, copy_bw: float) -> None:
+    """``quads.kernels.w4a16.grouped_gemm`` (packed expert stacks, device offsets) against
+    ``torch._grouped_mm`` over the BF16 stacks, at ``MOE_SHAPES``."""
+    from quads.kernels import nvfp4_quant, w4a16
+
+    for e, n, k, tokens, topk, what in MOE_SHAPES[::2] if quick else MOE_SHAPES:
+        nsets = max(2, int(1.5 * GB // (e * n * k * 2)))  # >= 1.5 GB of BF16 stacks: cold in the L2
         sets = []
         for _ in range(nsets):
             w = (torch.randn(e, n, k, device="cuda") * 0.02).bfloat16()
             amax = w.float().abs().amax(dim=(-2, -1), keepdim=True)
-            sets.append((w, nvfp4_quant.nvfp4_quantize(w, amax=amax)))
-        ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(tokens)]).flatten()
-        counts = torch.bincount(ids, minlength=e)
-        ends = torch.cumsum(counts, 0).to(torch.int32)
-        offs = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), ends])
-        x = torch.randn(ids.numel(), k, device="cuda").bfloat16()
-        t_q = time_graph([lambda q=q: gemm.w4a16_grouped_gemm(x, q, offs) for _, q in sets])
-        try:
-            t_bf = time_graph(
-                [lambda w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends) for w, _ in sets]
-            )
-            base = "torch._grouped_mm bf16"
-        except Exception as ex:
-            print(
-                f"torch._grouped_mm unavailable ({type(ex).__name__}: {ex}); per-expert torch.mm loop",
-                file=sys.stderr,
-            )
-            o = offs.tolist()
-            live = [i for i in range(e) if o[i + 1] > o[i]]
-            t_bf = time_graph(
-                [lambda w=w: [torch.mm(x[o[i] : o[i + 1]], w[i].T) for i in live] for w, _ in sets]
-            )
-            base = "per-expert torch.mm bf16"
+            sets.append((w, w4a16.pack(nvfp4_quant.nvfp4_quantize(w, amax=amax))))
+        counts, ends = _routed(e, tokens, topk)
+        x = torch.randn(tokens * topk, k, device="cuda").bfloat16()
+        t_q = time_graph([lambda p=p: w4a16.grouped_gemm(x, p, ends) for _, p in sets])
+        t_bf = time_graph([lambda w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends) for w, _ in sets])
         active = int((counts > 0).sum())
         wbytes = active * (n * k // 2 + n * k // 16)
-        rows.append({"bench": "grouped MoE W4A16", "shape": f"T={tokens} top{topk} E={e} N={n} K={k} active={active}",
-                     "us": t_q * 1e6, "bf16_us": t_bf * 1e6, "x_vs_bf16": t_bf / t_q, "baseline": base,
-                     "w_TBps": wbytes / t_q / 1e12})  # fmt: skip
+        rows.append({"bench": "grouped MoE W4A16", "shape": f"{what} T={tokens} top{topk} E={e} N={n} K={k} "
+                     f"active={active}", "us": t_q * 1e6, "bf16_us": t_bf * 1e6, "x_vs_bf16": t_bf / t_q,
+                     "baseline": "torch._grouped_mm bf16", "w_TBps": wbytes / t_q / 1e12,
+                     "frac_copy": wbytes / t_q / copy_bw, "bf16_w_TBps": active * n * k * 2 / t_bf / 1e12})  # fmt: skip
         del sets
         torch.cuda.empty_cache()
 
@@ -285,19 +282,19 @@ def tune_space() -> list[tuple]:
 
 def _tune_call(kind: str, key, cfg, data: dict):
     """A closure running one config on ``data`` (built by ``_tune_data``) once."""
-    from quads.kernels import nvfp4_quant
-    from quads.prototype.kernels import gemm, rac
+    from quads.kernels import nvfp4_quant, w4a16
+    from quads.prototype.kernels import rac
 
     if kind == "w4a16":
         bn, bk, sk, nw, ns = cfg
         x = data["x"][key]
-        return [lambda q=q: gemm.w4a16_gemm(x, q, block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
-                                            num_stages=ns) for q in data["fp4"]]  # fmt: skip
+        return [lambda q=q: w4a16.gemm(x, q, block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
+                                       num_stages=ns) for q in data["fp4"]]  # fmt: skip
     if kind == "moe":
         bn, bk, nw, ns = cfg
-        x, offs = data["moe_x"][key]
-        return [lambda q=q: gemm.w4a16_grouped_gemm(x, q, offs, block_n=bn, block_k=bk, num_warps=nw,
-                                                    num_stages=ns) for q in data["moe_w"]]  # fmt: skip
+        x, ends = data["moe_x"][key]
+        return [lambda q=q: w4a16.grouped_gemm(x, q, ends, block_n=bn, block_k=bk, num_warps=nw,
+                                               num_stages=ns) for q in data["moe_w"]]  # fmt: skip
     xq = data["xq"]
     if kind == "quant_row":
         if cfg[1] is None:
@@ -320,34 +317,28 @@ def _tune_call(kind: str, key, cfg, data: dict):
 
 
 def _tune_data(n: int, k: int, nsets: int, quant_rows: int, ms=(1, 16, 64), dev: str = "cuda") -> dict:
-    from quads.kernels import nvfp4_quant
+    from quads.kernels import nvfp4_quant, w4a16
 
-    fp4 = [
-        nvfp4_quant.nvfp4_quantize((torch.randn(n, k, device=dev) * 0.02).bfloat16()) for _ in range(nsets)
-    ]
+    fp4 = [w4a16.pack(nvfp4_quant.nvfp4_quantize((torch.randn(n, k, device=dev) * 0.02).bfloat16()))
+           for _ in range(nsets)]  # fmt: skip
     return {"fp4": fp4, "x": {m: torch.randn(m, k, device=dev).bfloat16() for m in ms},
             "xq": torch.randn(quant_rows, 8192 if dev == "cuda" else 256, device=dev).bfloat16()}  # fmt: skip
 
 
 def _moe_data(
-    nsets: int, dev: str = "cuda", e: int = 128, n: int = 1536, k: int = 2048, topk: int = 8
+    nsets: int, dev: str = "cuda", e: int = 128, n: int = 1536, k: int = 2048, topk: int = 8, tokens=(1, 16, 64)
 ) -> dict:
-    from quads.kernels import nvfp4_quant
+    from quads.kernels import nvfp4_quant, w4a16
 
     ws = []
     for _ in range(nsets):
         w = (torch.randn(e, n, k, device=dev) * 0.02).bfloat16()
-        ws.append(nvfp4_quant.nvfp4_quantize(w, amax=w.float().abs().amax(dim=(-2, -1), keepdim=True)))
+        ws.append(w4a16.pack(nvfp4_quant.nvfp4_quantize(w, amax=w.float().abs().amax(dim=(-2, -1), keepdim=True))))
     xs = {}
-    for tokens in (1, 16, 64):
-        g = torch.Generator(device="cpu").manual_seed(tokens)
-        ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)]).flatten().to(dev)
-        counts = torch.bincount(ids, minlength=e)
-        offs = torch.cat(
-            [torch.zeros(1, dtype=torch.int32, device=dev), torch.cumsum(counts, 0).to(torch.int32)]
-        )
-        xs[tokens] = (torch.randn(ids.numel(), k, device=dev).bfloat16(), offs)
-    return {"moe_w": ws, "moe_x": xs, "moe_ends": {t: o[1:] for t, (x, o) in xs.items()}}
+    for t in tokens:
+        _, ends = _routed(e, t, topk, dev, seed=t)
+        xs[t] = (torch.randn(t * topk, k, device=dev).bfloat16(), ends)
+    return {"moe_w": ws, "moe_x": xs, "moe_ends": {t: ends for t, (x, ends) in xs.items()}}
 
 
 def _tune_warm(items: list, dev: str = "cuda") -> int:
@@ -413,10 +404,11 @@ def tuning_from_rows(rows: list) -> dict:
                     gemm_t[key] = dict(zip(("block_n", "block_k", "split_k", "num_warps", "num_stages"), cs))
                 elif c is not None:
                     gemm_t.pop(key, None)
-    for case, shapes in (("decode", ["T=1"]), ("prefill", ["T=16", "T=64"])):
+    # every timed shape has <= 16 routed rows per expert: the launcher's "decode" case (prefill is not timed)
+    for case, shapes in (("decode", ["T=1", "T=16", "T=64", "1b gate_up T=128", "1b down T=128"]),):
         c = best("tune moe", shapes)
         if c is not None:
-            table["w4a16_grouped_gemm"][case] = dict(zip(("block_n", "block_k", "num_warps", "num_stages"), c))
+            table["w4a16_grouped_gemm"][case].update(zip(("block_n", "block_k", "num_warps", "num_stages"), c))
     for kind, case in (("tune quant_row", "per_token"), ("tune quant_amax_tile", "amax_known"),
                        ("tune row_amax", "row_amax")):  # fmt: skip
         c = best(kind)
@@ -473,26 +465,29 @@ def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None) -> 
                              "x_vs_bf16": t_bf / t})  # fmt: skip
         del data
         torch.cuda.empty_cache()
-    moe = _moe_data(4)
-    for tokens in (1, 16, 64):
-        x, offs = moe["moe_x"][tokens]
-        ends = moe["moe_ends"][tokens]
-        wb = [(torch.randn(128, 1536, 2048, device="cuda") * 0.02).bfloat16() for _ in range(4)]
-        t_bf = time_graph([lambda w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends) for w in wb])
-        del wb
-        add({"bench": "tune base grouped_mm", "shape": f"T={tokens}", "us": t_bf * 1e6})
-        for kind, _key, cfg in space:
-            if kind != "moe":
-                continue
-            try:
-                t = time_graph(_tune_call(kind, tokens, cfg, moe))
-            except Exception as e:
-                print(f"tune moe {tokens} {cfg}: {type(e).__name__}: {e}"[:300], file=sys.stderr)
-                continue
-            add({"bench": "tune moe", "shape": f"T={tokens}", "cfg": list(cfg), "us": t * 1e6,
-                         "x_vs_bf16": t_bf / t})  # fmt: skip
-    del moe
-    torch.cuda.empty_cache()
+    # Qwen3-30B-A3B's gate_up at T = 1, 16, 64, then the 1b preset's expert GEMMs at its decode step
+    for (e, n, k, topk), nsets, tokens, label in (((128, 1536, 2048, 8), 4, (1, 16, 64), ""),
+                                                  ((64, 512, 1024, 8), 8, (128,), "1b gate_up "),
+                                                  ((64, 1024, 256, 8), 8, (128,), "1b down ")):  # fmt: skip
+        moe = _moe_data(nsets, "cuda", e, n, k, topk, tokens)
+        for t_rows in tokens:
+            x, ends = moe["moe_x"][t_rows]
+            wb = [(torch.randn(e, n, k, device="cuda") * 0.02).bfloat16() for _ in range(nsets)]
+            t_bf = time_graph([lambda w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends) for w in wb])
+            del wb
+            add({"bench": "tune base grouped_mm", "shape": f"{label}T={t_rows}", "us": t_bf * 1e6})
+            for kind, _key, cfg in space:
+                if kind != "moe":
+                    continue
+                try:
+                    t = time_graph(_tune_call(kind, t_rows, cfg, moe))
+                except Exception as ex:
+                    print(f"tune moe {label}{t_rows} {cfg}: {type(ex).__name__}: {ex}"[:300], file=sys.stderr)
+                    continue
+                add({"bench": "tune moe", "shape": f"{label}T={t_rows}", "cfg": list(cfg), "us": t * 1e6,
+                     "x_vs_bf16": t_bf / t})  # fmt: skip
+        del moe
+        torch.cuda.empty_cache()
     data = {"xq": torch.randn(16384, 8192, device="cuda").bfloat16()}
     out_b = 16384 * 8192 // 2 + 16384 * 8192 // 16
     min_bytes = data["xq"].numel() * 2 + out_b
@@ -558,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     suites = args.only.split(",")
     runners = {"quantize": lambda: bench_quantize(rows, copy_bw, args.quick),
                "w4a16": lambda: bench_w4a16(rows, copy_bw, args.quick),
-               "moe": lambda: bench_moe(rows, args.quick), "w4a4": lambda: bench_w4a4(rows),
+               "moe": lambda: bench_moe(rows, args.quick, copy_bw), "w4a4": lambda: bench_w4a4(rows),
                "tune": lambda: bench_tune(rows, args.workers, args.tuning_out)}  # fmt: skip
     for s in suites:
         n0 = len(rows)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: real-size kernel correctness tests, then every kernel benchmark.
+# One device call: real-size kernel correctness tests (tests/test_kernels*.py), then every kernel benchmark.
 # Run from the repo root on the GPU machine (image python3, no venv):  bash scripts/gpu_kernels.sh
 # Writes $OUT/{env.txt,tests.log,bench.log,bench.json}; prints the short table last.
 # Knobs: SUITES (add tune for the config sweep), BENCH_ARGS (e.g. --ms 1,4,16,64; with tune:
@@ -14,7 +14,7 @@ SUITES=${SUITES:-quantize,w4a16,moe,w4a4}
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 t0=$(date +%s)
 run_tests() {
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/test_kernels.py -q -x -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} > "$OUT/tests.log" 2>&1
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/test_kernels.py tests/test_kernels_w4a16.py -q -x -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} > "$OUT/tests.log" 2>&1
   echo "tests rc=$? $(( $(date +%s) - t0 )) s" >> "$OUT/tests.log"; touch "$OUT/tests.done"
 }
 if [ "${PARALLEL_TESTS:-0}" = 1 ]; then

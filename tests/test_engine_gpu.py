@@ -85,7 +85,7 @@ def test_static_tokens_match_eager_reference_greedy(recipe):
     assert same >= len(ref.response_ids) // 2, same
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "w4a4+rac50"])
+@pytest.mark.parametrize("recipe", ["bf16", "w4a16", "w4a4+rac50"])  # w4a16: the packed weights of kernels.w4a16
 def test_weight_sync_reaches_captured_graph(recipe):
     model = model_for(recipe)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=12, ignore_eos=True)

@@ -4,8 +4,10 @@
   (auto | triton | reference) is ``TrainConfig.kernels``, recorded in the run's ``config.yaml``.
 - ``nvfp4_quant.py``: NVFP4 quantize (1x16 / 16x16, per tensor / token / expert, linear or swizzled
   scales) and dequantize; bit-exact with ``quads.formats.nvfp4``.
+- ``w4a16.py``: the W4A16 GEMMs (dense and grouped MoE) over NVFP4 weights in a pre-shuffled packed
+  layout built at weight-sync time; the rollout's W4A16 layers call them on CUDA.
 - ``_common.py``: exact E4M3/E2M1/BF16 rounding and decoding helpers (jit), shared by the kernels.
 - ``tuning.py`` + ``tuning.json``: the launch configs, a data file the launchers read.
-- ``prototype/``: GEMM and fused-RAC kernels that only tests and benchmarks call so far (the base of
+- ``prototype/``: the W4A4 GEMM and fused-RAC kernels that only tests and benchmarks call so far (the base of
   the fast-kernel work); nothing in the product imports them.
 """

@@ -8,8 +8,9 @@ is set) and raises if Triton is missing; ``reference`` never uses Triton. The Tr
 imported on first use, so importing this module costs nothing without a GPU.
 
 The ops here are the ones the product path calls (NVFP4 quantize / dequantize). They are bit-exact
-with their references, so the backend never changes a quantized value. The GEMM and fused-RAC
-kernels that only tests and benchmarks call live in ``quads.prototype.kernels``.
+with their references, so the backend never changes a quantized value. The rollout's W4A16 GEMMs
+(``quads.kernels.w4a16``) are chosen by the quant layers under the same backend (``use_triton``); the
+W4A4 GEMM and fused-RAC kernels that only tests and benchmarks call live in ``quads.prototype.kernels``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ Weight operands (``WeightStore``):
   quantize each weight once. Writes through ``param.data`` bypass the counter: call ``refresh()``.
 - rollout side: the quantized weight (the ``NVFP4Tensor`` codes/scales and its dequantized copy in
   the recipe's ``weight_dtype``) is produced at sync time (``refresh()``) and used as is by every
-  forward; it is only recomputed if the parameter moves to another device.
+  forward; it is only recomputed if the parameter moves to another device. W4A16 (BF16 weights) on a
+  Triton device keeps no dequantized copy: the GEMMs read the packed 4-bit weight
+  (``quads.kernels.w4a16``, its layout built at sync time, in place on re-sync), and ``get()`` decodes
+  the operand from those bytes when asked (weight-sync fingerprints).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import functools
 import torch
 from torch import nn
 
+from quads.kernels import dispatch, w4a16
 from quads.model import moe
 from quads.quant import grouped, ops
 from quads.quant.linear import spec_linear
@@ -37,6 +41,7 @@ class WeightStore:
         self.w_q: torch.Tensor | None = None  # dequantized operand, [N, K] or [E, N, K]
         self.w_q32: torch.Tensor | None = None  # its fp32 copy for fp32 GEMMs (``get_f32``; rollout side)
         self.packed = None  # NVFP4Tensor for NVFP4 weights (codes, scales, global scales)
+        self.kernel: w4a16.W4A16Weight | None = None  # rollout W4A16: the packed GEMM's weight (no w_q)
         self.key: tuple | None = None
         self.n_quantize = 0  # how many times this weight was quantized (tests, benchmarks)
 
@@ -54,8 +59,18 @@ class WeightStore:
 
         On the rollout side the new operand is copied into the existing tensors when their shapes
         match, so a CUDA graph that captured them (the engine's decode step) reads the synced weights
-        with no re-capture.
+        with no re-capture. Returns the operand; None when only the packed W4A16 weight is kept.
         """
+        if self.packed_gemm():
+            q = ops.nvfp4_weight(self.param, self.spec, self.dtype)
+            new = w4a16.pack(q)
+            if self.kernel is None or not self.kernel.copy_(new):
+                self.kernel = new
+            self.packed, self.w_q, self.w_q32 = q, None, None
+            self.key = self._key()
+            self.n_quantize += 1
+            return None
+        self.kernel = None
         w_q, packed = ops.quantize_weight(self.param, self.spec, self.dtype)
         if self.side == "rollout" and _same_layout(self.w_q, w_q) and (packed is None) == (self.packed is None):
             self.w_q.copy_(w_q)
@@ -87,11 +102,33 @@ class WeightStore:
             self.w_q32 = w.float()
         return self.w_q32
 
+    def packed_gemm(self) -> bool:
+        """Whether this weight's GEMMs read the packed 4-bit weight (``quads.kernels.w4a16``): rollout
+        side, W4A16 with BF16 weights in the canonical NVFP4 mode, Triton kernels on its device."""
+        p = self.param
+        return (self.side == "rollout" and self.spec.act == "none" and self.spec.weight == "nvfp4"
+                and self.spec.nvfp4_mode == "te" and self.dtype == torch.bfloat16 and p.dtype == torch.bfloat16
+                and dispatch.use_triton(p))  # fmt: skip
+
+    def use_packed(self, x: torch.Tensor) -> bool:
+        """Whether a GEMM of activations ``x`` runs the packed W4A16 kernel (a packed weight is kept, x is
+        BF16, and the kernel backend runs Triton on x)."""
+        return self.kernel is not None and w4a16.supports(x) and dispatch.use_triton(x)
+
+    def get_packed(self) -> w4a16.W4A16Weight:
+        """The packed W4A16 weight (refreshed first if the parameter moved device)."""
+        if self.kernel is None or self.kernel.device != self.param.device:
+            self.refresh()
+        return self.kernel
+
     def get(self) -> torch.Tensor:
         if self.spec.weight == "none":
             return self.param.detach()
+        if self.kernel is not None:  # the operand, decoded from the bytes the packed GEMM reads
+            return w4a16.dequantize(self.get_packed())
         if self.w_q is None:
-            return self.refresh()
+            w_q = self.refresh()
+            return w_q if w_q is not None else w4a16.dequantize(self.kernel)
         if self.side == "trainer":
             if self._key() != self.key:
                 return self.refresh()
@@ -188,7 +225,11 @@ class QuantizedLinear(_QuantizedBase):
         self._setup(linear, spec, side, weight_dtype, groups=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._gemm("weight", None, x, self.stores["weight"].get())
+        store = self.stores["weight"]
+        if store.use_packed(x):
+            y = w4a16.gemm(x.reshape(-1, x.shape[-1]), store.get_packed()).reshape(*x.shape[:-1], -1)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        return self._gemm("weight", None, x, store.get())
 
 
 def expert_groups(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_experts: int,
@@ -268,6 +309,8 @@ class QuantizedExperts(_QuantizedBase):
                 and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.gate_up_proj.requires_grad)))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.stores["gate_up_proj"].use_packed(hidden_states):
+            return self.forward_static(hidden_states, top_k_index, top_k_weights)  # the packed W4A16 GEMMs
         slots = grouped.sort_slots(top_k_index, self.num_experts)  # read by both paths below
         if hidden_states.shape[0] and self._use_grouped(hidden_states):
             layout = grouped.expert_layout(top_k_index, top_k_weights, self.num_experts, slots)
@@ -294,7 +337,8 @@ class QuantizedExperts(_QuantizedBase):
 
         The slots are sorted on the device (``quads.model.moe.static_routes``). Unquantized
         activations: one grouped GEMM per projection over the sorted rows (``moe.grouped_mm``, the
-        same ``x @ Wop.T`` in ``x.dtype``). Quantized activations: the padded layout of
+        same ``x @ Wop.T`` in ``x.dtype``; W4A16 with a packed weight: ``w4a16.grouped_gemm``, the same
+        product read from the 4-bit weight). Quantized activations: the padded layout of
         ``quads.quant.grouped`` at the fixed capacity C = T (zero rows change no amax or residual
         norm, so every quantized operand is the loop's) and ``grouped_linear``. Outputs summed per
         token in ascending expert order, as the loop does.
@@ -309,6 +353,8 @@ class QuantizedExperts(_QuantizedBase):
         def gemm(name: str, a: torch.Tensor) -> torch.Tensor:
             store = self.stores[name]
             if self.spec.act == "none":
+                if store.use_packed(a):
+                    return w4a16.grouped_gemm(a, store.get_packed(), routes.ends)
                 return moe.grouped_mm(a, store.get(), routes)
             sel = self.selectors[name] if name in self.selectors else None
             order = observe = None

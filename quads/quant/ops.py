@@ -110,12 +110,17 @@ def quantize_weight(w: torch.Tensor, spec: LinearSpec, dtype: torch.dtype) -> tu
     w = w.detach()
     if spec.weight == "none":
         return w, None
-    wc = w.to(dtype)
     if spec.weight == "nvfp4":
-        check_k(w.shape[-1], "NVFP4 weight")
-        q = nvfp4_quantize_weight(wc, tile=spec.weight_tile, mode=spec.nvfp4_mode)
+        q = nvfp4_weight(w, spec, dtype)
         return nvfp4_dequantize(q, dtype), q
-    return fp8_weight_qdq(wc, spec.fp8_scheme), None
+    return fp8_weight_qdq(w.to(dtype), spec.fp8_scheme), None
+
+
+def nvfp4_weight(w: torch.Tensor, spec: LinearSpec, dtype: torch.dtype) -> nvfp4.NVFP4Tensor:
+    """The ``NVFP4Tensor`` of master ``w`` under an NVFP4-weight ``spec`` (cast to ``dtype`` first): the
+    codes and scales ``quantize_weight`` dequantizes (the rollout's packed W4A16 GEMM reads them)."""
+    check_k(w.shape[-1], "NVFP4 weight")
+    return nvfp4_quantize_weight(w.detach().to(dtype), tile=spec.weight_tile, mode=spec.nvfp4_mode)
 
 
 def act_qdq(x: torch.Tensor, spec: LinearSpec, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -65,7 +65,8 @@ def weights_key(model: torch.nn.Module) -> tuple:
     for m in model.modules():
         if isinstance(m, _QuantizedBase):
             for store in m.stores.values():
-                key += [None if t is None else t.data_ptr() for t in (store.w_q, store.w_q32)]
+                packed = store.kernel.tensors() if store.kernel is not None else ()
+                key += [None if t is None else t.data_ptr() for t in (store.w_q, store.w_q32, *packed)]
             key += [bool(getattr(sel, "observing", False)) for sel in m.selectors.values()]
     return tuple(key)
 

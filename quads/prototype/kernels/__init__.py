@@ -5,8 +5,8 @@ and the trainer emulate their GEMMs in PyTorch (``quads.quant``). They are kept,
 reference it matches and checked by ``tests/test_kernels.py`` (CPU interpreter and H200), because the
 fast kernels start from them and are measured against them (docs/PERF.md):
 
-- ``gemm.py``: the tile W4A16 GEMM (split-K), the grouped MoE W4A16 GEMM and the emulated W4A4 (+RAC)
-  GEMM, the verified versions measured in docs/PERF.md runs 4-6.
+- ``gemm.py``: the emulated W4A4 (+RAC) GEMM, the verified version measured in docs/PERF.md runs 4-6
+  (the W4A16 GEMMs moved to the product as ``quads.kernels.w4a16``).
 - ``rac.py``: fused RAC quantize (X, residual channel selection, residual), bit-exact with
   ``quads.quant.rac``.
 - ``linear.py``: the linear-layer entry points over them (Triton on CUDA, references elsewhere, under

@@ -1,13 +1,12 @@
-"""NVFP4 GEMMs for Hopper (Triton): weight-only W4A16, grouped MoE W4A16, emulated W4A4 (+RAC).
+"""Emulated W4A4 (+RAC) NVFP4 GEMM for Hopper (Triton); the W4A16 GEMMs are ``quads.kernels.w4a16``.
 
-Legend: ``M`` tokens, ``N`` out-features, ``K`` in-features, ``E`` experts.
+Legend: ``M`` tokens, ``N`` out-features, ``K`` in-features.
 
-Weights are NVFP4 ``[N, K]`` (``[E, N, K]`` grouped): packed codes ``[N, K/2]`` (low nibble = even k),
-e4m3 scales ``[N, K/16]`` (linear layout), FP32 decode scale ``gw`` (``[]``; ``[E, 1, 1]`` grouped).
-Each K tile of the weight is decoded in registers to ``e2m1 * s`` in BF16, which is exact (see
-``_common``), so the only rounding is the fp32 accumulation (tensor-core order) and the epilogue:
+Weights are NVFP4 ``[N, K]``: packed codes ``[N, K/2]`` (low nibble = even k), e4m3 scales ``[N, K/16]``
+(linear layout), FP32 decode scale ``gw`` (``[]``). Each K tile is decoded in registers to ``e2m1 * s``
+in BF16, which is exact (see ``_common``), so the only rounding is the fp32 accumulation (tensor-core
+order) and the epilogue:
 
-- W4A16: ``out = (x @ We.T) * gw`` with x BF16/FP16 ``[M, K]``.
 - W4A4:  ``out = (Xe @ We.T) * (gx * gw) [+ (Re @ We.T) * (gr * gw)]`` with Xe = e2m1 * s of the
   NVFP4 activation (decoded in registers too), gx its global scale (per tensor or per token), and
   for RAC the residual operand Re ``[M, K]`` BF16 = the quantized residual ``e2m1 * s_r`` scattered
@@ -18,9 +17,9 @@ Each K tile of the weight is decoded in registers to ``e2m1 * s`` in BF16, which
 Decode (small M) is weight-bandwidth bound: ``BLOCK_M = 16`` (the smallest tensor-core tile), small
 ``BLOCK_N`` and optional split-K so that a few hundred programs stream W. Split-K partials are added
 with fp32 atomics into a zeroed fp32 buffer (summation order then varies run to run, within the
-accumulation tolerance). Large M: ``linear.w4a16_linear`` falls back to dequantize + cuBLAS where that wins.
+accumulation tolerance).
 
-Every launcher has a ``*_reference`` twin with the same signature and the same arithmetic order
+The launcher has a ``*_reference`` twin with the same signature and the same arithmetic order
 (fp32 products of the exact decoded operands, then the epilogue scales).
 """
 
@@ -30,7 +29,6 @@ import torch
 
 from quads.formats import nvfp4
 from quads.formats.constants import NVFP4_BLOCK
-from quads.kernels import tuning
 from quads.kernels._common import HAS_TRITON, interpreted
 
 if HAS_TRITON:
@@ -77,62 +75,6 @@ if HAS_TRITON:
         s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (BLOCK_R, BLOCK_K // 16, 16)), (BLOCK_R, BLOCK_K))
         w = e2m1_times_scale(unpack_codes(p, BLOCK_R, BLOCK_K), s16)
         return w.to(tl.bfloat16)  # exact: e2m1 * s has at most 6 significant bits
-
-    @triton.jit
-    def _w4a16_gemm_kernel(
-        x_ptr, wc_ptr, ws_ptr, gw_ptr, out_ptr, M, N, K, stride_xm, stride_wc, stride_ws,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
-    ):  # fmt: skip
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(
-                x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                mask=(rm[:, None] < M) & (rk[None, :] < K),
-                other=0.0,
-            )
-            w = _decode_tile(wc_ptr, ws_ptr, rn, k0, N, K, BLOCK_N, BLOCK_K, stride_wc, stride_ws, DOT_F32)
-            acc = _dot(x.to(tl.bfloat16), tl.trans(w), acc, DOT_F32)
-        out = acc * tl.load(gw_ptr)
-        om = (rm[:, None] < M) & (rn[None, :] < N)
-        if SPLIT_K == 1:
-            tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(out, out_ptr), mask=om)
-        else:
-            tl.atomic_add(out_ptr + rm[:, None] * N + rn[None, :], out, mask=om)
-
-    @triton.jit
-    def _w4a16_grouped_gemm_kernel(
-        x_ptr, wc_ptr, ws_ptr, gw_ptr, offs_ptr, out_ptr, N, K, stride_xm, stride_wc, stride_ws,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    ):  # fmt: skip
-        """Tokens sorted by expert: rows offs[e]:offs[e+1] of x use expert e. Grid (N tiles, E)."""
-        pid_n = tl.program_id(0)
-        e = tl.program_id(1)
-        start = tl.load(offs_ptr + e)
-        end = tl.load(offs_ptr + e + 1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        wc_e = wc_ptr + e.to(tl.int64) * N * stride_wc
-        ws_e = ws_ptr + e.to(tl.int64) * N * stride_ws
-        g = tl.load(gw_ptr + e)
-        for m0 in range(start, end, BLOCK_M):  # experts without tokens read no weights
-            rm = m0 + tl.arange(0, BLOCK_M)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(
-                    x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                    mask=(rm[:, None] < end) & (rk[None, :] < K),
-                    other=0.0,
-                )
-                w = _decode_tile(wc_e, ws_e, rn, k0, N, K, BLOCK_N, BLOCK_K, stride_wc, stride_ws, DOT_F32)
-                acc = _dot(x.to(tl.bfloat16), tl.trans(w), acc, DOT_F32)
-            om = (rm[:, None] < end) & (rn[None, :] < N)
-            tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(acc * g, out_ptr), mask=om)
 
     @triton.jit
     def _w4a4_gemm_kernel(
@@ -219,129 +161,6 @@ def _grid_split(m: int, n: int, k: int, block_n: int, block_k: int, split_k: int
     while tiles * split < 264 and k // (block_k * split * 2) >= 4:  # ~2 programs per SM (132 SMs)
         split *= 2
     return split
-
-
-# ------------------------------------------------------------------------------------------ W4A16
-
-
-def _cfg(kernel: str, case: str, **explicit) -> dict:
-    """The tuned launch config of ``kernel`` for ``case``, with the caller's explicit values on top."""
-    cfg = tuning.config(kernel, case)
-    cfg.update({k: v for k, v in explicit.items() if v is not None})
-    return cfg
-
-
-def m_bucket(m: int) -> int:
-    """The W4A16 tuning bucket of ``m`` tokens: 1, 4, 16, 32 or 64 (the smallest not below m)."""
-    for b in (1, 4, 16, 32):
-        if m <= b:
-            return b
-    return 64
-
-
-def w4a16_gemm(
-    x: torch.Tensor,
-    w: nvfp4.NVFP4Tensor,
-    *,
-    out_dtype: torch.dtype | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    split_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-) -> torch.Tensor:
-    """``x`` ``[M, K]`` BF16 x NVFP4 ``w`` ``[N, K]`` -> ``[M, N]`` = ``(x @ We.T) * gw`` (fp32 accumulate).
-
-    Launch config: ``tuning.json`` entry ``w4a16_gemm.n{N}_k{K}_m{bucket}`` if there is one, else
-    ``w4a16_gemm.m{bucket}`` (``m_bucket``); explicit arguments override it. ``split_k`` None (in the
-    call or the table) picks a split from the grid size; 0 means the same."""
-    _require_triton()
-    m, k = x.shape
-    _check_weight(w, k, "w4a16_gemm")
-    n = w.codes.shape[0]
-    out_dtype = out_dtype or x.dtype
-    mb = m_bucket(m)
-    shape_case = f"n{n}_k{k}_m{mb}"
-    case = shape_case if shape_case in tuning.table()["w4a16_gemm"] else f"m{mb}"
-    d = _cfg("w4a16_gemm", case, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
-    block_n = d["block_n"]
-    block_k = min(d["block_k"], max(16, triton.next_power_of_2(k)))
-    split_k = (split_k if split_k is not None else d["split_k"]) or None
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    split = _grid_split(m, n, k, block_n, block_k, split_k)
-    if split > 1:
-        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty(m, n, dtype=out_dtype, device=x.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
-    gw = w.global_scale.float().reshape(1)
-    _w4a16_gemm_kernel[grid](
-        x, w.codes, w.scales.view(torch.uint8), gw, out, m, n, k, x.stride(0), k // 2, k // NVFP4_BLOCK,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, DOT_F32=interpreted(x),
-        num_warps=d["num_warps"], num_stages=d["num_stages"],
-    )  # fmt: skip
-    return out if out.dtype == out_dtype else out.to(out_dtype)
-
-
-def w4a16_gemm_reference(x: torch.Tensor, w: nvfp4.NVFP4Tensor, *, out_dtype: torch.dtype | None = None, **_):
-    """``(x.float() @ We.T) * gw`` with ``We = e2m1 * s`` exact; same order as the kernel."""
-    out = (x.float() @ decoded(w).T) * w.global_scale.float()
-    return out.to(out_dtype or x.dtype)
-
-
-# At or below this many routed rows the grouped GEMM takes the "decode" launch config of tuning.json.
-GROUPED_DECODE_ROWS = 16
-
-
-def w4a16_grouped_gemm(
-    x: torch.Tensor,
-    w: nvfp4.NVFP4Tensor,
-    offsets: torch.Tensor,
-    *,
-    out_dtype: torch.dtype | None = None,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-) -> torch.Tensor:
-    """Grouped MoE W4A16: ``x`` ``[T, K]`` sorted by expert, ``w`` ``[E, N, K]``, ``offsets`` ``[E+1]``
-    int32 (rows ``offsets[e]:offsets[e+1]`` use expert e) -> ``[T, N]``.
-
-    Launch config: ``tuning.json`` entry ``w4a16_grouped_gemm.decode`` at <= ``GROUPED_DECODE_ROWS``
-    routed rows, else ``.prefill``; explicit arguments override it."""
-    _require_triton()
-    t, k = x.shape
-    _check_weight(w, k, "w4a16_grouped_gemm")
-    e, n = w.codes.shape[0], w.codes.shape[1]
-    if offsets.numel() != e + 1:
-        raise ValueError(f"offsets must have E+1 = {e + 1} entries, got {offsets.numel()}")
-    case = "decode" if t <= GROUPED_DECODE_ROWS else "prefill"
-    d = _cfg("w4a16_grouped_gemm", case, block_n=block_n, block_k=block_k, num_warps=num_warps,
-             num_stages=num_stages)  # fmt: skip
-    out_dtype = out_dtype or x.dtype
-    gw = w.global_scale.float().reshape(-1).expand(e).contiguous()
-    out = torch.empty(t, n, dtype=out_dtype, device=x.device)
-    _w4a16_grouped_gemm_kernel[(triton.cdiv(n, d["block_n"]), e)](
-        x, w.codes, w.scales.view(torch.uint8), gw, offsets.to(torch.int32), out, n, k, x.stride(0), k // 2,
-        k // NVFP4_BLOCK, BLOCK_M=block_m or 16, BLOCK_N=d["block_n"],
-        BLOCK_K=min(d["block_k"], max(16, triton.next_power_of_2(k))), DOT_F32=interpreted(x),
-        num_warps=d["num_warps"], num_stages=d["num_stages"],
-    )  # fmt: skip
-    return out
-
-
-def w4a16_grouped_gemm_reference(x, w, offsets, *, out_dtype=None, **_):
-    """Per expert ``(x_e.float() @ We_e.T) * gw_e``, same order as the kernel."""
-    out = torch.empty(x.shape[0], w.codes.shape[1], dtype=out_dtype or x.dtype, device=x.device)
-    we = decoded(w)
-    gw = w.global_scale.float().reshape(-1).expand(w.codes.shape[0])
-    offs = offsets.tolist()
-    for e in range(w.codes.shape[0]):
-        a, b = offs[e], offs[e + 1]
-        if b > a:
-            out[a:b] = ((x[a:b].float() @ we[e].T) * gw[e]).to(out.dtype)
-    return out
 
 
 # ------------------------------------------------------------------------------------------- W4A4

@@ -1,0 +1,534 @@
+"""W4A16 GEMMs over NVFP4 weights in a pre-shuffled packed layout (Triton), beside their references.
+
+The rollout's weights are quantized once per weight sync, so they are stored in the order the GEMM's
+inner loop reads them (``pack``, once per sync; ``unpack`` gives the canonical ``NVFP4Tensor`` back,
+byte for byte). Layout of a weight ``[N, K]`` (an expert stack ``[E, N, K]`` has E of them), with K
+padded to ``Kp``, a multiple of ``LAYOUT_K`` = 64 (zero codes and scales):
+
+- ``codes`` int32 ``[(E,) Kp/64, N, 8]``: row n's 64 codes of K tile t are 8 words, element
+  ``64 t + 8 j + i`` in bits ``4i..4i+3`` of word j (the canonical nibble order read as little-endian
+  words); the words of one K tile of consecutive rows are contiguous, so a ``[BLOCK_N, BLOCK_K]`` tile
+  is ``BLOCK_K / 64`` contiguous runs of ``BLOCK_N * 32`` bytes (128-bit loads, 8 codes per word).
+- ``scales`` int32 ``[(E,) Kp/64, N]``: the 4 E4M3 block scales of row n in K tile t, block j in byte j.
+- ``global_scale`` fp32 ``[E]`` (``[1]`` for a single weight): the FP32 decode scale S_dec.
+
+The weight the kernels multiply is ``bf16(fp32(e2m1 * s) * S_dec)``, the value of
+``quads.formats.nvfp4.dequantize(q, torch.bfloat16)`` bit for bit: ``e2m1 * s`` is exact in fp32
+(E2M1 by bits into fp16 halves, two codes per int32, ``_e2m1_pair``), the product with S_dec is the
+reference's one fp32 rounding, and the cast to BF16 rounds to nearest even. Products with the BF16 activations are
+accumulated in fp32 on the tensor cores (``tl.dot``), so a GEMM equals ``x @ dequantize(q, bf16).T`` up
+to fp32 summation order; the output is cast (RNE) to ``x.dtype``.
+
+- ``gemm(x [M, K], w) -> [M, N]``: tiles of ``BLOCK_N`` output features, split-K over the K tiles at
+  small M so that every SM streams weights; split partials go to an fp32 workspace and are summed in
+  a fixed order by a second kernel (deterministic: the same call gives the same bits every time).
+- ``grouped_gemm(x [T, K], w [E, N, K], ends [E] int32) -> [T, N]``: rows sorted by expert, rows
+  ``ends[e-1]:ends[e]`` use expert e (``torch._grouped_mm``'s offsets, read on the device: no host sync,
+  no data-dependent shape, so it can be captured in a CUDA graph); experts without rows read no
+  weights; rows past ``ends[E-1]`` (masked slots) are written as zeros; split-K when few experts have
+  rows (decided from the shapes only).
+- Many rows (prefill; ``tuning.json`` ``w4a16_dispatch``): cuBLAS / ``torch._grouped_mm`` over the BF16
+  weight decoded by the same decode (``dequantize_bf16``), where decoding once beats decoding per row
+  tile.
+
+Launch configs come from ``tuning.json`` (``w4a16_gemm``, ``w4a16_grouped_gemm``); explicit arguments
+override them. ``dequantize``, ``gemm_reference`` and ``grouped_gemm_reference`` are the pure-PyTorch
+twins the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quads.formats import nvfp4
+from quads.formats.constants import NVFP4_BLOCK
+from quads.kernels import tuning
+from quads.kernels._common import HAS_TRITON, interpreted
+
+LAYOUT_K = 64  # K elements per layout tile: 8 code words and 1 scale word per row
+# the grouped GEMM takes the "decode" launch config at <= this many routed rows per expert (on average)
+GROUPED_DECODE_ROWS = 16
+SMS = 132  # H200 streaming multiprocessors, for the split-K heuristics (programs per SM)
+
+
+@dataclass
+class W4A16Weight:
+    """An NVFP4 weight in the kernels' packed layout (module docstring)."""
+
+    codes: torch.Tensor  # int32 [(E,) Kp/64, N, 8]
+    scales: torch.Tensor  # int32 [(E,) Kp/64, N]
+    global_scale: torch.Tensor  # float32 [E] or [1]
+    n: int  # output features
+    k: int  # input features (before padding)
+    experts: int | None  # E for an expert stack, None for one weight
+    dtype: torch.dtype = torch.bfloat16  # the NVFP4Tensor's metadata, kept for unpack
+    tile: tuple[int, int] = (1, 16)
+    mode: str = "te"
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.scales, self.global_scale
+
+    def copy_(self, other: W4A16Weight) -> bool:
+        """Copy ``other`` into these tensors in place (a captured CUDA graph keeps reading them);
+        False (nothing copied) when the layouts differ."""
+        if (other.n, other.k, other.experts) != (self.n, self.k, self.experts) or any(
+            a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+            for a, b in zip(self.tensors(), other.tensors())
+        ):
+            return False
+        for a, b in zip(self.tensors(), other.tensors()):
+            a.copy_(b)
+        return True
+
+
+def _padded_k(k: int) -> int:
+    return -(-k // LAYOUT_K) * LAYOUT_K
+
+
+def pack(q: nvfp4.NVFP4Tensor) -> W4A16Weight:
+    """The packed layout of an NVFP4 weight ``[N, K]`` (one global scale) or expert stack ``[E, N, K]``
+    (one global scale per expert) with linear ``[.., N, K/16]`` scales."""
+    codes, scales = q.codes, q.scales
+    if codes.dim() not in (2, 3) or codes.dtype != torch.uint8:
+        raise ValueError(f"w4a16.pack: expects packed uint8 codes [N, K/2] or [E, N, K/2], got "
+                         f"{codes.dtype} {tuple(codes.shape)}")  # fmt: skip
+    k = codes.shape[-1] * 2
+    if tuple(scales.shape) != (*codes.shape[:-1], k // NVFP4_BLOCK):
+        raise ValueError(f"w4a16.pack: needs linear scales {(*codes.shape[:-1], k // NVFP4_BLOCK)}, got "
+                         f"{tuple(scales.shape)}; unswizzle them first (nvfp4.unswizzle_scales)")  # fmt: skip
+    experts = codes.shape[0] if codes.dim() == 3 else None
+    ng = 1 if experts is None else experts
+    if q.global_scale.numel() != ng:
+        raise ValueError(f"w4a16.pack: needs one global scale per weight ({ng}), got shape "
+                         f"{tuple(q.global_scale.shape)}; per-token scales are for activations")  # fmt: skip
+    g = q.global_scale.float().reshape(ng).contiguous()
+    n, kp = codes.shape[-2], _padded_k(k)
+    c = codes.contiguous()
+    s = scales.view(torch.uint8).contiguous()
+    if kp != k:
+        c = torch.nn.functional.pad(c, (0, (kp - k) // 2))
+        s = torch.nn.functional.pad(s, (0, (kp - k) // NVFP4_BLOCK))
+    lead = c.shape[:-2]
+    cw = c.view(torch.int32).reshape(*lead, n, kp // LAYOUT_K, 8).transpose(-3, -2).contiguous()
+    sw = s.view(torch.int32).reshape(*lead, n, kp // LAYOUT_K).transpose(-2, -1).contiguous()
+    return W4A16Weight(codes=cw, scales=sw, global_scale=g, n=n, k=k, experts=experts, dtype=q.dtype,
+                       tile=tuple(q.tile), mode=q.mode)  # fmt: skip
+
+
+def unpack(w: W4A16Weight) -> nvfp4.NVFP4Tensor:
+    """The canonical ``NVFP4Tensor`` of a packed weight (byte for byte what ``pack`` was given; global
+    scale ``[]`` for one weight, ``[E, 1, 1]`` for a stack)."""
+    lead = w.codes.shape[:-3]
+    codes = w.codes.transpose(-3, -2).contiguous().view(torch.uint8).reshape(*lead, w.n, -1)[..., : w.k // 2]
+    scales = w.scales.transpose(-2, -1).contiguous().view(torch.uint8).reshape(*lead, w.n, -1)
+    scales = scales[..., : w.k // NVFP4_BLOCK].contiguous().view(torch.float8_e4m3fn)
+    g = w.global_scale.reshape(()) if w.experts is None else w.global_scale.reshape(-1, 1, 1)
+    shape = torch.Size((*lead, w.n, w.k))
+    return nvfp4.NVFP4Tensor(codes=codes.contiguous(), scales=scales, global_scale=g.clone(), shape=shape,
+                             dtype=w.dtype, tile=w.tile, mode=w.mode)  # fmt: skip
+
+
+def dequantize(w: W4A16Weight) -> torch.Tensor:
+    """The BF16 weight ``[(E,) N, K]`` the kernels multiply, decoded from the packed layout in PyTorch:
+    ``bf16(fp32(e2m1 * s) * S_dec)``, equal to ``nvfp4.dequantize(unpack(w), torch.bfloat16)``."""
+    lead = w.codes.shape[:-3]
+    kt = w.codes.shape[-3]
+    shifts = torch.arange(0, 32, 4, device=w.device, dtype=torch.int32)
+    c = (w.codes[..., None] >> shifts) & 0xF  # [.., Kp/64, N, 8, 8]: word j, nibble i -> 64 t + 8 j + i
+    vals = nvfp4.e2m1_values(c.to(torch.uint8))
+    sb = (w.scales[..., None] >> torch.arange(0, 32, 8, device=w.device, dtype=torch.int32)) & 0xFF
+    s = sb.to(torch.uint8).view(torch.float8_e4m3fn).float()  # [.., Kp/64, N, 4]
+    blk = vals.reshape(*lead, kt, w.n, 4, NVFP4_BLOCK) * s[..., None]  # exact
+    g = w.global_scale.reshape(-1, 1, 1, 1, 1) if w.experts is not None else w.global_scale.reshape(1, 1, 1, 1)
+    out = (blk * g).to(torch.bfloat16)  # the reference's one fp32 rounding, then RNE to BF16
+    out = out.reshape(*lead, kt, w.n, LAYOUT_K).movedim(-3, -2).reshape(*lead, w.n, kt * LAYOUT_K)
+    return out[..., : w.k].contiguous()
+
+
+def gemm_reference(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
+    """``x @ dequantize(w).T`` with fp32 accumulation, in ``x.dtype`` (what ``gemm`` computes)."""
+    return (x.float() @ dequantize(w).float().T).to(x.dtype)
+
+
+def grouped_gemm_reference(x: torch.Tensor, w: W4A16Weight, ends: torch.Tensor) -> torch.Tensor:
+    """Per expert ``x_e @ We_e.T`` (fp32 accumulation) over the sorted rows, zeros past ``ends[-1]``."""
+    out = torch.zeros(x.shape[0], w.n, dtype=x.dtype, device=x.device)
+    we = dequantize(w).float()
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = (x[start:end].float() @ we[e].T).to(x.dtype)
+        start = max(start, end)
+    return out
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the kernels take activations ``x`` (BF16; the reference path covers everything else)."""
+    return x.dtype == torch.bfloat16
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from quads.kernels._common import cast_out, e4m3_to_f32_hw, f32_to_bf16_rne
+
+    @triton.jit
+    def _dot(a, b, acc, INTERP: tl.constexpr):
+        """acc += a @ b of BF16 operands; the interpreter (whose BF16 dot is wrong) multiplies the same
+        values as fp32 in IEEE precision."""
+        if INTERP:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _e2m1_pair(t):
+        """int32 ``t`` -> the fp32 values ``e2m1 * 2**-14`` of its nibbles at bits 0-3 and 16-19 (exact)."""
+        h = ((t & 0x70007) << 9) | ((t & 0x80008) << 12)
+        lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def _decode(c_ptr, s_ptr, g, rn, k0, N, K, KT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+        """Rows ``rn`` x columns [k0, k0 + BLOCK_K) of the weight -> BF16 [BLOCK_N, BLOCK_K] =
+        bf16(fp32(e2m1 * s) * g). ``KT`` = Kp / 64 layout tiles; ``k0`` a multiple of 64."""
+        NW: tl.constexpr = BLOCK_K // 8  # code words per row
+        NS: tl.constexpr = BLOCK_K // 64  # scale words per row
+        nmask = rn < N
+        j = tl.arange(0, NW)
+        t = k0 // 64 + j // 8
+        cmask = nmask[:, None]
+        if not EVEN_K:
+            cmask = cmask & (t < KT)[None, :]
+        words = tl.load(c_ptr + t[None, :] * (N * 8) + rn[:, None] * 8 + (j % 8)[None, :], mask=cmask, other=0)
+        ts = k0 // 64 + tl.arange(0, NS)
+        smask = nmask[:, None]
+        if not EVEN_K:
+            smask = smask & (ts < KT)[None, :]
+        sw = tl.load(s_ptr + ts[None, :] * N + rn[:, None], mask=smask, other=0)
+        # 4 scale bytes per word -> [BLOCK_N, BLOCK_K / 16] in block order (join tree: see pack's layout)
+        sb = tl.join(tl.join(sw & 0xFF, (sw >> 16) & 0xFF), tl.join((sw >> 8) & 0xFF, (sw >> 24) & 0xFF))
+        s16 = e4m3_to_f32_hw(tl.reshape(sb, (BLOCK_N, BLOCK_K // 16)), INTERP) * 16384.0
+        # 8 codes per word -> [BLOCK_N, BLOCK_K] in K order. Nibbles q and q + 4 at once: one int32
+        # holds the fp16 bits of both (low / high half), each E2M1 by bits: e2m1 * 2**-14 exactly (the
+        # magnitude bits to the fp16 exponent and top mantissa bit, code 1 on the subnormal 2**-15); the
+        # nested joins put nibble i at position i.
+        e0, e4 = _e2m1_pair(words)
+        e1, e5 = _e2m1_pair(words >> 4)
+        e2, e6 = _e2m1_pair(words >> 8)
+        e3, e7 = _e2m1_pair(words >> 12)
+        e = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
+        e = tl.reshape(e, (BLOCK_N, BLOCK_K // 16, 16))
+        # e2m1 * s exact (2 + 4 significant bits), times S_dec: the reference's one rounding
+        v = tl.reshape((e * s16[:, :, None]) * g, (BLOCK_N, BLOCK_K))
+        if not EVEN_K:
+            v = tl.where((k0 + tl.arange(0, BLOCK_K) < K)[None, :], v, 0.0)
+        if INTERP:
+            return f32_to_bf16_rne(v)  # the interpreter's cast truncates
+        else:
+            return v.to(tl.bfloat16)  # cvt.rn: round to nearest even
+
+    @triton.jit
+    def _gemm_kernel(
+        x_ptr, c_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, M, N, K, KT, stride_xm,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        EVEN_K: tl.constexpr, INTERP: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (N tiles, M tiles, SPLIT_K): split s runs a contiguous range of the K tiles."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        g = tl.load(g_ptr)
+        n_tiles = tl.cdiv(K, BLOCK_K)
+        per = tl.cdiv(n_tiles, SPLIT_K)
+        lo = pid_k * per
+        hi = tl.minimum(lo + per, n_tiles)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for kt in range(lo, hi):
+            k0 = kt * BLOCK_K
+            rk = k0 + tl.arange(0, BLOCK_K)
+            xm = rm[:, None] < M
+            if not EVEN_K:
+                xm = xm & (rk[None, :] < K)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0)
+            w = _decode(c_ptr, s_ptr, g, rn, k0, N, K, KT, BLOCK_N, BLOCK_K, EVEN_K, INTERP)
+            acc = _dot(x.to(tl.bfloat16), tl.trans(w), acc, INTERP)
+        om = (rm[:, None] < M) & (rn[None, :] < N)
+        if SPLIT_K == 1:
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(acc, out_ptr), mask=om)
+        else:
+            tl.store(ws_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=om)
+
+    @triton.jit
+    def _split_sum_kernel(ws_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+        """out = sum over s = 0..SPLIT_K-1 of ws[s] (this order), cast to out's dtype."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < MN
+        acc = tl.load(ws_ptr + i, mask=m, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(ws_ptr + s * MN + i, mask=m, other=0.0)
+        tl.store(out_ptr + i, cast_out(acc, out_ptr), mask=m)
+
+    @triton.jit
+    def _grouped_kernel(
+        x_ptr, c_ptr, s_ptr, g_ptr, ends_ptr, out_ptr, ws_ptr, T, N, K, KT, E, stride_xm,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        EVEN_K: tl.constexpr, INTERP: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (N tiles, E + 1, SPLIT_K): program e < E runs the rows of expert e (split s: a contiguous
+        range of the K tiles, into ``ws[s]``), program E writes zeros to the rows past ``ends[E-1]``."""
+        pid_n = tl.program_id(0)
+        e = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        if SPLIT_K == 1:
+            dst = out_ptr
+        else:
+            dst = ws_ptr + pid_k.to(tl.int64) * T * N
+        if e == E:
+            for m0 in range(start, T, BLOCK_M):
+                rm = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
+                z = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                om = (rm[:, None] < T) & (rn[None, :] < N)
+                tl.store(dst + rm[:, None] * N + rn[None, :], z.to(dst.dtype.element_ty), mask=om)
+        else:
+            end = tl.load(ends_ptr + e)
+            ce = c_ptr + e.to(tl.int64) * KT * N * 8
+            se = s_ptr + e.to(tl.int64) * KT * N
+            g = tl.load(g_ptr + e)
+            n_tiles = tl.cdiv(K, BLOCK_K)
+            per = tl.cdiv(n_tiles, SPLIT_K)
+            lo = pid_k * per
+            hi = tl.minimum(lo + per, n_tiles)
+            for m0 in range(start, end, BLOCK_M):  # experts without rows read no weights
+                rm = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                for kt in range(lo, hi):
+                    k0 = kt * BLOCK_K
+                    rk = k0 + tl.arange(0, BLOCK_K)
+                    xm = rm[:, None] < end
+                    if not EVEN_K:
+                        xm = xm & (rk[None, :] < K)
+                    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0)
+                    w = _decode(ce, se, g, rn, k0, N, K, KT, BLOCK_N, BLOCK_K, EVEN_K, INTERP)
+                    acc = _dot(x.to(tl.bfloat16), tl.trans(w), acc, INTERP)
+                om = (rm[:, None] < end) & (rn[None, :] < N)
+                if SPLIT_K == 1:
+                    tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(acc, out_ptr), mask=om)
+                else:
+                    tl.store(dst + rm[:, None] * N + rn[None, :], acc, mask=om)
+
+
+    @triton.jit
+    def _dequantize_kernel(c_ptr, s_ptr, g_ptr, out_ptr, N, K, KT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           EVEN_K: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+        """Grid (N tiles, K tiles, E): the BF16 weight [E?, N, K] the GEMMs multiply (``_decode``)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        e = tl.program_id(2).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = pid_k * BLOCK_K
+        rk = k0 + tl.arange(0, BLOCK_K)
+        w = _decode(c_ptr + e * KT * N * 8, s_ptr + e * KT * N, tl.load(g_ptr + e), rn, k0, N, K, KT, BLOCK_N,
+                    BLOCK_K, EVEN_K, INTERP)  # fmt: skip
+        om = (rn[:, None] < N) & (rk[None, :] < K)
+        tl.store(out_ptr + e * N * K + rn[:, None].to(tl.int64) * K + rk[None, :], w, mask=om)
+
+
+def _require_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed; use w4a16.gemm_reference / grouped_gemm_reference "
+                           "(or kernel backend 'reference')")  # fmt: skip
+
+
+def _check_x(x: torch.Tensor, w: W4A16Weight, what: str, experts: bool) -> None:
+    if (w.experts is not None) != experts:
+        raise ValueError(f"{what}: needs {'an expert stack [E, N, K]' if experts else 'one weight [N, K]'}, "
+                         f"got a packed weight with experts={w.experts}")  # fmt: skip
+    if x.dim() != 2 or x.shape[1] != w.k:
+        raise ValueError(f"{what}: activations must be [rows, K={w.k}], got {tuple(x.shape)}")
+    if not supports(x):
+        raise ValueError(f"{what}: activations must be bfloat16, got {x.dtype}; use the reference")
+    if x.device != w.device:
+        raise ValueError(f"{what}: activations on {x.device}, weight on {w.device}")
+
+
+def _cfg(kernel: str, case: str, **explicit) -> dict:
+    """The launch config of ``kernel`` for ``case`` in tuning.json, with explicit values on top."""
+    cfg = tuning.config(kernel, case)
+    cfg.update({k: v for k, v in explicit.items() if v is not None})
+    if cfg["block_k"] % LAYOUT_K:
+        raise ValueError(f"{kernel}: block_k must be a multiple of {LAYOUT_K}, got {cfg['block_k']}")
+    return cfg
+
+
+def m_bucket(m: int) -> str:
+    """The ``w4a16_gemm`` tuning case of ``m`` rows: m1, m4, m16, m32, m64 (the smallest not below m) or
+    large."""
+    for b in (1, 4, 16, 32, 64):
+        if m <= b:
+            return f"m{b}"
+    return "large"
+
+
+def split_for(m: int, n: int, k: int, block_n: int, block_k: int) -> int:
+    """A split-K for ``m`` rows: powers of two while fewer programs than SMs and each split keeps
+    at least 4 K tiles."""
+    if m > 64:
+        return 1
+    tiles = -(-n // block_n)
+    split = 1
+    while tiles * split < SMS and -(-k // block_k) // (split * 2) >= 4:
+        split *= 2
+    return split
+
+
+def gemm(
+    x: torch.Tensor,
+    w: W4A16Weight,
+    *,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    split_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    fused_max_m: int | None = None,
+) -> torch.Tensor:
+    """``x`` ``[M, K]`` BF16 x packed weight ``[N, K]`` -> ``[M, N]`` BF16 (module docstring).
+
+    Above ``fused_max_m`` rows (``tuning.json`` ``w4a16_dispatch.dense``) the product is cuBLAS over
+    the BF16 weight decoded by ``dequantize_bf16`` (many rows: compute bound, where decoding each weight
+    tile once per row tile costs more than one decode pass). Launch config of the fused kernel:
+    ``w4a16_gemm.n{N}_k{K}_{bucket}`` if present, else ``w4a16_gemm.{bucket}`` (``m_bucket``); explicit
+    arguments override it. ``split_k`` None or 0 (in the call or the table) picks one with ``split_for``."""
+    _require_triton()
+    _check_x(x, w, "w4a16.gemm", experts=False)
+    x = x.contiguous()
+    m, k, n = x.shape[0], w.k, w.n
+    if m > (fused_max_m if fused_max_m is not None else tuning.config("w4a16_dispatch", "dense")["fused_max_m"]):
+        return x @ dequantize_bf16(w).T
+    mb = m_bucket(m)
+    case = f"n{n}_k{k}_{mb}" if f"n{n}_k{k}_{mb}" in tuning.table()["w4a16_gemm"] else mb
+    d = _cfg("w4a16_gemm", case, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    bn, bk = d["block_n"], min(d["block_k"], _padded_k(k))
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    split = (split_k if split_k is not None else d["split_k"]) or split_for(m, n, k, bn, bk)
+    split = max(1, min(split, -(-k // bk)))
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    if m == 0:
+        return out
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    _gemm_kernel[grid](
+        x, w.codes, w.scales, w.global_scale, out, ws, m, n, k, w.codes.shape[-3], x.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=k % bk == 0, INTERP=interpreted(x),
+        num_warps=d["num_warps"], num_stages=d["num_stages"],
+    )  # fmt: skip
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](ws, out, m * n, SPLIT_K=split, BLOCK=block, num_warps=4)
+    return out
+
+
+def grouped_block_m(rows: int, experts: int) -> int:
+    """Rows per M tile of the grouped kernel when the table says null: twice the mean rows per expert
+    (so that most experts fit one tile and decode each weight tile once), a power of two in [16, 64]."""
+    mean = -(-rows // max(experts, 1))
+    return min(64, max(16, triton.next_power_of_2(2 * mean)))
+
+
+def grouped_split_for(rows: int, experts: int, n: int, k: int, block_n: int, block_k: int) -> int:
+    """A split-K for the grouped kernel: powers of two while the programs that can have rows
+    (``min(E, rows)`` experts x N tiles) are fewer than 4 per SM, each split keeps at least 2 K tiles, and
+    the fp32 partials (``split x rows x N x 4`` bytes, written and read once) stay under 1/8 of the
+    weight bytes those experts read."""
+    active = min(experts, rows)
+    wbytes = active * n * k * 9 // 16
+    split = 1
+    while (active * -(-n // block_n) * split < 4 * SMS and -(-k // block_k) // (split * 2) >= 2
+           and 2 * split * rows * n * 4 * 8 <= wbytes):  # fmt: skip
+        split *= 2
+    return split
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    w: W4A16Weight,
+    ends: torch.Tensor,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    split_k: int | None = None,
+    fused_max_rows_per_expert: int | None = None,
+) -> torch.Tensor:
+    """Grouped MoE W4A16 (module docstring): ``x`` ``[T, K]`` BF16 sorted by expert, packed ``w``
+    ``[E, N, K]``, ``ends`` ``[E]`` int32 on the device -> ``[T, N]`` BF16.
+
+    Above ``fused_max_rows_per_expert`` rows per expert on average (``tuning.json``
+    ``w4a16_dispatch.grouped``; prefill) the product is ``torch._grouped_mm`` over the BF16 stack
+    decoded by ``dequantize_bf16``, with the rows past ``ends[E-1]`` zeroed.
+
+    Launch config: ``tuning.json`` ``w4a16_grouped_gemm.decode`` at <= ``GROUPED_DECODE_ROWS`` rows per
+    expert on average (``T <= 16 E``), else ``.prefill``; explicit arguments override it; ``block_m``
+    null picks ``grouped_block_m``, ``split_k`` null (or 0) ``grouped_split_for``."""
+    _require_triton()
+    _check_x(x, w, "w4a16.grouped_gemm", experts=True)
+    e = w.experts
+    if ends.shape != (e,) or ends.dtype != torch.int32 or ends.device != x.device:
+        raise ValueError(f"w4a16.grouped_gemm: ends must be int32 [E={e}] on {x.device} (cumulative rows per "
+                         f"expert), got {ends.dtype} {tuple(ends.shape)} on {ends.device}")  # fmt: skip
+    x = x.contiguous()
+    t, k, n = x.shape[0], w.k, w.n
+    case = "decode" if t <= GROUPED_DECODE_ROWS * e else "prefill"
+    d = _cfg("w4a16_grouped_gemm", case, block_m=block_m, block_n=block_n, block_k=block_k,
+             num_warps=num_warps, num_stages=num_stages, split_k=split_k)  # fmt: skip
+    rpe = fused_max_rows_per_expert
+    if t > e * (rpe if rpe is not None else tuning.config("w4a16_dispatch", "grouped")["fused_max_rows_per_expert"]):
+        y = torch._grouped_mm(x, dequantize_bf16(w).transpose(-2, -1), offs=ends)
+        rows = torch.arange(t, device=x.device)
+        return torch.where((rows < ends[-1])[:, None], y, 0.0)  # rows past the last offset are not written
+    bk = min(d["block_k"], _padded_k(k))
+    bm = d["block_m"] or grouped_block_m(t, e)
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    bn = d["block_n"]
+    split = max(1, min(d["split_k"] or grouped_split_for(t, e, n, k, bn, bk), -(-k // bk)))
+    ws = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    _grouped_kernel[(triton.cdiv(n, bn), e + 1, split)](
+        x, w.codes, w.scales, w.global_scale, ends, out, ws, t, n, k, w.codes.shape[-3], e, x.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, BLOCK_K=bk, EVEN_K=k % bk == 0, INTERP=interpreted(x),
+        num_warps=d["num_warps"], num_stages=d["num_stages"],
+    )  # fmt: skip
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(t * n, block),)](ws, out, t * n, SPLIT_K=split, BLOCK=block, num_warps=4)
+    return out
+
+
+def dequantize_bf16(w: W4A16Weight, *, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
+    """``dequantize(w)`` by the GEMMs' own decode (Triton): the BF16 weight ``[(E,) N, K]``, bit for bit."""
+    _require_triton()
+    e = w.experts or 1
+    out = torch.empty(*(() if w.experts is None else (e,)), w.n, w.k, dtype=torch.bfloat16, device=w.device)
+    bk = min(block_k, _padded_k(w.k))
+    _dequantize_kernel[(triton.cdiv(w.n, block_n), triton.cdiv(w.k, bk), e)](
+        w.codes, w.scales, w.global_scale, out, w.n, w.k, w.codes.shape[-3], BLOCK_N=block_n, BLOCK_K=bk,
+        EVEN_K=w.k % bk == 0, INTERP=interpreted(w.codes),
+    )  # fmt: skip
+    return out

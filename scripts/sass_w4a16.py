@@ -1,0 +1,97 @@
+"""Instruction counts of the W4A16 GEMM kernels' K loop, from their sm_90 SASS, compiled offline (no GPU).
+
+    TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=. python scripts/sass_w4a16.py [--out FILE]
+
+Compiles ``quads.kernels.w4a16._gemm_kernel`` and ``_grouped_kernel`` with ``triton.compile`` for
+``GPUTarget("cuda", 90, 32)`` (Triton's bundled ptxas; the pointer, N, K, KT and row-stride arguments
+marked divisible by 16, as Triton's launcher specializes them for the benchmark's shapes), finds the
+innermost loop (the body of the last backward branch), and prints per config: the loop's instructions,
+the weight elements each thread decodes per iteration, their ratio, and the opcode histogram.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from quads.kernels import w4a16
+
+GEMM_SIG = {"x_ptr": "*bf16", "c_ptr": "*i32", "s_ptr": "*i32", "g_ptr": "*fp32", "out_ptr": "*bf16",
+            "ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "KT": "i32", "stride_xm": "i32"}  # fmt: skip
+GROUPED_SIG = {"x_ptr": "*bf16", "c_ptr": "*i32", "s_ptr": "*i32", "g_ptr": "*fp32", "ends_ptr": "*i32",
+               "out_ptr": "*bf16", "ws_ptr": "*fp32", "T": "i32", "N": "i32", "K": "i32", "KT": "i32", "E": "i32",
+               "stride_xm": "i32"}  # fmt: skip
+CASES = [  # (kernel, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): tuning.json's decode
+    # configs first (dense M <= 16; grouped at the 1b decode step and at T=1 on E=128), then neighbours
+    ("gemm", 16, 32, 256, 1, 4, 3),
+    ("gemm", 16, 32, 256, 2, 4, 3),
+    ("grouped", 32, 64, 256, 1, 8, 3),
+    ("grouped", 16, 64, 256, 4, 8, 3),
+    ("gemm", 16, 64, 256, 1, 4, 3),
+    ("gemm", 16, 128, 128, 1, 4, 3),
+    ("grouped", 16, 64, 256, 1, 8, 3),
+    ("grouped", 32, 64, 256, 1, 4, 3),
+]
+
+
+def sass_of(kernel: str, bm: int, bn: int, bk: int, split: int, warps: int, stages: int) -> str:
+    fn, sig = (w4a16._gemm_kernel, GEMM_SIG) if kernel == "gemm" else (w4a16._grouped_kernel, GROUPED_SIG)
+    div = [i for i, (n, t) in enumerate(sig.items()) if t.startswith("*") or n in ("N", "K", "KT", "stride_xm")]
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "EVEN_K": True, "INTERP": False}
+    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in div})  # fmt: skip
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    if "sass" in k.asm:
+        return k.asm["sass"]
+    from triton.tools.disasm import get_sass
+
+    return get_sass(k.asm["cubin"])
+
+
+def inner_loop(sass: str) -> list[str]:
+    """The instructions of the longest backward branch's body (the K loop; the shortest is the trap
+    after EXIT)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\.?(L\w+):", line))}
+    body: list[str] = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA \.?(L\w+)", line)
+        if m and labels.get(m.group(1), i) < i and i + 1 - labels[m.group(1)] > len(body):
+            body = lines[labels[m.group(1)] : i + 1]
+    return [line.split("\t", 1)[1].strip() for line in body if "\t" in line]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="also write the rows as JSON lines here")
+    args = ap.parse_args(argv)
+    rows = []
+    for case in CASES:
+        kernel, bm, bn, bk, split, warps, stages = case
+        body = inner_loop(sass_of(*case))
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split(" ")[0] for i in body)
+        per_thread = bn * bk // (32 * warps)  # weight elements decoded per thread per K step
+        row = {"kernel": kernel, "block_m": bm, "block_n": bn, "block_k": bk, "split_k": split, "warps": warps,
+               "stages": stages, "loop_instructions": len(body), "elements_per_thread": per_thread,
+               "instructions_per_element": round(len(body) / per_thread, 2), "opcodes": dict(ops.most_common())}  # fmt: skip
+        rows.append(row)
+        print(f"{kernel:8s} BM={bm} BN={bn} BK={bk} split={split} warps={warps}: {len(body)} instructions per K "
+              f"step, {per_thread} weights per thread, {len(body) / per_thread:.2f} per weight")  # fmt: skip
+        print("   ", ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
+    print("triton", triton.__version__)
+    if args.out:
+        with open(args.out, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

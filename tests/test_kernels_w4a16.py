@@ -1,0 +1,443 @@
+"""The W4A16 GEMMs over the packed NVFP4 layout (``quads.kernels.w4a16``) against their references.
+
+Layout round trip byte for byte, decoded weights bit for bit against ``nvfp4.dequantize(q, bf16)``,
+GEMMs within fp32 summation-order tolerance of ``x @ dequantize(q, bf16).T``. Without a GPU the
+kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``, set by conftest.py) at tiny sizes;
+the ``gpu`` tests repeat them at the benchmark's sizes on CUDA. Last, the rollout layers: W4A16 on the
+kernel path gives the reference path's result, and follows a weight refresh in place.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton", reason="Triton is not installed (pip install quads[kernels])")
+
+from quads.formats import nvfp4  # noqa: E402
+from quads.kernels import dispatch, tuning, w4a16  # noqa: E402
+from quads.kernels._common import interpreter_on  # noqa: E402
+from quads.model import moe  # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+if not HAS_CUDA and not interpreter_on():
+    pytest.skip("kernel modules were imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="real-size kernel checks need a CUDA GPU (sm_90); none here")
+
+# as tests/test_kernels.py: fp32 accumulation of the same exact products in another order, then one
+# BF16 rounding of the output; 1e-5 relative (Frobenius) on the fp32 sums. The outputs here are BF16,
+# so a sum that lands next to a BF16 rounding boundary may round to the neighbouring BF16 value: the
+# comparison is of the fp32-accumulated outputs before that rounding where possible (out_fp32 below),
+# and of the BF16 outputs with one BF16 ulp (2**-8 relative) per element otherwise.
+GEMM_RTOL = 1e-5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _bf16_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """BF16 outputs of two fp32 sums that differ by summation order: equal up to one BF16 ulp each."""
+    a, b = a.double(), b.double()
+    tol = b.abs() * 2.0**-7 + 1e-30 + b.abs().amax() * 1e-5
+    bad = (a - b).abs() > tol
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements differ by more than 1 bf16 ulp; max rel " \
+        f"{float(((a - b).abs() / b.abs().clamp_min(1e-30)).max()):.2e}"
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal BF16 bit patterns, NaN where the other is NaN (a NaN's payload and sign are not the format's)."""
+    nan = b.isnan()
+    return a.shape == b.shape and torch.equal(a.isnan(), nan) and torch.equal(
+        a.view(torch.int16)[~nan], b.view(torch.int16)[~nan])
+
+
+def _weight(shape, seed=0, experts_amax=False):
+    """NVFP4 weight with scales over 5 decades (subnormal E4M3 scales included) and every E2M1 code."""
+    g = torch.Generator().manual_seed(seed)
+    k = shape[-1]
+    w = torch.randn(shape, generator=g) * torch.logspace(-3, 2, k)
+    if len(shape) == 3:
+        amax = w.abs().amax(dim=(-2, -1), keepdim=True) * (torch.rand(shape[0], 1, 1, generator=g) + 0.5)
+        return nvfp4.quantize(w.bfloat16().to(DEV), amax=amax.to(DEV))
+    return nvfp4.quantize(w.bfloat16().to(DEV))
+
+
+def _x(m, k, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g).bfloat16().to(DEV)
+
+
+# ------------------------------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("shape", [(48, 256), (16, 80), (3, 32, 208)], ids=str)
+def test_layout_round_trip_byte_exact(shape):
+    q = _weight(shape)
+    p = w4a16.pack(q)
+    assert p.codes.dtype == torch.int32 and p.scales.dtype == torch.int32
+    assert p.codes.shape[-3:] == (-(-shape[-1] // 64), shape[-2], 8)
+    back = w4a16.unpack(p)
+    assert torch.equal(back.codes, q.codes)
+    assert torch.equal(back.scales.view(torch.uint8), q.scales.view(torch.uint8))
+    assert back.global_scale.shape == q.global_scale.shape
+    assert torch.equal(back.global_scale, q.global_scale)
+    assert (back.shape, back.dtype, back.tile, back.mode) == (q.shape, q.dtype, q.tile, q.mode)
+
+
+@pytest.mark.parametrize("shape", [(48, 256), (16, 80), (3, 32, 208)], ids=str)
+def test_decoded_weights_bit_exact(shape):
+    q = _weight(shape)
+    q.scales.view(torch.uint8)[..., 1, 2] = 0x7F  # a NaN block scale decodes to NaN, as the reference
+    want = nvfp4.dequantize(q, torch.bfloat16)
+    got = w4a16.dequantize(w4a16.pack(q))
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    got = w4a16.dequantize_bf16(w4a16.pack(q))  # the kernels' decode, stored
+    assert got.isnan().any() and _same_bits(got, want)
+
+
+def test_pack_refuses_what_it_cannot_hold():
+    q = nvfp4.quantize(torch.randn(4, 32, 64).bfloat16(), per_token=True)
+    with pytest.raises(ValueError, match="one global scale per weight"):
+        w4a16.pack(q)
+    q = nvfp4.quantize(torch.randn(32, 64).bfloat16())
+    q.scales = nvfp4.swizzle_scales(q.scales)
+    with pytest.raises(ValueError, match="linear scales"):
+        w4a16.pack(q)
+
+
+def test_kernel_decode_bit_exact():
+    """The kernel's decode, isolated: x = identity rows, so y = the decoded weight's columns exactly
+    (each output is one product x_k * w_k plus exact zeros; a -0.0 weight sums to +0.0)."""
+    q = _weight((32, 192))
+    y = w4a16.gemm(torch.eye(192, dtype=torch.bfloat16, device=DEV), w4a16.pack(q))
+    want = nvfp4.dequantize(q, torch.bfloat16).T + 0.0
+    assert torch.equal(y.view(torch.int16), want.contiguous().view(torch.int16))
+
+
+def _every_code_and_scale(global_scale_bits: int) -> nvfp4.NVFP4Tensor:
+    """[254, 16]: row r has the r-th finite E4M3 scale byte and the 16 E2M1 codes in order."""
+    b = torch.arange(256, dtype=torch.int32)
+    b = b[(b & 0x7F) != 0x7F].to(torch.uint8)
+    c = torch.arange(16, dtype=torch.uint8)
+    codes = (c[0::2] | (c[1::2] << 4)).expand(len(b), 8).contiguous()
+    g = torch.tensor([global_scale_bits], dtype=torch.int32).view(torch.float32).reshape(())
+    return nvfp4.NVFP4Tensor(codes=codes.to(DEV), scales=b[:, None].view(torch.float8_e4m3fn).to(DEV),
+                             global_scale=g.to(DEV), shape=torch.Size((len(b), 16)), dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("gbits", [0x3A07CB7C, 0x3F800000], ids=["g=5.18e-4", "g=1"])
+def test_kernel_decode_every_code_and_scale(gbits):
+    """Every (E2M1 code, finite E4M3 scale) pair under a global scale where the order of the two fp32
+    products matters: ``e2m1 * (s * g)`` rounds differently from the reference's ``(e2m1 * s) * g`` for
+    180 of these 4064 weights after the BF16 cast, so only the reference's order passes."""
+    q = _every_code_and_scale(gbits)
+    want = nvfp4.dequantize(q, torch.bfloat16)
+    p = w4a16.pack(q)
+    assert torch.equal(w4a16.dequantize(p).view(torch.int16), want.view(torch.int16))
+    assert torch.equal(w4a16.dequantize_bf16(p).view(torch.int16), want.view(torch.int16))
+    y = w4a16.gemm(torch.eye(16, dtype=torch.bfloat16, device=DEV), p)
+    assert torch.equal(y.view(torch.int16), (want.T.contiguous() + 0.0).view(torch.int16))
+
+
+# --------------------------------------------------------------------------------------------- GEMMs
+
+
+@pytest.mark.parametrize(
+    "m,n,k,cfg",
+    [
+        (1, 64, 256, {}),
+        (5, 80, 160, {"split_k": 2, "block_k": 64}),  # N, K not multiples of the tiles; split-K
+        (17, 48, 384, {"block_n": 16, "block_k": 128, "split_k": 3}),  # M past one tile; uneven split
+        (70, 32, 128, {"fused_max_m": 100}),  # the fused kernel's "large" bucket
+        (70, 32, 128, {}),  # above w4a16_dispatch.dense: cuBLAS over dequantize_bf16
+    ],
+    ids=str,
+)
+def test_gemm_matches_reference(m, n, k, cfg):
+    q = _weight((n, k))
+    p = w4a16.pack(q)
+    x = _x(m, k)
+    got = w4a16.gemm(x, p, **cfg)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    want = w4a16.gemm_reference(x, p)
+    _bf16_close(got, want, f"W4A16 M={m} N={n} K={k} {cfg}")
+    # the contract: x @ dequantize(q, bf16).T in fp32
+    exact = x.double() @ nvfp4.dequantize(q, torch.bfloat16).double().T
+    assert _rel(got, exact) < 2.0**-8, f"vs fp64: {_rel(got, exact):.2e}"
+
+
+def test_gemm_split_k_is_deterministic_and_nan_reaches_its_column():
+    q = _weight((64, 512))
+    q.scales.view(torch.uint8)[3, 2] = 0x7F
+    p = w4a16.pack(q)
+    x = _x(3, 512)
+    a = w4a16.gemm(x, p, split_k=4, block_k=64)
+    b = w4a16.gemm(x, p, split_k=4, block_k=64)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert a[:, 3].isnan().all() and not a[:, :3].isnan().any() and not a[:, 4:].isnan().any()
+
+
+def _routes(t, k, e, seed=0, masked=0, skip=()):
+    """top-k ids of t tokens over e experts (``skip`` never chosen, ``masked`` slots set to E), sorted
+    on the device as the engine's decode step does (``moe.static_routes``)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor([i for i in range(e) if i not in skip])
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:k]] for _ in range(t)])
+    if masked:
+        ids.view(-1)[torch.randperm(t * k, generator=g)[:masked]] = e
+    return moe.static_routes(ids.to(DEV), e)
+
+
+@pytest.mark.parametrize("t,e,n,k,masked", [(5, 6, 48, 256, 3), (9, 4, 32, 80, 0)], ids=str)
+def test_grouped_gemm_matches_reference(t, e, n, k, masked):
+    q = _weight((e, n, k), experts_amax=True)
+    p = w4a16.pack(q)
+    routes = _routes(t, 2, e, masked=masked, skip=(1,))  # expert 1 gets no rows
+    x = _x(t * 2, k)
+    got = w4a16.grouped_gemm(x, p, routes.ends, block_m=16)
+    want = w4a16.grouped_gemm_reference(x, p, routes.ends)
+    _bf16_close(got, want, f"grouped T={t} E={e} N={n} K={k}")
+    split = w4a16.grouped_gemm(x, p, routes.ends, block_k=64, split_k=3)  # uneven split of the K tiles
+    _bf16_close(split, want, "grouped split-K")
+    assert (split[int(routes.ends[-1]):] == 0).all()
+    # above w4a16_dispatch.grouped: torch._grouped_mm over dequantize_bf16, masked rows zeroed too
+    _bf16_close(w4a16.grouped_gemm(x, p, routes.ends, fused_max_rows_per_expert=0), want, "grouped, dequant path")
+    valid = int(routes.ends[-1])
+    assert valid == t * 2 - masked
+    assert (got[valid:] == 0).all(), "rows of masked slots must be zeros"
+    # as the product path's BF16 grouped GEMM (moe.grouped_mm over the dequantized stack)
+    ref = moe.grouped_mm(x, nvfp4.dequantize(q, torch.bfloat16), routes)
+    _bf16_close(got, ref, "vs moe.grouped_mm")
+
+
+def test_grouped_gemm_rows_past_one_tile_and_empty_batch():
+    q = _weight((3, 32, 128), experts_amax=True)
+    p = w4a16.pack(q)
+    ends = torch.tensor([20, 20, 37], dtype=torch.int32, device=DEV)  # 20 rows: two M tiles of 16
+    x = _x(40, 128)
+    got = w4a16.grouped_gemm(x, p, ends, block_m=16)
+    want = w4a16.grouped_gemm_reference(x, p, ends)
+    _bf16_close(got, want, "grouped, 2 M tiles")
+    assert (got[37:] == 0).all()
+    assert w4a16.grouped_block_m(40, 3) == 32
+    _bf16_close(w4a16.grouped_gemm(x, p, ends), want, "grouped, block_m from the row count")
+    a = w4a16.grouped_gemm(x, p, ends, split_k=2, block_k=64)  # split-K: partials summed in a fixed order
+    _bf16_close(a, want, "grouped, split-K")
+    assert (a[37:] == 0).all() and torch.equal(a, w4a16.grouped_gemm(x, p, ends, split_k=2, block_k=64))
+    empty = w4a16.grouped_gemm(x[:0], p, torch.zeros(3, dtype=torch.int32, device=DEV))
+    assert empty.shape == (0, 32)
+
+
+def test_bad_inputs_say_what_to_do():
+    p = w4a16.pack(_weight((32, 64)))
+    with pytest.raises(ValueError, match="bfloat16"):
+        w4a16.gemm(_x(2, 64).float(), p)
+    with pytest.raises(ValueError, match="K=64"):
+        w4a16.gemm(_x(2, 128), p)
+    with pytest.raises(ValueError, match="expert stack"):
+        w4a16.grouped_gemm(_x(2, 64), p, torch.zeros(1, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        w4a16.gemm(_x(2, 64), p, block_k=32)
+
+
+def test_tuning_table_has_the_w4a16_cases():
+    for case in ("m1", "m4", "m16", "m32", "m64", "large"):
+        assert set(tuning.config("w4a16_gemm", case)) == {"block_n", "block_k", "split_k", "num_warps",
+                                                          "num_stages"}  # fmt: skip
+    for case in ("decode", "prefill"):
+        assert set(tuning.config("w4a16_grouped_gemm", case)) == {"block_m", "block_n", "block_k", "split_k",
+                                                                  "num_warps", "num_stages"}  # fmt: skip
+    assert set(tuning.config("w4a16_dispatch", "dense")) == {"fused_max_m"}
+    assert set(tuning.config("w4a16_dispatch", "grouped")) == {"fused_max_rows_per_expert"}
+    assert [w4a16.m_bucket(m) for m in (1, 2, 16, 33, 64, 65)] == ["m1", "m4", "m16", "m64", "m64", "large"]
+
+
+# ------------------------------------------------------------------------------------------- layers
+
+
+def _rollout_layers(kernels: str):
+    from quads.quant.layers import QuantizedExperts, QuantizedLinear
+    from quads.quant.recipe import LinearSpec
+
+    torch.manual_seed(0)
+    spec = LinearSpec(weight="nvfp4", act="none")
+    lin = torch.nn.Linear(128, 48, bias=True).bfloat16().to(DEV)
+    ex = moe.MoEExperts(4, 64, 32).bfloat16().to(DEV)
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.normal_(0, 0.05)
+    with dispatch.kernels(kernels):
+        ql = QuantizedLinear(lin, spec, side="rollout", weight_dtype=torch.bfloat16)
+        qe = QuantizedExperts(ex, spec, side="rollout", weight_dtype=torch.bfloat16)
+    return lin, ql, qe
+
+
+def test_rollout_layers_on_the_kernel_path(monkeypatch):
+    """QuantizedLinear / QuantizedExperts (rollout, W4A16): the kernel path keeps only the packed
+    weight and gives the reference path's result; a refresh after a master update changes the packed
+    tensors in place and the output follows."""
+    from quads.quant import ops
+
+    if not HAS_CUDA:  # the quantizer's Triton twin is checked bit for bit in test_kernels.py; here its
+        quantize = ops.nvfp4_quantize  # reference keeps the interpreter run short
+
+        def reference_quantize(x, **opts):
+            with dispatch.kernels("reference"):
+                return quantize(x, **opts)
+
+        monkeypatch.setattr(ops, "nvfp4_quantize", reference_quantize)
+    lin, ql, qe = _rollout_layers("triton")
+    st = ql.stores["weight"]
+    assert st.kernel is not None and st.w_q is None, "the kernel path keeps no BF16 copy"
+    _, rl, rex = _rollout_layers("reference")
+    assert rex.stores["gate_up_proj"].kernel is None and rex.stores["gate_up_proj"].w_q is not None
+    x = _x(6, 128)
+    with dispatch.kernels("triton"):
+        y = ql(x)
+    with dispatch.kernels("reference"):
+        y_ref = rl(x)
+    _bf16_close(y, y_ref, "QuantizedLinear kernel vs reference")
+    with dispatch.kernels("reference"):  # the typed switch turns the kernel off; same operand, same bits
+        assert torch.equal(ql(x), y_ref)
+    # the operand weight sync fingerprints: decoded from the packed bytes, the reference's bits
+    assert torch.equal(st.get().view(torch.int16), rl.stores["weight"].get().view(torch.int16))
+
+    h = _x(5, 64)
+    ids = torch.tensor([[0, 2], [2, 3], [0, 3], [3, 4], [2, 0]], device=DEV)  # 4 = a masked slot
+    wts = torch.rand(5, 2, device=DEV).bfloat16()
+    with dispatch.kernels("triton"):
+        ye = qe.forward_static(h, ids, wts)
+        ye_eager = qe(h, ids, wts)
+    with dispatch.kernels("reference"):
+        ye_ref = rex.forward_static(h, ids, wts)
+    _bf16_close(ye, ye_ref, "QuantizedExperts.forward_static kernel vs reference")
+    assert torch.equal(ye, ye_eager)
+
+    # refresh after a master update: same tensors, new values, output follows
+    codes_ptr = st.kernel.codes.data_ptr()
+    with torch.no_grad():
+        lin.weight.mul_(-2.0)
+    with dispatch.kernels("triton"):
+        ql.refresh()
+        y2 = ql(x)
+    assert st.kernel.codes.data_ptr() == codes_ptr, "refresh must copy into the captured tensors"
+    with dispatch.kernels("reference"):
+        rl.weight.data.copy_(lin.weight)
+        rl.refresh()
+        y2_ref = rl(x)
+    _bf16_close(y2, y2_ref, "after refresh")
+    assert not torch.equal(y2, y)
+
+
+def test_weight_sync_verifies_the_packed_weights(monkeypatch):
+    """sync_weights into a rollout model on the kernel path: the fingerprints (taken of the weight
+    decoded from the packed bytes) match the trainer's QDQ weights, and a corrupted packed byte is
+    caught."""
+    from quads.model import ModelConfig, MoEForCausalLM
+    from quads.quant import ops
+    from quads.quant.apply import quantize_model
+    from quads.quant.recipe import LinearSpec, Recipe
+    from quads.quant.sync import LocalWeights, ReplicaTarget, WeightSync, WeightSyncError, sync_weights
+
+    class NoRequantize(ReplicaTarget):  # verifies what is stored, without re-quantizing first
+        def commit(self, source):
+            return 0
+
+    if not HAS_CUDA:
+        quantize = ops.nvfp4_quantize
+
+        def reference_quantize(x, **opts):
+            with dispatch.kernels("reference"):
+                return quantize(x, **opts)
+
+        monkeypatch.setattr(ops, "nvfp4_quantize", reference_quantize)
+    cfg = dict(vocab_size=64, hidden_size=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32, n_experts=4,
+               top_k=2, moe_intermediate_size=32, max_seq_len=32, dtype="bfloat16")
+    recipe = Recipe("w4a16", trainer=LinearSpec(weight="nvfp4"), rollout=LinearSpec(weight="nvfp4"))
+    with dispatch.kernels("triton"):
+        torch.manual_seed(0)
+        trainer = MoEForCausalLM(ModelConfig(**cfg)).to(DEV)
+        quantize_model(trainer, recipe, side="trainer", verbose=False)
+        torch.manual_seed(1)
+        rollout = MoEForCausalLM(ModelConfig(**cfg)).to(DEV)
+        quantize_model(rollout, recipe, side="rollout", verbose=False)
+        stores = [st for m in rollout.modules() if hasattr(m, "stores") for st in m.stores.values()]
+        assert stores and all(st.kernel is not None and st.w_q is None for st in stores)
+        report = sync_weights(trainer, rollout)
+        assert report.ok and report.n_checked == len(stores)
+        assert WeightSync(LocalWeights(trainer), NoRequantize(rollout)).run().ok
+        stores[0].kernel.codes.view(-1)[0] ^= 0x10  # one code in the packed layout
+        with pytest.raises(WeightSyncError):
+            WeightSync(LocalWeights(trainer), NoRequantize(rollout)).run()
+
+
+# ------------------------------------------------------------------------------------------ real size
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 1024])
+@pytest.mark.parametrize("n,k", [(8192, 8192), (28672, 4096), (3072, 1024)], ids=str)
+def test_gpu_gemm_real_size(m, n, k):
+    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).bfloat16())
+    p = w4a16.pack(q)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    _bf16_close(w4a16.gemm(x, p), w4a16.gemm_reference(x, p), f"W4A16 M={m} N={n} K={k}")
+    ref = x @ nvfp4.dequantize(q, torch.bfloat16).T  # cuBLAS BF16 over the dequantized weight
+    assert _rel(w4a16.gemm(x, p), ref) < 2.0**-8
+
+
+@gpu
+def test_gpu_decoded_weights_bit_exact_real_size():
+    q = nvfp4.quantize(torch.randn(64, 512, 1024, device="cuda").bfloat16(), amax=torch.rand(64, 1, 1, device="cuda"))
+    p = w4a16.pack(q)
+    assert torch.equal(w4a16.dequantize(p).view(torch.int16), nvfp4.dequantize(q, torch.bfloat16).view(torch.int16))
+    eye = torch.eye(1024, dtype=torch.bfloat16, device="cuda")
+    ends = torch.full((64,), 0, dtype=torch.int32, device="cuda")
+    ends[3:] = 1024  # expert 3 gets all 1024 identity rows: its decoded weight, exactly
+    y = w4a16.grouped_gemm(eye, p, ends)
+    want = nvfp4.dequantize(q, torch.bfloat16)[3].T.contiguous() + 0.0  # -0.0 weights sum to +0.0
+    assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+@pytest.mark.parametrize("tokens,e,n,k,topk", [(1, 128, 1536, 2048, 8), (16, 128, 1536, 2048, 8),
+                                               (64, 128, 1536, 2048, 8), (128, 64, 512, 1024, 8),
+                                               (128, 64, 1024, 256, 8)], ids=str)  # fmt: skip
+def test_gpu_grouped_real_size(tokens, e, n, k, topk):
+    w = (torch.randn(e, n, k, device="cuda") * 0.02).bfloat16()
+    q = nvfp4.quantize(w, amax=w.float().abs().amax(dim=(-2, -1), keepdim=True))
+    p = w4a16.pack(q)
+    ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(tokens)])
+    ids.view(-1)[: tokens // 4] = e  # some masked slots
+    routes = moe.static_routes(ids, e)
+    x = torch.randn(tokens * topk, k, device="cuda").bfloat16()
+    got = w4a16.grouped_gemm(x, p, routes.ends)
+    _bf16_close(got, w4a16.grouped_gemm_reference(x, p, routes.ends), f"grouped T={tokens} E={e} N={n} K={k}")
+    ref = moe.grouped_mm(x, nvfp4.dequantize(q, torch.bfloat16), routes)
+    assert _rel(got, ref) < 2.0**-8
+
+
+@gpu
+def test_gpu_grouped_gemm_in_a_cuda_graph_follows_refreshed_weights():
+    e, n, k = 64, 512, 1024
+    q = nvfp4.quantize(torch.randn(e, n, k, device="cuda").bfloat16(), amax=torch.rand(e, 1, 1, device="cuda"))
+    p = w4a16.pack(q)
+    routes = moe.static_routes(torch.randint(0, e, (128, 8), device="cuda"), e)
+    x = torch.randn(1024, k, device="cuda").bfloat16()
+    w4a16.grouped_gemm(x, p, routes.ends)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = w4a16.grouped_gemm(x, p, routes.ends)
+    q2 = nvfp4.quantize(torch.randn(e, n, k, device="cuda").bfloat16(), amax=torch.rand(e, 1, 1, device="cuda"))
+    assert p.copy_(w4a16.pack(q2))
+    g.replay()
+    _bf16_close(y, w4a16.grouped_gemm_reference(x, w4a16.pack(q2), routes.ends), "graph replay after refresh")
