@@ -103,3 +103,32 @@ def test_forward_static_matches_loop_cuda(name):
     scale = ref.float().abs().max().item()
     assert (got.float() - ref.float()).abs().max().item() <= 2e-2 * scale
     assert torch.equal(got[5], torch.zeros_like(got[5]))
+
+
+@pytest.mark.parametrize("name", ["w4a4", "rac50", "rac25-token"])
+def test_dense_w4a4_linear_cuda(name):
+    """The dense layer (attention projections when targeted) computes the same factored form with a BF16
+    cuBLAS GEMM: close to the fp32 emulation, and no host sync."""
+    from quads.formats import nvfp4
+    from quads.quant.rac import rac_channels, rac_operands
+    from quads.quant.w4a4 import rac_gemm_operands, w4a4_linear
+
+    spec = SPECS[name]
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(32, K, generator=g) * 3).bfloat16().cuda()
+    w = torch.randn(N, K, generator=g).cuda()
+    w_q = nvfp4.qdq(w.bfloat16())
+    kw = dict(rac_ratio=spec.rac_ratio, act_scale=spec.act_scale, w_q=w_q)
+    got = w4a4_linear(x, w, **kw)
+    xq, rq, s = rac_operands(x, n=rac_channels(K, spec.rac_ratio), act_scale=spec.act_scale)
+    a, b = rac_gemm_operands(xq, rq, s, w_q)
+    ref = (a @ b.T).to(x.dtype)
+    scale = ref.float().abs().max().item()
+    assert ((got.float() - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-3 * scale).all()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = w4a4_linear(x, w, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, got)

@@ -33,7 +33,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _quantize_units_kernel(
-        x_ptr, amax_ptr, idx_ptr, u_ptr, g_ptr, r_ptr, codes_ptr, scales_ptr, M, K, W, stride_xm,
+        x_ptr, amax_ptr, idx_ptr, u_ptr, g_ptr, r_ptr, codes_ptr, scales_ptr, M, K, W, stride_xm, stride_um,
         GATHER: tl.constexpr, RESIDUAL: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):  # fmt: skip
@@ -57,7 +57,7 @@ if HAS_TRITON:
                                     False, BLOCK_K)
             s16 = e4m3_to_f32(s_byte) * 16384.0  # the stored scale (NaN for a NaN block, as the reference)
             u = tl.reshape(e2m1_times_scale(c3, s16[:, :, None]), (BLOCK_M, BLOCK_K))
-            tl.store(u_ptr + rows[:, None] * K + ch, cast_out(u, u_ptr), mask=m)
+            tl.store(u_ptr + rows[:, None] * stride_um + ch, cast_out(u, u_ptr), mask=m)
             if RESIDUAL:
                 r = x - u * s_dec[:, None]
                 tl.store(r_ptr + rows[:, None] * K + ch, r, mask=m)
@@ -71,6 +71,7 @@ def quantize_units(
     index: torch.Tensor | None = None,
     residual: bool = False,
     codes: bool = False,
+    out: torch.Tensor | None = None,
     block_m: int = 16,
     block_k: int = 256,
     num_warps: int = 4,
@@ -78,7 +79,8 @@ def quantize_units(
     """``(u [M, K] in dtype, g [M] fp32, r [M, K] fp32 or None)`` of ``x`` ``[M, K]`` with amax ``[M]``
     (see the module docstring; ``index`` ``[M, n]``: gathered quantization, ``u`` scattered, zero elsewhere;
     ``residual`` only without ``index``). ``codes``: also the packed codes ``[M, W/2]`` and E4M3 scales
-    ``[M, W/16]`` (W = K or n) as two more outputs."""
+    ``[M, W/16]`` (W = K or n) as two more outputs. ``out``: write ``u`` there (``[M, K]``, rows may be
+    strided, e.g. one slice of a stacked operand; zero-filled by the caller when ``index`` is given)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use quantize_units_reference")
     if residual and index is not None:
@@ -89,7 +91,13 @@ def quantize_units(
     if width % NVFP4_BLOCK:
         raise ValueError(f"quantize_units needs a width multiple of {NVFP4_BLOCK}, got {width}")
     amax = amax.reshape(m).float().contiguous()
-    u = (torch.empty if index is None else torch.zeros)(m, k, dtype=dtype, device=x.device)
+    if out is None:
+        u = (torch.empty if index is None else torch.zeros)(m, k, dtype=dtype, device=x.device)
+    elif out.shape != (m, k) or out.stride(-1) != 1:
+        raise ValueError(f"quantize_units: out must be [{m}, {k}] with unit stride along K, got "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    else:
+        u = out
     g = torch.empty(m, dtype=torch.float32, device=x.device)
     r = torch.empty(m, k, dtype=torch.float32, device=x.device) if residual else g
     idx = g if index is None else index.contiguous()
@@ -97,7 +105,7 @@ def quantize_units(
     sc = torch.empty(m, width // NVFP4_BLOCK, dtype=torch.uint8, device=x.device) if codes else g
     bk = max(NVFP4_BLOCK, min(block_k, triton.next_power_of_2(width)))
     _quantize_units_kernel[(triton.cdiv(m, block_m),)](
-        x, amax, idx, u, g, r, cd, sc, m, k, width, x.stride(0),
+        x, amax, idx, u, g, r, cd, sc, m, k, width, x.stride(0), u.stride(0),
         GATHER=index is not None, RESIDUAL=residual, CODES=codes, BLOCK_M=block_m, BLOCK_K=bk,
         num_warps=num_warps, **EXACT,
     )  # fmt: skip
@@ -112,6 +120,7 @@ def quantize_units_reference(
     dtype: torch.dtype = torch.bfloat16,
     index: torch.Tensor | None = None,
     residual: bool = False,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Pure-PyTorch twin of ``quantize_units`` (``nvfp4.quantize`` with the given amax per row)."""
     if residual and index is not None:
@@ -126,6 +135,8 @@ def quantize_units_reference(
         u = us.to(dtype)
     else:
         u = torch.zeros(xf.shape, dtype=dtype, device=x.device).scatter_(1, index, us.to(dtype))
+    if out is not None:
+        u = out.copy_(u)
     if not residual:
         return u, g, None
     return u, g, xf - us * g[:, None]

@@ -93,17 +93,18 @@ def row_amax(x: torch.Tensor) -> torch.Tensor:
 
 def units(
     x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, *, index: torch.Tensor | None = None,
-    residual: bool = False,
+    residual: bool = False, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(u, g, r)``: the exact values ``e2m1 * s`` of NVFP4(``x`` ``[M, K]``) with amax ``[M]`` per row, in
     ``dtype`` ``[M, K]``; S_dec ``[M]``; the residual ``x - u * S_dec`` fp32 (``residual``). ``index``
     ``[M, n]``: quantize the gathered ``x[i, index[i]]``, ``u`` scattered back (zero elsewhere).
-    One Triton kernel on CUDA (``quads.kernels.factored_quant``, no host sync), its twin elsewhere."""
+    ``out``: the ``[M, K]`` (row-strided) tensor to write ``u`` into. One Triton kernel on CUDA
+    (``quads.kernels.factored_quant``, no host sync), its twin elsewhere."""
     from quads.kernels import factored_quant
 
     if dispatch.use_triton(x):
-        return factored_quant.quantize_units(x, amax, dtype=dtype, index=index, residual=residual)
-    return factored_quant.quantize_units_reference(x, amax, dtype=dtype, index=index, residual=residual)
+        return factored_quant.quantize_units(x, amax, dtype=dtype, index=index, residual=residual, out=out)
+    return factored_quant.quantize_units_reference(x, amax, dtype=dtype, index=index, residual=residual, out=out)
 
 
 def gemm_dtype(w_q: torch.Tensor) -> torch.dtype:
@@ -151,14 +152,15 @@ def operands(
         raise ValueError(f"unknown RAC selection {selection!r}; valid: dynamic, static")
     amax = row_amax(x)
     need_r = n > 0 or observe is not None
-    u, gx, r = units(x, amax if per_token else segs.row_max(amax), dtype, residual=need_r)
+    buf = torch.empty(x.shape[0], 2 if n else 1, x.shape[1], dtype=dtype, device=x.device)  # [M, P, K]
+    u, gx, r = units(x, amax if per_token else segs.row_max(amax), dtype, residual=need_r, out=buf[:, 0])
     if not need_r:
-        return Operands(u[:, None], gx[:, None], None)
+        return Operands(buf, gx[:, None], None)
     norms = segs.sq_norms(r) if selection == "dynamic" or observe is not None else None
     if observe is not None:
         observe(r, norms)
     if n == 0:
-        return Operands(u[:, None], gx[:, None], None)
+        return Operands(buf, gx[:, None], None)
     if selection == "dynamic":
         s = torch.argsort(norms, dim=-1, descending=True, stable=True)[:, :n]  # [G, n]
     else:
@@ -170,13 +172,11 @@ def operands(
         s = static_order.reshape(-1, static_order.shape[-1])[:, :n].to(device=x.device, dtype=torch.long)
     s_rows = s.expand(x.shape[0], n) if segs.group is None else s[segs.group.clamp_max(segs.groups - 1)]
     ra = row_amax(r.gather(1, s_rows))  # [M] amax of R[:, S] of each row's group, per row
-    ur, gr, _ = units(r, ra if per_token else segs.row_max(ra), dtype, index=s_rows)  # [M, K], zero outside S
-    return Operands(torch.stack([u, ur], dim=1), torch.stack([gx, gr], dim=1), s)
+    ur = buf[:, 1].zero_()  # the residual's values, scattered: zero outside S
+    _, gr, _ = units(r, ra if per_token else segs.row_max(ra), dtype, index=s_rows, out=ur)
+    return Operands(buf, torch.stack([gx, gr], dim=1), s)
 
 
 def scale_output(y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``y`` ``[M, P, N]`` (the GEMM of each stacked operand) -> ``sum_p g[:, p] * y[:, p]`` fp32 ``[M, N]``."""
-    out = y[:, 0].float() * g[:, :1]
-    for p in range(1, y.shape[1]):
-        out = out + y[:, p].float() * g[:, p : p + 1]
-    return out
+    return (y.float() * g[..., None]).sum(dim=1)  # P <= 2 terms: (0 +) a + b, one rounding

@@ -206,7 +206,7 @@ def stacked_routes(routes: moe.StaticRoutes, p: int) -> moe.StaticRoutes:
     if p == 1:
         return routes
     j = torch.arange(p, device=routes.pos.device)
-    return moe.StaticRoutes(order=routes.order, expert=routes.expert.repeat_interleave(p),
+    return moe.StaticRoutes(order=routes.order, expert=routes.expert[:, None].expand(-1, p).reshape(-1),
                             offsets=routes.offsets * p, pos=(routes.pos[:, None] * p + j).reshape(-1),
                             capacity=routes.capacity * p, n_experts=routes.n_experts, ends=routes.ends * p)
 
@@ -218,6 +218,7 @@ def sorted_linear(
     spec: LinearSpec,
     *,
     segs: factored.Segments | None = None,
+    stacked: moe.StaticRoutes | None = None,
     static_order: torch.Tensor | None = None,
     observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
@@ -231,7 +232,9 @@ def sorted_linear(
     fp32 global scales applied to its output. ``w_q`` is the stored weight operand; it is used in
     ``factored.gemm_dtype(w_q)`` (pass its fp32 copy on the CPU to avoid a conversion per call).
     ``segs``: the experts as row groups (``factored.Segments.of(routes.expert, E)``; built here when
-    None); ``static_order`` ``[E, >= |S|]``; ``observe(r, norms)``: see ``factored.operands``.
+    None); ``stacked``: ``stacked_routes(routes, P)`` for the spec's P (1, or 2 with RAC; built here when
+    None; a caller running several projections builds it once); ``static_order`` ``[E, >= |S|]``;
+    ``observe(r, norms)``: see ``factored.operands``.
     """
     if spec.act != "nvfp4" or spec.nvfp4_mode != "te":
         raise ValueError(f"sorted_linear computes canonical NVFP4 activations, got spec {spec.describe()} "
@@ -244,5 +247,9 @@ def sorted_linear(
                            per_token=spec.act_scale == "token", selection=spec.rac_selection,
                            static_order=static_order, observe=observe)
     M, P, K = op.u.shape
-    y = moe.grouped_mm(op.u.reshape(M * P, K), w_q.to(dtype), stacked_routes(routes, P))  # [M*P, N]
+    stacked = stacked if stacked is not None else stacked_routes(routes, P)
+    if stacked.offsets.shape != routes.offsets.shape or stacked.expert.shape[0] != M * P:
+        raise ValueError(f"sorted_linear: stacked routes for {stacked.expert.shape[0]} rows, the operands have "
+                         f"{M} x {P}; pass stacked_routes(routes, {P})")
+    y = moe.grouped_mm(op.u.reshape(M * P, K), w_q.to(dtype), stacked)  # [M*P, N]
     return factored.scale_output(y.view(M, P, -1), op.g).to(xs.dtype)

@@ -310,6 +310,7 @@ class QuantizedExperts(_QuantizedBase):
 
         sorted_rows = self.spec.act == "nvfp4" and self.spec.nvfp4_mode == "te"
         segs = factored.Segments.of(routes.expert, self.num_experts) if sorted_rows else None
+        stacked = grouped.stacked_routes(routes, 2 if self.spec.rac_ratio > 0 else 1) if sorted_rows else None
 
         def gemm(name: str, a: torch.Tensor) -> torch.Tensor:
             store = self.stores[name]
@@ -322,8 +323,8 @@ class QuantizedExperts(_QuantizedBase):
                 if sel is not None:
                     order = sel.order
                     observe = lambda r, norms: sel.observe_norms(norms, segs.counts())  # noqa: E731
-                return grouped.sorted_linear(a, routes, w_q, self.spec, segs=segs, static_order=order,
-                                             observe=observe)
+                return grouped.sorted_linear(a, routes, w_q, self.spec, segs=segs, stacked=stacked,
+                                             static_order=order, observe=observe)
             order = observe = None
             if sel is not None:
                 order = sel.order
