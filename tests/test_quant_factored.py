@@ -26,7 +26,7 @@ SPECS = {
 }
 
 
-def _case(seed: int = 0):
+def _case(seed: int = 0, device: str = "cpu"):
     """Sorted rows of a routing with masked slots, the weight operand, a static order per expert."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, K, generator=g)
@@ -34,11 +34,12 @@ def _case(seed: int = 0):
     idx = torch.stack([torch.randperm(E, generator=g)[:TOP] for _ in range(T)])
     idx[2] = E  # token 2 routed nowhere
     idx[7, 1] = E
+    x, idx = x.to(device), idx.to(device)
     routes = static_routes(idx, E)
     xs = x[routes.order // TOP]
-    w = torch.randn(E, N, K, generator=g) * 0.1
+    w = (torch.randn(E, N, K, generator=g) * 0.1).to(device)
     w_q, _ = ops.quantize_weight(w, LinearSpec(weight="nvfp4"), torch.bfloat16)  # [E, N, K] bf16 operand
-    order = torch.stack([torch.randperm(K, generator=g) for _ in range(E)])
+    order = torch.stack([torch.randperm(K, generator=g) for _ in range(E)]).to(device)
     return xs, routes, w, w_q, order
 
 
@@ -192,6 +193,8 @@ def test_units_kernel_is_bit_exact(gather):
             u, gs, r, codes, scales = factored_quant.quantize_units(x, amax, dtype=dtype, index=index,
                                                                      residual=not gather, codes=True)
         ru, rg, rr = factored_quant.quantize_units_reference(x, amax, dtype=dtype, index=index, residual=not gather)
+        u, gs, r, rg, ru = u.cpu(), gs.cpu(), None if r is None else r.cpu(), rg.cpu(), ru.cpu()
+        rr = None if rr is None else rr.cpu()
         assert torch.equal(codes.cpu(), want.codes) and torch.equal(scales.view(torch.uint8).cpu(),
                                                                     want.scales.view(torch.uint8))
         assert torch.equal(gs.cpu(), want.global_scale.reshape(-1)) and torch.equal(rg, gs)
@@ -211,7 +214,7 @@ def test_units_kernel_is_bit_exact(gather):
 def test_sorted_linear_triton_matches_reference_backend(name):
     """The whole sorted path with the Triton kernels (interpreter on the CPU; same GEMM) gives the
     reference backend's output bit for bit."""
-    xs, routes, _, w_q, _ = _case(5)
+    xs, routes, _, w_q, _ = _case(5, "cuda" if torch.cuda.is_available() else "cpu")
     with dispatch.kernels("reference"):
         want = grouped.sorted_linear(xs, routes, w_q.float(), SPECS[name])
     with dispatch.kernels("triton"):
