@@ -33,8 +33,8 @@ import torch
 
 from quads.formats import nvfp4
 from quads.kernels import dispatch
-from quads.model import gemm
-from quads.quant import ops
+from quads.model import gemm, moe
+from quads.quant import factored, ops
 from quads.quant.rac import rac_channels, residual_norms
 from quads.quant.recipe import LinearSpec
 
@@ -198,3 +198,58 @@ def grouped_linear(
             a = torch.cat([xq, rq], dim=2)
             b = torch.cat([w_q, w_q.gather(2, s[:, None, :].expand(E, w_q.shape[1], n))], dim=2).float()
     return torch.bmm(a, b.mT).to(x.dtype)
+
+
+def stacked_routes(routes: moe.StaticRoutes, p: int) -> moe.StaticRoutes:
+    """The routes of the rows of ``[M, p, K]`` viewed as ``[M * p, K]``: sorted row ``i``'s ``p`` stacked
+    operands become rows ``i * p .. i * p + p - 1``, so each expert's rows stay contiguous (offsets x p)."""
+    if p == 1:
+        return routes
+    j = torch.arange(p, device=routes.pos.device)
+    return moe.StaticRoutes(order=routes.order, expert=routes.expert[:, None].expand(-1, p).reshape(-1),
+                            offsets=routes.offsets * p, pos=(routes.pos[:, None] * p + j).reshape(-1),
+                            capacity=routes.capacity * p, n_experts=routes.n_experts, ends=routes.ends * p)
+
+
+def sorted_linear(
+    xs: torch.Tensor,
+    routes: moe.StaticRoutes,
+    w_q: torch.Tensor,
+    spec: LinearSpec,
+    *,
+    segs: factored.Segments | None = None,
+    stacked: moe.StaticRoutes | None = None,
+    static_order: torch.Tensor | None = None,
+    observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """W4A4 (+RAC) of the sorted rows ``xs`` ``[M, K]`` (``moe.static_routes`` order) with each row's
+    expert weight ``w_q`` ``[E, N, K]`` -> ``[M, N]`` in ``xs.dtype``; zero rows at masked slots; no host
+    sync, no padding.
+
+    The factored form of ``quads.quant.factored``: NVFP4 global scales per expert (the amax over the
+    expert's rows, or per row with ``act_scale="token"``), RAC channel sets per expert, one grouped
+    GEMM (``moe.grouped_mm``) over the stacked ``[activation | residual]`` rows of every expert, the
+    fp32 global scales applied to its output. ``w_q`` is the stored weight operand; it is used in
+    ``factored.gemm_dtype(w_q)`` (pass its fp32 copy on the CPU to avoid a conversion per call).
+    ``segs``: the experts as row groups (``factored.Segments.of(routes.expert, E)``; built here when
+    None); ``stacked``: ``stacked_routes(routes, P)`` for the spec's P (1, or 2 with RAC; built here when
+    None; a caller running several projections builds it once); ``static_order`` ``[E, >= |S|]``;
+    ``observe(r, norms)``: see ``factored.operands``.
+    """
+    if spec.act != "nvfp4" or spec.nvfp4_mode != "te":
+        raise ValueError(f"sorted_linear computes canonical NVFP4 activations, got spec {spec.describe()} "
+                         f"(mode {spec.nvfp4_mode!r}); use grouped_linear on the padded layout")
+    ops.check_k(xs.shape[-1], "NVFP4 activation")
+    E = routes.n_experts
+    segs = segs if segs is not None else factored.Segments.of(routes.expert, E)
+    dtype = factored.gemm_dtype(w_q)
+    op = factored.operands(xs, segs, n=rac_channels(xs.shape[-1], spec.rac_ratio), dtype=dtype,
+                           per_token=spec.act_scale == "token", selection=spec.rac_selection,
+                           static_order=static_order, observe=observe)
+    M, P, K = op.u.shape
+    stacked = stacked if stacked is not None else stacked_routes(routes, P)
+    if stacked.offsets.shape != routes.offsets.shape or stacked.expert.shape[0] != M * P:
+        raise ValueError(f"sorted_linear: stacked routes for {stacked.expert.shape[0]} rows, the operands have "
+                         f"{M} x {P}; pass stacked_routes(routes, {P})")
+    y = moe.grouped_mm(op.u.reshape(M * P, K), w_q.to(dtype), stacked)  # [M*P, N]
+    return factored.scale_output(y.view(M, P, -1), op.g).to(xs.dtype)

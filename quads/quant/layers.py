@@ -25,7 +25,7 @@ from torch import nn
 
 from quads.kernels import dispatch, w4a16
 from quads.model import moe
-from quads.quant import grouped, ops
+from quads.quant import factored, grouped, ops
 from quads.quant.linear import spec_linear
 from quads.quant.rac import StaticChannelSelector, rac_channels
 from quads.quant.recipe import LinearSpec
@@ -338,10 +338,12 @@ class QuantizedExperts(_QuantizedBase):
         The slots are sorted on the device (``quads.model.moe.static_routes``). Unquantized
         activations: one grouped GEMM per projection over the sorted rows (``moe.grouped_mm``, the
         same ``x @ Wop.T`` in ``x.dtype``; W4A16 with a packed weight: ``w4a16.grouped_gemm``, the same
-        product read from the 4-bit weight). Quantized activations: the padded layout of
-        ``quads.quant.grouped`` at the fixed capacity C = T (zero rows change no amax or residual
-        norm, so every quantized operand is the loop's) and ``grouped_linear``. Outputs summed per
-        token in ascending expert order, as the loop does.
+        product read from the 4-bit weight). NVFP4 activations (canonical mode): ``grouped.sorted_linear``
+        on the sorted rows (per-expert global scales and RAC channel sets by masked reductions, one
+        grouped GEMM of the exact NVFP4 values per projection, fp32 global scales on its output; the
+        quantized operands are the loop's bit for bit, see ``quads.quant.factored``). FP8 activations:
+        the padded layout of ``quads.quant.grouped`` at the fixed capacity C = T (zero rows change no
+        amax) and ``grouped_linear``. Outputs summed per token in ascending expert order, as the loop does.
         """
         if not self.supports_static():
             raise ValueError(f"forward_static: spec {self.spec.describe()} on the {self.side} side has no "
@@ -350,6 +352,10 @@ class QuantizedExperts(_QuantizedBase):
         routes = moe.static_routes(top_k_index, self.num_experts)
         xs = hidden_states[routes.order // k]  # [T*k, H] sorted by expert, masked slots last
 
+        sorted_rows = self.spec.act == "nvfp4" and self.spec.nvfp4_mode == "te"
+        segs = factored.Segments.of(routes.expert, self.num_experts) if sorted_rows else None
+        stacked = grouped.stacked_routes(routes, 2 if self.spec.rac_ratio > 0 else 1) if sorted_rows else None
+
         def gemm(name: str, a: torch.Tensor) -> torch.Tensor:
             store = self.stores[name]
             if self.spec.act == "none":
@@ -357,6 +363,14 @@ class QuantizedExperts(_QuantizedBase):
                     return w4a16.grouped_gemm(a, store.get_packed(), routes.ends)
                 return moe.grouped_mm(a, store.get(), routes)
             sel = self.selectors[name] if name in self.selectors else None
+            if sorted_rows:
+                w_q = store.get() if factored.gemm_dtype(store.get()) == store.get().dtype else store.get_f32()
+                order = observe = None
+                if sel is not None:
+                    order = sel.order
+                    observe = lambda r, norms: sel.observe_norms(norms, segs.counts())  # noqa: E731
+                return grouped.sorted_linear(a, routes, w_q, self.spec, segs=segs, stacked=stacked,
+                                             static_order=order, observe=observe)
             order = observe = None
             if sel is not None:
                 order = sel.order

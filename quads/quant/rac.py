@@ -137,6 +137,14 @@ class StaticChannelSelector(nn.Module):
             self.count += counts.to(self.count.device)
 
     @torch.no_grad()
+    def observe_norms(self, norms: torch.Tensor, counts: torch.Tensor) -> None:
+        """Accumulate per-group residual norms ``norms`` ``[groups, K]`` (``sum_t R^2``, as
+        ``residual_norms`` gives) of ``counts`` ``[groups]`` rows, as ``observe_all`` does from R."""
+        if self.observing:
+            self.sq_sum += norms.to(self.sq_sum.device)
+            self.count += counts.to(self.count.device)
+
+    @torch.no_grad()
     def refresh(self, prior: torch.Tensor | None = None) -> int:
         """Recompute the orders from the statistics, reset them; returns the number of groups updated."""
         seen = self.count > 0

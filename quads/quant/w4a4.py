@@ -7,10 +7,16 @@
     A  [T, K']  = [   Xq   | Rq_S ]        B [N, K'] = [   Wq   | Wq[:, S] ]
 
 ``Xq = QDQ(X)``, ``Wq = QDQ(W)`` (no weight residual: the weight columns of S are duplicated),
-``Rq_S = QDQ(R[:, S])`` (see ``quads.quant.rac`` for |S|, S and the residual's scales). Both
-operands are dequantized to fp32 (``e2m1 * s`` is exact) and multiplied with fp32 accumulation, so
-this emulates a hardware FP4 GEMM over the concatenated K' up to accumulation order; the kernel
-backend (``quads.quant.ops``) computes exactly this layout. The output is cast to ``x.dtype``.
+``Rq_S = QDQ(R[:, S])`` (see ``quads.quant.rac`` for |S|, S and the residual's scales).
+
+How it is computed (canonical NVFP4 mode): in the factored form of ``quads.quant.factored``,
+``Y = g_x * (U_x @ Wq.T) + g_r * (U_r @ Wq.T)`` with the exact ``e2m1 * s`` values ``U`` (``U_r``
+scattered back to its channels) in BF16 on CUDA (tensor cores) or FP32 on the CPU, fp32 accumulation,
+the FP32 global scales applied to the output; the same formula as the engine's capturable expert path
+(``quads.quant.grouped.sorted_linear``), with one group of rows. The fp32 emulation above
+(``rac_gemm_operands`` + ``ops.lowp_matmul``: both operands dequantized to fp32, one GEMM over K')
+is the reference it is tested against (same quantized operands, accumulation order aside), and the
+path of the compatibility modes. The output is cast to ``x.dtype``.
 Gradients (if any) are straight-through at ``X_eff = Xq + scatter_S(Rq_S)`` and ``Wq``.
 """
 
@@ -19,8 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
-from quads.quant import ops
+from quads.quant import factored, ops
 from quads.quant.qat import ste_linear
 from quads.quant.rac import rac_channels, rac_operands
 
@@ -65,6 +72,8 @@ def w4a4_linear(
         w_q = ops.nvfp4_qdq(w.detach(), tile=tile, mode=mode)
 
     def compute(x2: torch.Tensor, need: bool):
+        if mode == "te":
+            return factored_compute(x2, need)
         xq, rq, s = rac_operands(
             x2.detach(), n=n, selection=selection, act_scale=act_scale, mode=mode,
             static_order=static_channels, observe=observe,
@@ -75,5 +84,18 @@ def w4a4_linear(
             return y, None, None
         x_eff = xq if s is None else xq.index_add(1, s, rq)
         return y, x_eff, w_q
+
+    def factored_compute(x2: torch.Tensor, need: bool):
+        dtype = factored.gemm_dtype(w_q)
+        op = factored.operands(
+            x2.detach(), factored.Segments.of(None), n=n, dtype=dtype, per_token=act_scale == "token",
+            selection=selection, static_order=static_channels,
+            observe=None if observe is None else lambda r, norms: observe(r),
+        )  # fmt: skip
+        m, p, kk = op.u.shape
+        y = factored.scale_output(F.linear(op.u.reshape(m * p, kk), w_q.to(dtype)).view(m, p, -1), op.g)
+        if not need:
+            return y.to(x2.dtype), None, None
+        return y.to(x2.dtype), op.dequantized(), w_q
 
     return ste_linear(x, w, compute, bias)

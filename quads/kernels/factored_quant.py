@@ -1,0 +1,142 @@
+"""NVFP4 quantize to exact values (Triton): the activation side of the factored W4A4 GEMM in one pass.
+
+For rows ``x`` ``[M, K]`` and a given amax per row (a group's amax, or the row's own), one kernel does
+what ``quads.quant.factored`` would otherwise do in ~7 torch kernels: the canonical NVFP4 cast (the
+arithmetic of ``nvfp4_quant._quantize_tile``, bit-exact with ``quads.formats.nvfp4``), then writes
+
+- ``u = e2m1 * s`` (the dequantized value without its global scale; exact in BF16/FP16/FP32) in the
+  output's dtype,
+- ``g = S_dec`` per row (fp32),
+- optionally the residual ``r = x - u * S_dec`` in fp32 (``(e2m1 * s) * S_dec`` is the reference's
+  dequantized value, bit for bit; no FMA contraction, ``EXACT``).
+
+``index`` ``[M, n]`` (long): quantize the gathered elements ``x[i, index[i, :]]`` as the row (blocks of 16
+consecutive indices, RAC's selection order) and scatter ``u`` back to ``out[i, index[i, j]]`` (``out``
+``[M, K]``, zero-initialized by the caller), so the residual operand never exists in gathered form.
+The pure-PyTorch twin is ``quantize_units_reference``; tests compare them byte for byte.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quads.formats import nvfp4
+from quads.formats.constants import NVFP4_BLOCK
+from quads.kernels._common import EXACT, HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from quads.kernels._common import cast_out, e2m1_times_scale, e4m3_to_f32
+    from quads.kernels.nvfp4_quant import _global_scales, _quantize_tile, _store_codes_scales
+
+    @triton.jit
+    def _quantize_units_kernel(
+        x_ptr, amax_ptr, idx_ptr, u_ptr, g_ptr, r_ptr, codes_ptr, scales_ptr, M, K, W, stride_xm, stride_um,
+        GATHER: tl.constexpr, RESIDUAL: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """Rows ``[BLOCK_M]`` x the quantized width W (K, or n gathered channels) in steps of BLOCK_K."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        amax = tl.load(amax_ptr + rows, mask=rmask, other=0.0)
+        s_enc, s_dec = _global_scales(amax)
+        tl.store(g_ptr + rows, s_dec, mask=rmask)
+        for k0 in range(0, W, BLOCK_K):
+            j = k0 + tl.arange(0, BLOCK_K)
+            m = rmask[:, None] & (j[None, :] < W)
+            if GATHER:
+                ch = tl.load(idx_ptr + rows[:, None] * W + j[None, :], mask=m, other=0)
+            else:
+                ch = tl.broadcast_to(j[None, :], (BLOCK_M, BLOCK_K))
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ch, mask=m, other=0.0).to(tl.float32)
+            packed, s_byte, _, c3, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K, False)
+            if CODES:  # the NVFP4 tensor itself, [M, W/2] codes and [M, W/16] scales (tests, export)
+                _store_codes_scales(codes_ptr, scales_ptr, packed, s_byte, rows, rmask, k0, W, 1, 1, 1,
+                                    False, BLOCK_K)
+            s16 = e4m3_to_f32(s_byte) * 16384.0  # the stored scale (NaN for a NaN block, as the reference)
+            u = tl.reshape(e2m1_times_scale(c3, s16[:, :, None]), (BLOCK_M, BLOCK_K))
+            tl.store(u_ptr + rows[:, None] * stride_um + ch, cast_out(u, u_ptr), mask=m)
+            if RESIDUAL:
+                r = x - u * s_dec[:, None]
+                tl.store(r_ptr + rows[:, None] * K + ch, r, mask=m)
+
+
+def quantize_units(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    index: torch.Tensor | None = None,
+    residual: bool = False,
+    codes: bool = False,
+    out: torch.Tensor | None = None,
+    block_m: int = 16,
+    block_k: int = 256,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, ...]:
+    """``(u [M, K] in dtype, g [M] fp32, r [M, K] fp32 or None)`` of ``x`` ``[M, K]`` with amax ``[M]``
+    (see the module docstring; ``index`` ``[M, n]``: gathered quantization, ``u`` scattered, zero elsewhere;
+    ``residual`` only without ``index``). ``codes``: also the packed codes ``[M, W/2]`` and E4M3 scales
+    ``[M, W/16]`` (W = K or n) as two more outputs. ``out``: write ``u`` there (``[M, K]``, rows may be
+    strided, e.g. one slice of a stacked operand; zero-filled by the caller when ``index`` is given)."""
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed; use quantize_units_reference")
+    if residual and index is not None:
+        raise ValueError("quantize_units: residual=True needs index=None (the residual of gathered rows is not kept)")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    width = k if index is None else index.shape[1]
+    if width % NVFP4_BLOCK:
+        raise ValueError(f"quantize_units needs a width multiple of {NVFP4_BLOCK}, got {width}")
+    amax = amax.reshape(m).float().contiguous()
+    if out is None:
+        u = (torch.empty if index is None else torch.zeros)(m, k, dtype=dtype, device=x.device)
+    elif out.shape != (m, k) or out.stride(-1) != 1:
+        raise ValueError(f"quantize_units: out must be [{m}, {k}] with unit stride along K, got "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    else:
+        u = out
+    g = torch.empty(m, dtype=torch.float32, device=x.device)
+    r = torch.empty(m, k, dtype=torch.float32, device=x.device) if residual else g
+    idx = g if index is None else index.contiguous()
+    cd = torch.empty(m, width // 2, dtype=torch.uint8, device=x.device) if codes else g
+    sc = torch.empty(m, width // NVFP4_BLOCK, dtype=torch.uint8, device=x.device) if codes else g
+    bk = max(NVFP4_BLOCK, min(block_k, triton.next_power_of_2(width)))
+    _quantize_units_kernel[(triton.cdiv(m, block_m),)](
+        x, amax, idx, u, g, r, cd, sc, m, k, width, x.stride(0), u.stride(0),
+        GATHER=index is not None, RESIDUAL=residual, CODES=codes, BLOCK_M=block_m, BLOCK_K=bk,
+        num_warps=num_warps, **EXACT,
+    )  # fmt: skip
+    out = (u, g, r if residual else None)
+    return out + (cd, sc.view(torch.float8_e4m3fn)) if codes else out
+
+
+def quantize_units_reference(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    index: torch.Tensor | None = None,
+    residual: bool = False,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Pure-PyTorch twin of ``quantize_units`` (``nvfp4.quantize`` with the given amax per row)."""
+    if residual and index is not None:
+        raise ValueError("quantize_units: residual=True needs index=None (the residual of gathered rows is not kept)")
+    xf = x.float()
+    xs = xf if index is None else xf.gather(1, index)
+    q = nvfp4.quantize(xs, amax=amax.reshape(-1, 1))
+    vals = nvfp4.e2m1_values(nvfp4.unpack(q.codes))
+    us = (vals.reshape(*vals.shape[:-1], -1, NVFP4_BLOCK) * q.scales.float()[..., None]).reshape(vals.shape)
+    g = q.global_scale.reshape(-1)
+    if index is None:
+        u = us.to(dtype)
+    else:
+        u = torch.zeros(xf.shape, dtype=dtype, device=x.device).scatter_(1, index, us.to(dtype))
+    if out is not None:
+        u = out.copy_(u)
+    if not residual:
+        return u, g, None
+    return u, g, xf - us * g[:, None]

@@ -1,0 +1,182 @@
+"""W4A4 (+RAC) as GEMMs of exact NVFP4 values, the FP32 global scales applied to the output.
+
+An NVFP4 activation element dequantizes to ``(e2m1 * s) * g`` in fp32 (``quads.formats.nvfp4``):
+``u = e2m1 * s`` (E2M1 times its E4M3 block scale) has at most 6 significant bits and lies in
+``[2^-10, 2688]``, so it is exact in BF16, FP16 and FP32; ``g`` (S_dec) is one FP32 factor per row.
+The weight operand is the stored ``QDQ(W)`` in the recipe's ``weight_dtype`` (the tensor the trainer's
+QDQ(W) equals bit for bit), used as is. So for a row ``t`` of the activation
+
+    y[t] = g_x[t] * (U_x @ Wq.T)[t]  +  g_r[t] * (U_r @ Wq.T)[t]          (RAC term only with |S| > 0)
+
+with ``U_x`` ``[M, K]`` the exact values of ``QDQ(X)`` and ``U_r`` ``[M, K]`` those of the residual
+``QDQ(R[:, S])`` scattered back to their channels (zero outside S, so no weight column is gathered and
+K is not widened). Both products are one GEMM: the rows are stacked ``[M, 2, K]`` (a row's activation,
+then its residual), so a group of rows stays contiguous and the weight is read once.
+
+Against the fp32 emulation (``w4a4.rac_gemm_operands`` + ``ops.lowp_matmul``, and
+``grouped.grouped_linear``), which multiplies the fp32 products ``fl(u * g)`` over K + |S| columns:
+every quantized operand is bit-identical (codes, block scales, global scales, S), and each product
+``u * w`` is exact in the fp32 accumulator here, where the emulation rounds ``u * g`` first. The two
+differ by fp32 accumulation order and that rounding (both within ``gamma_K`` of the fp64 value, see
+tests/test_quant_factored.py), plus, on CUDA, the BF16 rounding of each GEMM output (``torch._grouped_mm``
+and cuBLAS write BF16) before the fp32 scale: one extra relative 2^-9 per term.
+
+GEMM dtype (``gemm_dtype``): the weight operand's dtype on CUDA when it is BF16 (tensor cores; the
+operands are exact there); FP32 otherwise (the CPU, whose BF16 GEMM may be a slow fallback, and FP32
+weights), with the same exact operand values and an FP32 output.
+
+Groups (``Segments``): rows that share an activation global scale and a RAC channel set: one group
+for a dense linear, one per expert for the sorted rows of a MoE layer (``quads.model.moe.static_routes``:
+row ``i`` belongs to expert ``expert[i]``, masked slots to the extra group E). Every per-group reduction
+(amax, residual norms) is a masked reduction over a fixed ``[G+1, M]`` membership matrix: no host sync,
+static shapes, so the path is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from quads.formats import nvfp4
+from quads.kernels import dispatch
+
+
+@dataclass
+class Segments:
+    """Row groups: ``group`` ``[M]`` long in ``[0, G]`` (G: rows of no group), ``hits`` ``[G+1, M]`` bool
+    (``hits[g, i]``: row i is in group g); ``groups`` = G. ``group=None``: all rows one group."""
+
+    group: torch.Tensor | None
+    hits: torch.Tensor | None
+    groups: int
+    members: torch.Tensor | None = None  # hits[:G] in fp64 (the per-group sum as a GEMM)
+
+    @staticmethod
+    def of(group: torch.Tensor | None, groups: int = 1) -> Segments:
+        if group is None:
+            return Segments(None, None, 1)
+        hits = torch.arange(groups + 1, device=group.device)[:, None] == group[None, :]
+        return Segments(group, hits, groups, hits[:groups].double())
+
+    def row_max(self, v: torch.Tensor) -> torch.Tensor:
+        """``v`` ``[M]`` (>= 0) -> the max over each row's group, per row ``[M]`` (exact: a max)."""
+        if self.group is None:
+            return v.amax().expand(v.shape[0])
+        per_group = torch.where(self.hits, v[None, :], 0.0).amax(dim=1)  # [G+1]
+        return per_group[self.group]
+
+    def sq_norms(self, r: torch.Tensor) -> torch.Tensor:
+        """``sum over a group's rows of r^2`` in fp64, ``[G, K]`` (``rac.residual_norms`` per group; the
+        squares of fp32 values are exact in fp64, so only the fp64 summation order differs)."""
+        sq = r.double().square()
+        if self.group is None:
+            return sq.sum(dim=0, keepdim=True)
+        return self.members @ sq  # a GEMM: deterministic, no atomics
+
+    def counts(self) -> torch.Tensor:
+        """Rows per group ``[G]``."""
+        if self.hits is None:
+            raise ValueError("counts needs explicit groups")
+        return self.hits[: self.groups].sum(dim=1)
+
+
+def row_amax(x: torch.Tensor) -> torch.Tensor:
+    """NaN-ignoring ``max |x|`` of each row of ``x`` ``[M, K]`` -> fp32 ``[M]`` (Triton on CUDA)."""
+    if dispatch.use_triton(x):
+        from quads.kernels.nvfp4_quant import row_amax as kernel
+
+        return kernel(x)
+    return nvfp4.nan_ignoring_amax(x.float(), dim=-1).squeeze(-1)
+
+
+def units(
+    x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, *, index: torch.Tensor | None = None,
+    residual: bool = False, out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(u, g, r)``: the exact values ``e2m1 * s`` of NVFP4(``x`` ``[M, K]``) with amax ``[M]`` per row, in
+    ``dtype`` ``[M, K]``; S_dec ``[M]``; the residual ``x - u * S_dec`` fp32 (``residual``). ``index``
+    ``[M, n]``: quantize the gathered ``x[i, index[i]]``, ``u`` scattered back (zero elsewhere).
+    ``out``: the ``[M, K]`` (row-strided) tensor to write ``u`` into. One Triton kernel on CUDA
+    (``quads.kernels.factored_quant``, no host sync), its twin elsewhere."""
+    from quads.kernels import factored_quant
+
+    if dispatch.use_triton(x):
+        return factored_quant.quantize_units(x, amax, dtype=dtype, index=index, residual=residual, out=out)
+    return factored_quant.quantize_units_reference(x, amax, dtype=dtype, index=index, residual=residual, out=out)
+
+
+def gemm_dtype(w_q: torch.Tensor) -> torch.dtype:
+    """The dtype of the factored GEMM's operands (see the module docstring)."""
+    return torch.bfloat16 if (w_q.is_cuda and w_q.dtype == torch.bfloat16) else torch.float32
+
+
+@dataclass
+class Operands:
+    """The factored activation operands of ``M`` rows: ``u`` ``[M, P, K]`` exact values in the GEMM
+    dtype (P = 1: ``QDQ(X)``; P = 2 with RAC: then the residual scattered to K), ``g`` ``[M, P]`` fp32
+    global decode scales, ``channels`` ``[G, |S|]`` the RAC channel sets (None without RAC)."""
+
+    u: torch.Tensor
+    g: torch.Tensor
+    channels: torch.Tensor | None
+
+    def dequantized(self) -> torch.Tensor:
+        """``QDQ(X)`` plus the scattered ``QDQ(R[:, S])``, fp32 ``[M, K]`` (the STE point; the same fp32
+        values as the emulation's ``(e2m1 * s) * g``)."""
+        return (self.u.float() * self.g[..., None]).sum(dim=1)
+
+
+def operands(
+    x: torch.Tensor,
+    segs: Segments,
+    *,
+    n: int,
+    dtype: torch.dtype,
+    per_token: bool = False,
+    selection: str = "dynamic",
+    static_order: torch.Tensor | None = None,
+    observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> Operands:
+    """The factored W4A4 (+RAC with ``n`` = |S| channels) operands of ``x`` ``[M, K]`` (canonical NVFP4).
+
+    Global scales: per group (``per_token=False``: the amax over the group's rows, as the expert loop
+    quantizes each expert's tokens as one tensor) or per row. RAC (``quads.quant.rac``): ``R = X - QDQ(X)``
+    in fp32; ``S`` per group: the ``n`` channels of largest ``sum R^2`` over the group's rows (fp64,
+    stable descending sort), or ``static_order[g, :n]``; ``R[:, S]`` in selection order is quantized
+    with its own global scale (per group over the gathered residual, or per row). ``observe(r, norms)``:
+    the residual ``[M, K]`` and its per-group norms ``[G, K]`` (static-order calibration).
+    """
+    if selection not in ("dynamic", "static"):
+        raise ValueError(f"unknown RAC selection {selection!r}; valid: dynamic, static")
+    amax = row_amax(x)
+    need_r = n > 0 or observe is not None
+    buf = torch.empty(x.shape[0], 2 if n else 1, x.shape[1], dtype=dtype, device=x.device)  # [M, P, K]
+    u, gx, r = units(x, amax if per_token else segs.row_max(amax), dtype, residual=need_r, out=buf[:, 0])
+    if not need_r:
+        return Operands(buf, gx[:, None], None)
+    norms = segs.sq_norms(r) if selection == "dynamic" or observe is not None else None
+    if observe is not None:
+        observe(r, norms)
+    if n == 0:
+        return Operands(buf, gx[:, None], None)
+    if selection == "dynamic":
+        s = torch.argsort(norms, dim=-1, descending=True, stable=True)[:, :n]  # [G, n]
+    else:
+        if static_order is None or static_order.shape[-1] < n:
+            got = None if static_order is None else tuple(static_order.shape)
+            raise ValueError(f"static RAC selection needs a channel order of at least {n} channels per group, "
+                             f"got shape {got}; pass the selector's orders (StaticChannelSelector) or use "
+                             "selection='dynamic'")
+        s = static_order.reshape(-1, static_order.shape[-1])[:, :n].to(device=x.device, dtype=torch.long)
+    s_rows = s.expand(x.shape[0], n) if segs.group is None else s[segs.group.clamp_max(segs.groups - 1)]
+    ra = row_amax(r.gather(1, s_rows))  # [M] amax of R[:, S] of each row's group, per row
+    ur = buf[:, 1].zero_()  # the residual's values, scattered: zero outside S
+    _, gr, _ = units(r, ra if per_token else segs.row_max(ra), dtype, index=s_rows, out=ur)
+    return Operands(buf, torch.stack([gx, gr], dim=1), s)
+
+
+def scale_output(y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``y`` ``[M, P, N]`` (the GEMM of each stacked operand) -> ``sum_p g[:, p] * y[:, p]`` fp32 ``[M, N]``."""
+    return (y.float() * g[..., None]).sum(dim=1)  # P <= 2 terms: (0 +) a + b, one rounding

@@ -1,0 +1,222 @@
+"""The factored W4A4 (+RAC) path (quads.quant.factored, grouped.sorted_linear) on sorted expert rows:
+quantized operands bit-exact with each expert's own quantization, outputs within the fp32
+accumulation bound of the exact (fp64) product of those operands, and within twice it of the fp32
+emulation (grouped.grouped_linear on the padded layout); masked slots contribute nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quads.formats import nvfp4
+from quads.kernels import dispatch
+from quads.kernels._common import HAS_TRITON
+from quads.model.moe import static_routes
+from quads.quant import factored, grouped, ops
+from quads.quant.rac import StaticChannelSelector, rac_channels, residual_norms
+from quads.quant.recipe import LinearSpec
+
+E, K, N, T, TOP = 4, 64, 48, 11, 2
+U32 = 2.0**-24
+SPECS = {
+    "w4a4": LinearSpec(weight="nvfp4", act="nvfp4"),
+    "rac50": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
+    "rac25-token": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.25, act_scale="token"),
+    "rac50-static": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5, rac_selection="static"),
+}
+
+
+def _case(seed: int = 0, device: str = "cpu"):
+    """Sorted rows of a routing with masked slots, the weight operand, a static order per expert."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=g)
+    x[:, 5] *= 30  # an outlier channel
+    idx = torch.stack([torch.randperm(E, generator=g)[:TOP] for _ in range(T)])
+    idx[2] = E  # token 2 routed nowhere
+    idx[7, 1] = E
+    x, idx = x.to(device), idx.to(device)
+    routes = static_routes(idx, E)
+    xs = x[routes.order // TOP]
+    w = (torch.randn(E, N, K, generator=g) * 0.1).to(device)
+    w_q, _ = ops.quantize_weight(w, LinearSpec(weight="nvfp4"), torch.bfloat16)  # [E, N, K] bf16 operand
+    order = torch.stack([torch.randperm(K, generator=g) for _ in range(E)]).to(device)
+    return xs, routes, w, w_q, order
+
+
+def _expert_rows(routes, e):
+    return (routes.expert == e).nonzero().squeeze(1)
+
+
+def _units(q: nvfp4.NVFP4Tensor) -> torch.Tensor:
+    """e2m1 * s in fp64, straight from the codes and scales."""
+    v = nvfp4.e2m1_values(nvfp4.unpack(q.codes)).double()
+    return (v.reshape(*v.shape[:-1], -1, 16) * q.scales.double()[..., None]).reshape(v.shape)
+
+
+def _exact(xs, routes, w_q, spec, order):
+    """Per expert, from nvfp4.quantize and rac's selection directly: the fp64 value of the W4A4(+RAC)
+    GEMM of the quantized operands (RAC as the appended-columns product of DESIGN.md), and the bound
+    gamma_(K+|S|+2) * sum |a| |w| of an fp32 evaluation of it."""
+    per_token, n = spec.act_scale == "token", rac_channels(K, spec.rac_ratio)
+    y = torch.zeros(xs.shape[0], N, dtype=torch.float64)
+    mag = torch.zeros_like(y)
+    for e in range(E):
+        rows = _expert_rows(routes, e)
+        if not len(rows):
+            continue
+        x_e, w_e = xs[rows], w_q[e].double()
+        q = nvfp4.quantize(x_e, per_token=per_token)
+        a = _units(q) * q.global_scale.double()
+        y[rows] = a @ w_e.T
+        mag[rows] = a.abs() @ w_e.abs().T
+        if n:
+            r = x_e - nvfp4.dequantize(q)
+            s = (torch.argsort(residual_norms(r), descending=True, stable=True)[:n] if spec.rac_selection == "dynamic"
+                 else order[e, :n])
+            qr = nvfp4.quantize(r[:, s], per_token=per_token)
+            ar = _units(qr) * qr.global_scale.double()
+            y[rows] += ar @ w_e[:, s].T
+            mag[rows] += ar.abs() @ w_e[:, s].abs().T
+    gamma = (K + n + 2) * U32 / (1 - (K + n + 2) * U32)
+    return y, gamma * mag + U32 * y.abs()
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_sorted_linear_within_fp64_bound_and_matches_emulation(name):
+    spec = SPECS[name]
+    xs, routes, w, w_q, order = _case()
+    got = grouped.sorted_linear(xs, routes, w_q.float(), spec, static_order=order)
+    ref = routes.unpad(grouped.grouped_linear(routes.pad(xs), w, w_q, spec, static_order=order))
+    exact, bound = _exact(xs, routes, w_q, spec, order)
+    valid = routes.valid
+    err_new = (got.double() - exact).abs()
+    err_ref = (ref.double() - exact).abs()
+    assert (err_new[valid] <= bound[valid]).all(), f"{name}: {(err_new / bound)[valid].max():.3g} x the bound"
+    assert (err_ref[valid] <= bound[valid]).all(), f"{name}: emulation {(err_ref / bound)[valid].max():.3g} x"
+    assert ((got.double() - ref.double()).abs() <= 2 * bound).all()
+    assert exact[valid].abs().max() > 0
+    assert torch.equal(got[~valid], torch.zeros_like(got[~valid]))  # masked slots: zero rows
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_operands_bit_exact_per_expert(name):
+    """Codes, block scales, global scales and channel sets are each expert's own, bit for bit."""
+    spec = SPECS[name]
+    xs, routes, _, _, order = _case(1)
+    per_token, n = spec.act_scale == "token", rac_channels(K, spec.rac_ratio)
+    segs = factored.Segments.of(routes.expert, E)
+    op = factored.operands(xs, segs, n=n, dtype=torch.bfloat16, per_token=per_token,
+                           selection=spec.rac_selection, static_order=order)
+    for e in range(E):
+        rows = _expert_rows(routes, e)
+        if not len(rows):
+            continue
+        want = nvfp4.quantize(xs[rows], per_token=per_token)
+        assert torch.equal(op.g[rows, 0], want.global_scale.expand(len(rows), 1).reshape(-1))
+        assert torch.equal(op.u[rows, 0].double(), _units(want))  # e2m1 * s, exact in bf16
+        if not n:
+            assert op.u.shape[1] == 1
+            continue
+        r = xs[rows] - nvfp4.dequantize(want)
+        s = (torch.argsort(residual_norms(r), descending=True, stable=True)[:n] if spec.rac_selection == "dynamic"
+             else order[e, :n])
+        assert torch.equal(op.channels[e], s)
+        qr = nvfp4.quantize(r[:, s], per_token=per_token)
+        assert torch.equal(op.g[rows, 1], qr.global_scale.expand(len(rows), 1).reshape(-1))
+        ur = op.u[rows, 1].double()
+        assert torch.equal(ur[:, s], _units(qr))
+        rest = torch.ones(K, dtype=torch.bool)
+        rest[s] = False
+        assert torch.equal(ur[:, rest], torch.zeros_like(ur[:, rest]))
+        # the STE point: QDQ(X) + scatter(QDQ(R[:, S])), the emulation's fp32 values
+        want_eff = nvfp4.dequantize(want).index_add(1, s, nvfp4.dequantize(qr))
+        assert torch.equal(op.dequantized()[rows], want_eff)
+
+
+def test_masked_rows_do_not_reach_any_expert():
+    """Rows of masked slots form their own group: changing them changes no valid row's output."""
+    xs, routes, _, w_q, _ = _case(2)
+    spec = SPECS["rac50"]
+    y0 = grouped.sorted_linear(xs, routes, w_q.float(), spec)
+    xs2 = xs.clone()
+    xs2[~routes.valid] = 1e4  # huge values would move any shared amax or residual norm
+    y1 = grouped.sorted_linear(xs2, routes, w_q.float(), spec)
+    assert (~routes.valid).sum() == 3 and torch.equal(y0, y1)
+    assert torch.equal(y1[~routes.valid], torch.zeros_like(y1[~routes.valid]))
+
+
+def test_static_statistics_match_the_padded_path():
+    """The calibration statistics of the sorted path (per-expert norms) equal the padded path's."""
+    xs, routes, w, w_q, _ = _case(3)
+    spec = SPECS["rac50-static"]
+    a, b = StaticChannelSelector(E, K), StaticChannelSelector(E, K)
+    segs = factored.Segments.of(routes.expert, E)
+    grouped.sorted_linear(xs, routes, w_q.float(), spec, segs=segs, static_order=a.order,
+                          observe=lambda r, norms: a.observe_norms(norms, segs.counts()))
+    counts = routes.offsets[1:] - routes.offsets[:-1]
+    grouped.grouped_linear(routes.pad(xs), w, w_q, spec, static_order=b.order,
+                           observe=lambda r: b.observe_all(r, counts))
+    assert torch.equal(a.count, b.count) and a.count.sum() == routes.valid.sum()
+    torch.testing.assert_close(a.sq_sum, b.sq_sum, rtol=1e-6, atol=0)
+    assert a.sq_sum.abs().sum() > 0
+
+
+def test_sorted_linear_refuses_other_specs():
+    xs, routes, _, w_q, _ = _case()
+    with pytest.raises(ValueError, match="canonical NVFP4"):
+        grouped.sorted_linear(xs, routes, w_q, LinearSpec(weight="nvfp4", act="nvfp4", nvfp4_mode="torchao"))
+    with pytest.raises(ValueError, match="at least 32 channels"):
+        grouped.sorted_linear(xs, routes, w_q, SPECS["rac50-static"], static_order=torch.zeros(E, 8, dtype=torch.long))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered"])
+def test_units_kernel_is_bit_exact(gather):
+    """The fused quantize-to-values kernel (interpreter on the CPU): codes, block scales, S_dec, the
+    exact values and the residual equal nvfp4.quantize's with the same amax per row, byte for byte."""
+    from quads.kernels import factored_quant
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(21, 96, generator=g) * torch.logspace(-3, 2, 96)  # blocks across the scale range
+    x[3, 17] = float("nan")  # the NaN policy: its block dequantizes to NaN
+    x[4, :16] = 0.0  # an all-zero block
+    x[5] = 0.0  # an all-zero row (amax 0)
+    index = torch.stack([torch.randperm(96, generator=g)[:48] for _ in range(21)]) if gather else None
+    xs = x if index is None else x.gather(1, index)
+    segs = factored.Segments.of(torch.arange(21) % 3, 3)
+    amax = segs.row_max(nvfp4.nan_ignoring_amax(xs, dim=-1).squeeze(-1))
+    want = nvfp4.quantize(xs, amax=amax[:, None])
+    if torch.cuda.is_available():
+        x, amax, index = x.cuda(), amax.cuda(), None if index is None else index.cuda()
+    for dtype in (torch.bfloat16, torch.float32):
+        with dispatch.kernels("triton"):
+            u, gs, r, codes, scales = factored_quant.quantize_units(x, amax, dtype=dtype, index=index,
+                                                                     residual=not gather, codes=True)
+        ru, rg, rr = factored_quant.quantize_units_reference(x, amax, dtype=dtype, index=index, residual=not gather)
+        u, gs, r, rg, ru = u.cpu(), gs.cpu(), None if r is None else r.cpu(), rg.cpu(), ru.cpu()
+        rr = None if rr is None else rr.cpu()
+        assert torch.equal(codes.cpu(), want.codes) and torch.equal(scales.view(torch.uint8).cpu(),
+                                                                    want.scales.view(torch.uint8))
+        assert torch.equal(gs.cpu(), want.global_scale.reshape(-1)) and torch.equal(rg, gs)
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        nan = ru.isnan()
+        assert nan.any() and torch.equal(u.isnan().cpu(), nan)  # same NaN elements (payloads may differ)
+        assert torch.equal(u.cpu().view(bits)[~nan], ru.view(bits)[~nan])  # every other bit pattern, -0 included
+        if not gather:
+            assert torch.equal(r.isnan(), rr.isnan()) and torch.equal(r.nan_to_num(), rr.nan_to_num())
+            qdq = nvfp4.dequantize(want)
+            assert torch.equal((x.cpu() - qdq).nan_to_num(), r.cpu().nan_to_num())  # x - QDQ(x), bit for bit
+    assert torch.equal(factored.row_amax(x).cpu(), nvfp4.nan_ignoring_amax(x.cpu(), dim=-1).squeeze(-1))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("name", ["rac50", "rac25-token"])
+def test_sorted_linear_triton_matches_reference_backend(name):
+    """The whole sorted path with the Triton kernels (interpreter on the CPU; same GEMM) gives the
+    reference backend's output bit for bit."""
+    xs, routes, _, w_q, _ = _case(5, "cuda" if torch.cuda.is_available() else "cpu")
+    with dispatch.kernels("reference"):
+        want = grouped.sorted_linear(xs, routes, w_q.float(), SPECS[name])
+    with dispatch.kernels("triton"):
+        got = grouped.sorted_linear(xs, routes, w_q.float(), SPECS[name])
+    assert torch.equal(got, want)

@@ -1,0 +1,134 @@
+"""GPU only (skipped without CUDA): the factored W4A4(+RAC) expert path on sorted rows with BF16 tensor-core
+GEMMs (``torch._grouped_mm``) and the Triton quantize-to-values kernel.
+
+Against the fp32 emulation on the padded layout (``grouped.grouped_linear``): the same quantized
+operands (bit for bit, tests/test_quant_factored.py), so the outputs differ by the fp32 accumulation
+bound plus the BF16 rounding of each grouped-GEMM output (2^-9 relative per term) and of the result;
+no host sync; a CUDA graph replays it bit for bit. Run on the device:
+`python3 -m pytest tests/test_quant_factored_gpu.py tests/test_quant_factored.py tests/test_engine_gpu.py -q`.
+"""
+
+import pytest
+import torch
+
+from quads.model.moe import MoEExperts, static_routes
+from quads.quant import factored, grouped, ops
+from quads.quant.layers import QuantizedExperts
+from quads.quant.recipe import LinearSpec
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (BF16 grouped GEMM)")
+
+E, K, N, T, TOP = 8, 256, 128, 64, 2
+SPECS = {
+    "w4a4": LinearSpec(weight="nvfp4", act="nvfp4"),
+    "rac50": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
+    "rac25-token": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.25, act_scale="token"),
+    "rac50-static": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5, rac_selection="static"),
+}
+
+
+def _case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=g)
+    x[:, 7] *= 30
+    idx = torch.stack([torch.randperm(E, generator=g)[:TOP] for _ in range(T)])
+    idx[3] = E  # routed nowhere
+    idx[10, 1] = E
+    w = torch.randn(E, N, K, generator=g) * 0.1
+    order = torch.stack([torch.randperm(K, generator=g) for _ in range(E)])
+    idx, x, w, order = idx.cuda(), x.cuda().bfloat16(), w.cuda(), order.cuda()
+    routes = static_routes(idx, E)
+    w_q, _ = ops.quantize_weight(w, LinearSpec(weight="nvfp4"), torch.bfloat16)
+    return x[routes.order // TOP], routes, w, w_q, order
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_sorted_linear_matches_fp32_emulation_cuda(name):
+    spec = SPECS[name]
+    xs, routes, w, w_q, order = _case()
+    assert factored.gemm_dtype(w_q) == torch.bfloat16
+    got = grouped.sorted_linear(xs, routes, w_q, spec, static_order=order)
+    ref = routes.unpad(grouped.grouped_linear(routes.pad(xs), w, w_q, spec, static_order=order))
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    valid = routes.valid
+    scale = ref.float().abs().max().item()
+    # fp32 accumulation bound (~K * 2^-24, negligible here) + BF16 GEMM outputs + the final BF16 cast
+    err = (got.float() - ref.float()).abs()
+    assert (err <= 2**-7 * ref.float().abs() + 1e-3 * scale).all(), f"{name}: max err {err.max().item()}"
+    assert torch.equal(got[~valid], torch.zeros_like(got[~valid]))
+
+
+@pytest.mark.parametrize("name", ["w4a4", "rac50"])
+def test_sorted_linear_has_no_host_sync_and_replays_in_a_graph(name):
+    xs, routes, _, w_q, _ = _case(1)
+    spec = SPECS[name]
+    want = grouped.sorted_linear(xs, routes, w_q, spec)  # first call: Triton compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = grouped.sorted_linear(xs, routes, w_q, spec)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, want)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        grouped.sorted_linear(xs, routes, w_q, spec)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        out = grouped.sorted_linear(xs, routes, w_q, spec)
+    graph.replay()
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_forward_static_matches_loop_cuda(name):
+    torch.manual_seed(0)
+    ex = MoEExperts(E, K, 64)
+    torch.nn.init.normal_(ex.gate_up_proj, std=0.1)
+    torch.nn.init.normal_(ex.down_proj, std=0.1)
+    q = QuantizedExperts(ex.bfloat16().requires_grad_(False), SPECS[name], side="rollout",
+                         weight_dtype=torch.bfloat16).cuda()
+    q.refresh()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(T, K, generator=g).bfloat16().cuda()
+    wts, idx = torch.softmax(torch.randn(T, E, generator=g), -1).topk(TOP)
+    idx[5] = E
+    idx, wts = idx.cuda(), wts.bfloat16().cuda()
+    q.grouped = False
+    with torch.no_grad():
+        ref = q(x, idx, wts)
+        got = q.forward_static(x, idx, wts)
+    scale = ref.float().abs().max().item()
+    assert (got.float() - ref.float()).abs().max().item() <= 2e-2 * scale
+    assert torch.equal(got[5], torch.zeros_like(got[5]))
+
+
+@pytest.mark.parametrize("name", ["w4a4", "rac50", "rac25-token"])
+def test_dense_w4a4_linear_cuda(name):
+    """The dense layer (attention projections when targeted) computes the same factored form with a BF16
+    cuBLAS GEMM: close to the fp32 emulation, and no host sync."""
+    from quads.formats import nvfp4
+    from quads.quant.rac import rac_channels, rac_operands
+    from quads.quant.w4a4 import rac_gemm_operands, w4a4_linear
+
+    spec = SPECS[name]
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(32, K, generator=g) * 3).bfloat16().cuda()
+    w = torch.randn(N, K, generator=g).cuda()
+    w_q = nvfp4.qdq(w.bfloat16())
+    kw = dict(rac_ratio=spec.rac_ratio, act_scale=spec.act_scale, w_q=w_q)
+    got = w4a4_linear(x, w, **kw)
+    xq, rq, s = rac_operands(x, n=rac_channels(K, spec.rac_ratio), act_scale=spec.act_scale)
+    a, b = rac_gemm_operands(xq, rq, s, w_q)
+    ref = (a @ b.T).to(x.dtype)
+    scale = ref.float().abs().max().item()
+    assert ((got.float() - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-3 * scale).all()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = w4a4_linear(x, w, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, got)
