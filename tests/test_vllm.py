@@ -59,7 +59,8 @@ def engine(policy):
     from quads.rollout.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
 
     folder, tok = policy
-    eng = VLLMRolloutEngine(folder, tok, "quads", VLLMEngineConfig(dtype="float32", native_bf16=False, max_num_seqs=8))
+    eng = VLLMRolloutEngine(folder, tok, "quads", VLLMEngineConfig(dtype="float32", native_bf16=False, max_num_seqs=8,
+                                                                      weight_storage="master"))
     yield eng
     eng.close()
 
