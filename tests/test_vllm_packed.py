@@ -234,3 +234,21 @@ def test_set_recipe_keeps_packed_weights_or_refuses(engine, policy, sequences):
     with pytest.raises(ValueError, match="weight_storage='master'"):
         engine.set_recipe(_recipe(weight_dtype="float32"))
     engine.set_recipe(_recipe())
+
+
+def test_method_config_keys():
+    """The method's public config: every key optional, unknown keys and bad values refused with the valid ones."""
+    from quads.rollout.vllm.quant_config import CONFIG_KEYS, QuadsQuantConfig
+
+    assert CONFIG_KEYS == ("quant_method", "recipe", "overrides", "weight_storage")
+    default = QuadsQuantConfig()  # what vLLM builds for quantization="quads" with no quantization config
+    assert default.recipe.name == "quads" and default.weight_storage == "packed"
+    c = QuadsQuantConfig.from_config({"quant_method": "quads", "recipe": "quads", "overrides": {"rac_ratio": 0.25},
+                                      "weight_storage": "master"})
+    assert c.recipe.rollout.rac_ratio == 0.25 and c.weight_storage == "master"
+    with pytest.raises(ValueError, match="unknown keys"):
+        QuadsQuantConfig.from_config({"rac_ratio": 0.25})
+    with pytest.raises(ValueError, match="weight_storage"):
+        QuadsQuantConfig.from_config({"weight_storage": "bf16"})
+    with pytest.raises(ValueError, match="weight_storage='master'"):
+        QuadsQuantConfig.from_config({"recipe": "fp8"})  # FP8 weights cannot be held as NVFP4 codes

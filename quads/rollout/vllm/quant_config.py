@@ -1,11 +1,13 @@
 """``QuadsQuantConfig``: the ``"quads"`` vLLM quantization method, carrying one quads ``Recipe``.
 
 vLLM builds it from the engine's ``hf_overrides={"quantization_config_dict_json": json}`` where the
-JSON is ``{"quant_method": "quads", "recipe": Recipe.to_dict() or a preset name, "weight_storage":
-"packed" | "master"}`` (``engine.quant_overrides``), so the checkpoint folder needs no
-``quantization_config``: the master weights stay BF16 on disk and are quantized at load time and at
-every weight push, with the recipe's rollout ``LinearSpec``. Both keys are optional (defaults: the
-``quads`` preset, ``packed``), so ``quantization="quads"`` alone works.
+JSON is ``{"quant_method": "quads", "recipe": Recipe.to_dict() or a preset name, "overrides": {...},
+"weight_storage": "packed" | "master"}`` (``engine.quant_overrides``); the same dict also works as
+``hf_overrides={"quantization_config": {...}}``. The checkpoint folder needs no ``quantization_config``:
+the master weights stay BF16 on disk and are quantized at load time and at every weight push, with the
+recipe's rollout ``LinearSpec``. Every key is optional: ``recipe`` defaults to the ``quads`` preset,
+``overrides`` are ``get_recipe`` keyword arguments applied to it (e.g. ``{"rac_ratio": 0.25}``),
+``weight_storage`` defaults to ``packed``; so ``quantization="quads"`` alone works.
 
 ``weight_storage`` (see ``quads.rollout.vllm.weights``): ``packed`` keeps only the NVFP4 codes, E4M3
 block scales and FP32 global scales of every quantized weight (0.5625 bytes per weight plus 4 bytes per
@@ -49,7 +51,7 @@ QUANT_METHOD_NAME = "quads"  # the name vLLM knows the method by: quantization="
 
 ROUTED_SUFFIX = ".routed_experts"
 # the keys of the method's quantization config (a public interface: RL frameworks' configs name them)
-CONFIG_KEYS = ("quant_method", "recipe", "weight_storage")
+CONFIG_KEYS = ("quant_method", "recipe", "overrides", "weight_storage")
 
 
 def quads_name(prefix: str) -> str:
@@ -82,8 +84,9 @@ class QuadsQuantConfig(QuantizationConfig):
     fixed when vLLM builds the model.
     """
 
-    def __init__(self, recipe: Recipe, weight_storage: str = "packed") -> None:
+    def __init__(self, recipe: Recipe | None = None, weight_storage: str = "packed") -> None:
         super().__init__()
+        recipe = get_recipe("quads") if recipe is None else recipe
         if weight_storage not in STORAGES:
             raise ValueError(f"quads quantization_config['weight_storage'] must be one of {list(STORAGES)}, got "
                              f"{weight_storage!r}")
@@ -119,12 +122,14 @@ class QuadsQuantConfig(QuantizationConfig):
         if unknown:
             raise ValueError(f"unknown keys {sorted(unknown)} in the quads quantization_config; valid: {list(CONFIG_KEYS)}")
         recipe = config.get("recipe", "quads")
-        storage = config.get("weight_storage", "packed")
-        if isinstance(recipe, str):
-            return cls(get_recipe(recipe), storage)
-        if not isinstance(recipe, dict):
+        overrides = config.get("overrides") or {}
+        if not isinstance(overrides, dict):
+            raise ValueError(f"quads quantization_config['overrides'] must be a dict of get_recipe overrides, got {overrides!r}")
+        if isinstance(recipe, dict):
+            recipe = Recipe.from_dict(recipe)
+        elif not isinstance(recipe, str):
             raise ValueError(f"quads quantization_config['recipe'] must be a preset name or Recipe.to_dict(), got {recipe!r}")
-        return cls(Recipe.from_dict(recipe), storage)
+        return cls(get_recipe(recipe, **overrides), config.get("weight_storage", "packed"))
 
     @classmethod
     def from_config_dict_json(cls, text: str) -> QuadsQuantConfig:

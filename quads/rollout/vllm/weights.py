@@ -8,9 +8,9 @@ Storage (``QuadsQuantConfig.weight_storage``, a typed field of the method's conf
   so vLLM's layerwise reload (which swaps a layer's parameters and buffers for fresh ones while it
   loads, then copies them back) never replaces them: they are updated in place. vLLM's parameter itself
   (``weight``, ``w13_weight``, ``w2_weight``) stays registered with its name, shape, dtype and weight
-  loader, so every loading path of vLLM finds it, but it lives on the meta device (no memory) except
-  while new weights are being loaded into it (a staging copy of that one layer, freed as soon as its
-  last unit is re-quantized). ``operand(u)`` dequantizes unit ``u`` on the fly with
+  loader, so every loading path of vLLM finds it, but it lives on the meta device (no memory); loads
+  into it go to a staging copy of that one parameter (``_target``), freed as soon as no unit is half
+  loaded. ``operand(u)`` dequantizes unit ``u`` on the fly with
   ``ops.nvfp4_dequantize`` (the reference on CPU, quads' Triton kernel on CUDA: ``quads.kernels.dispatch``),
   the same function ``quantize_weight`` returns its operand with, so it is the trainer's QDQ(W) bit for bit.
 - ``master`` (debugging, and switching among weight formats with ``set_recipe``): vLLM's master
@@ -23,8 +23,9 @@ expert stack (``[gate; up]`` of one expert, or its ``down``). A unit may arrive 
 ``gate_proj`` and ``up_proj`` of an expert in two calls): ``parts`` are its row ranges.
 
 Updates (every path vLLM and the RL frameworks use, see docs/VLLM.md): the parameter's weight loader
-is wrapped (``wrap_loader``). Each call loads into the master (``master``) or the staging copy
-(``packed``) with vLLM's own loader, records which rows it wrote, and re-quantizes every unit whose
+is wrapped (``wrap_loader``). Each call loads into the master (``master``), the staging copy
+(``packed``) or, during vLLM's layerwise reload, vLLM's materialized copy of the layer, with vLLM's own
+loader, records which rows it wrote, and re-quantizes every unit whose
 parts have all arrived since its last quantization, right there. So the rollout operand is current
 after any sequence of ``load_weights`` calls, whether or not ``process_weights_after_loading`` runs
 afterwards; a unit that received only some of its parts is ``pending`` and the layer refuses to
