@@ -78,7 +78,7 @@ class RecipeSection:
     act_scale: Literal["tensor", "token"] | None = None  # NVFP4 activation global scale, both sides
     weight_tile: Literal["1x16", "16x16"] | None = None  # NVFP4 weight block shape, both sides
     targets: list[str] | None = None  # module-name patterns to quantize (default: routed experts)
-    expert_path: Literal["auto", "grouped", "loop"] | None = None  # rollout experts: batched GEMMs or the loop (auto: grouped on CUDA)
+    expert_path: Literal["auto", "grouped", "loop"] | None = None  # experts (trainer and rollout): batched GEMMs or the loop (auto: grouped on CUDA)
 
     def overrides(self) -> dict:
         """Keyword overrides for ``quads.quant.get_recipe``."""
