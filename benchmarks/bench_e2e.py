@@ -30,7 +30,8 @@ trainer: one GRPO-shaped trainer step on a fixed batch (``--batch`` sequences of
   median, the spread (IQR and MAD in % of the median), model TFLOP/s and MFU against the H200's BF16
   dense peak (``trainer_flops``); the ratio of medians to the first recipe with a paired bootstrap 95%
   confidence interval (``ratio_ci``); the raw step times in the JSON. ``--trainer-experts`` picks the
-  expert path (``Recipe.expert_path``).
+  expert path (``Recipe.expert_path``); ``--trainer-profile`` adds a torch.profiler summary of one more
+  step per recipe (kernels, launches, host syncs, top ops).
 Prints a table and one JSON line at the end (hardware and versions included).
 """
 
@@ -421,6 +422,7 @@ def bench_trainer(args, rows: list) -> None:
             for name in names:
                 for _ in range(min(block, args.steps - len(ms[name]))):
                     ms[name].append(timer(steps[name]))
+        prof = {name: _profile_step(steps[name], args.device) for name in names} if args.trainer_profile else {}
         del steps, model
         flops = trainer_flops(cfg, B, S, S - P)
         base = names[0]
@@ -434,6 +436,8 @@ def bench_trainer(args, rows: list) -> None:
                    if timer.cuda else "perf_counter", "raw_ms": ms[name]}
             if args.device.startswith("cuda"):
                 row["mfu_h200_bf16"] = row["tflops"] * 1e12 / H200_BF16_DENSE_FLOPS
+            if name in prof:
+                row["profile"] = prof[name]
             if name != base:
                 r = ratio_ci(ms[name], ms[base])
                 row.update({f"vs_{base}": r["ratio"], f"vs_{base}_ci": [r["ci_lo"], r["ci_hi"]],
@@ -441,6 +445,27 @@ def bench_trainer(args, rows: list) -> None:
             rows.append(row)
             print(_trainer_line(row), flush=True)
         _write_json(args, rows)
+
+
+def _profile_step(step, device: str, top: int = 15) -> dict:
+    """torch.profiler over one more step: kernels, launches and host syncs, and the ``top`` ops by
+    device (CPU: host) self time, ``(name, calls, ms)``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        _sync(device)
+    ev = prof.key_averages()
+    t = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    out = {"gpu_kernels": sum(e.count for e in ev if e.device_type == torch.autograd.DeviceType.CUDA),
+           "kernel_launches": sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                    "cudaLaunchKernelExC", "cuLaunchKernelEx")),
+           "syncs": sum(e.count for e in ev if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                          "cudaEventSynchronize")),
+           "memcpy": sum(e.count for e in ev if e.key in ("cudaMemcpyAsync", "cudaMemcpy"))}
+    out["top"] = [(e.key[:80], e.count, round(t(e) / 1e3, 3)) for e in sorted(ev, key=lambda e: -t(e))[:top]]
+    return out
 
 
 def _trainer_line(r: dict) -> str:
@@ -489,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interleave", choices=("step", "block"), default="step",
                     help="trainer: alternate the recipes every step, or every --block steps")
     ap.add_argument("--block", type=int, default=5, help="trainer: steps per block with --interleave block")
+    ap.add_argument("--trainer-profile", action="store_true",
+                    help="trainer: also profile one step per recipe (kernels, launches, syncs, top ops) into the JSON")
     ap.add_argument("--trainer-experts", choices=("auto", "grouped", "loop"), default="auto",
                     help="trainer: expert path (Recipe.expert_path; auto = grouped GEMMs on CUDA, the loop on CPU)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")

@@ -75,10 +75,11 @@ def test_trainer_flops_counts_active_matmuls():
 def test_bench_trainer_cpu_interleaved(tmp_path):
     out = tmp_path / "t.json"
     assert _bench().main(["--suites", "trainer", "--preset", "tiny", "--device", "cpu", "--batch", "2",
-                          "--seq-len", "16", "--warmup", "1", "--steps", "3", "--interleave", "block",
+                          "--seq-len", "16", "--warmup", "1", "--steps", "3", "--interleave", "block", "--trainer-profile",
                           "--block", "2", "--json", str(out)]) == 0
     rows = __import__("json").loads(out.read_text())["rows"]
     assert [r["recipe"] for r in rows] == ["bf16", "w4a16-qat"]
     assert all(len(r["raw_ms"]) == 3 and r["stats"]["n"] == 3 and r["timer"] == "perf_counter" for r in rows)
     assert rows[1]["vs_bf16_ci"][0] <= rows[1]["vs_bf16"] <= rows[1]["vs_bf16_ci"][1]
     assert "mfu_h200_bf16" not in rows[0] and rows[0]["tflops"] > 0
+    assert all(r["profile"]["top"] and r["profile"]["syncs"] == 0 for r in rows)  # CPU: no CUDA syncs to count
