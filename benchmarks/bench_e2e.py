@@ -27,10 +27,17 @@ vllm (``--suites vllm``, run with the vLLM environment's python, e.g. ``.venv-vl
   warm-up; tokens/s of each, their ratio, and the share of samples whose greedy tokens agree. A peer
   number for the CPU (``--device cpu --preset tiny``), not a target.
 trainer: one GRPO-shaped trainer step on a fixed batch (``--batch`` sequences of ``--seq-len``
-  tokens): full-sequence forward of the response log-probs under BF16 autocast over fp32 master
-  weights, a policy-gradient loss, backward, grad clip, AdamW step; BF16 against W4A16-QAT
-  (``QDQ(W)`` in the forward, straight-through backward, the QDQ cached per step), medians of
-  ``--reps`` steps after warm-up, ratio in the same run.
+  tokens) per preset: full-sequence forward of the response log-probs and entropy under BF16 autocast
+  over fp32 master weights, a policy-gradient loss, backward, grad clip, AdamW step; one model per
+  ``--trainer-recipes`` recipe (BF16, and W4A16-QAT: ``QDQ(W)`` in the forward, straight-through
+  backward, the QDQ cached per step), all in one process, ``--warmup`` untimed steps each, then
+  ``--steps`` timed steps of the recipes interleaved (``--interleave step|block``). Each step is timed
+  with CUDA events (perf_counter on the CPU) from an idle device to the step's end. Per recipe: the
+  median, the spread (IQR and MAD in % of the median), model TFLOP/s and MFU against the H200's BF16
+  dense peak (``trainer_flops``); the ratio of medians to the first recipe with a paired bootstrap 95%
+  confidence interval (``ratio_ci``); the raw step times in the JSON. ``--trainer-experts`` picks the
+  expert path (``Recipe.expert_path``); ``--trainer-profile`` adds a torch.profiler summary of one more
+  step per recipe (kernels, launches, host syncs, top ops).
 Prints a table and one JSON line at the end (hardware and versions included).
 """
 
@@ -303,34 +310,103 @@ def profile_decode(args, rows: list) -> None:
             del model
 
 
-def _time_trainer_step(args, spec: LinearSpec, batch: SequenceBatch, adv: torch.Tensor) -> tuple[float, int]:
-    """Median seconds of one trainer step with the trainer side under ``spec``; parameter count."""
-    model = _model(args.preset, args.device, "float32")
-    quantize_model(model, Recipe("bench", trainer=spec), side="trainer", verbose=False)
+H200_BF16_DENSE_FLOPS = 989e12  # H200 SXM BF16 dense tensor-core peak (the MFU denominator)
+
+
+def timing_stats(samples: list[float]) -> dict:
+    """Median and spread of step times (any unit): ``iqr_pct`` = (q75 - q25) / median and ``mad_pct`` =
+    median |t - median| / median, both in % of the median (quartiles by linear interpolation)."""
+    if not samples:
+        raise ValueError("timing_stats: expected at least one sample, got none")
+    xs = sorted(samples)
+    med = statistics.median(xs)
+    q25, q75 = (statistics.quantiles(xs, n=4, method="inclusive")[i] for i in (0, 2)) if len(xs) > 1 else (med, med)
+    mad = statistics.median(abs(x - med) for x in xs)
+    return {"n": len(xs), "median": med, "mean": statistics.fmean(xs), "min": xs[0], "max": xs[-1],
+            "q25": q25, "q75": q75, "iqr_pct": 100 * (q75 - q25) / med, "mad_pct": 100 * mad / med}
+
+
+def ratio_ci(num: list[float], den: list[float], n_boot: int = 2000, level: float = 0.95,
+             seed: int = 0) -> dict:
+    """Ratio of medians ``median(num) / median(den)`` with a paired bootstrap confidence interval: the
+    pairs (num[i], den[i]) (step i of each recipe, timed next to each other) are resampled with
+    replacement ``n_boot`` times; the interval is the ``level`` percentile range of the resampled
+    ratios. Also the median of the per-pair ratios."""
+    if len(num) != len(den) or not num:
+        raise ValueError(f"ratio_ci: expected two equally long non-empty lists, got {len(num)} and {len(den)}")
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(num), (n_boot, len(num)), generator=g)
+    a, b = torch.tensor(num, dtype=torch.float64)[idx], torch.tensor(den, dtype=torch.float64)[idx]
+    boots = (a.median(dim=1).values / b.median(dim=1).values).sort().values
+    lo = boots[int((1 - level) / 2 * (n_boot - 1))].item()
+    hi = boots[int((1 + level) / 2 * (n_boot - 1) + 0.5)].item()
+    return {"ratio": statistics.median(num) / statistics.median(den), "ci_lo": lo, "ci_hi": hi, "level": level,
+            "pair_median": statistics.median(x / y for x, y in zip(num, den))}
+
+
+def trainer_flops(cfg, batch: int, seq_len: int, response_len: int) -> float:
+    """Model FLOPs of one trainer step (forward + backward = 3x the forward's 2 FLOPs per MAC): every
+    matmul weight a token touches (attention projections, router, its k experts, the shared expert) for
+    all ``batch * seq_len`` tokens, the lm_head for the ``response_len`` columns it computes, and causal
+    attention (QK^T and PV over the ``seq_len``-token prefix: 6 * layers * heads * head_dim * seq_len^2
+    per sequence). Embedding lookups, norms and the optimizer are not counted."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.n_heads * D, cfg.n_kv_heads * D
+    per_layer = (2 * H * q + 2 * H * kv + H * cfg.n_experts + 3 * H * cfg.moe_intermediate_size * cfg.top_k
+                 + 3 * H * cfg.shared_expert_intermediate_size + (H if cfg.shared_expert_gate else 0))
+    body = 6 * cfg.n_layers * per_layer * batch * seq_len
+    head = 6 * cfg.vocab_size * H * batch * response_len
+    attn = 6 * cfg.n_layers * cfg.n_heads * D * seq_len**2 * batch
+    return float(body + head + attn)
+
+
+TRAINER_RECIPES = {"bf16": LinearSpec(), "w4a16-qat": LinearSpec(weight="nvfp4")}
+
+
+class _Timer:
+    """Step timing: CUDA events on the GPU (read after the step's synchronize), perf_counter elsewhere."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+
+    def __call__(self, fn) -> float:
+        """Milliseconds of ``fn()`` (the device idle before it starts, finished when it returns)."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+def _trainer_step(args, preset: str, spec: LinearSpec, batch: SequenceBatch, adv: torch.Tensor):
+    """(model, step function) of one trainer step with the trainer side under ``spec``; same init for all."""
+    model = _model(preset, args.device, "float32")
+    quantize_model(model, Recipe("bench", trainer=spec, expert_path=args.trainer_experts), side="trainer",
+                   verbose=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
     def step():
         with torch.autocast(device_type=torch.device(args.device).type, dtype=torch.bfloat16):
-            res = forward_logprobs(model, batch, None, 1.0)
-        loss = -(res.logprobs * adv).sum() / batch.response_mask.sum() + res.aux_loss
+            res = forward_logprobs(model, batch, None, 1.0, return_entropy=True)
+        loss = -(res.logprobs * adv).sum() / batch.response_mask.sum() + res.aux_loss - 1e-3 * res.entropy.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-    for _ in range(2):
-        step()
-    ts = []
-    for _ in range(args.reps):
-        _sync(args.device)
-        t0 = time.perf_counter()
-        step()
-        _sync(args.device)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts), sum(p.numel() for p in model.parameters())
+    return model, step
 
 
 def bench_trainer(args, rows: list) -> None:
+    """Per preset: one model per recipe (same init), ``--warmup`` steps each, then ``--steps`` timed
+    steps of every recipe interleaved (``--interleave step``: b, q, b, q, ...; ``block``: blocks of
+    ``--block`` steps, alternating), so drift of the machine hits both recipes alike."""
     tok = CharTokenizer()
     B, S, P = args.batch, args.seq_len, args.seq_len // 4
     g = torch.Generator().manual_seed(1)
@@ -338,12 +414,77 @@ def bench_trainer(args, rows: list) -> None:
     batch = SequenceBatch(ids, torch.ones(B, S, dtype=torch.bool, device=args.device), P,
                           torch.ones(B, S - P, dtype=torch.bool, device=args.device))
     adv = torch.randn(B, 1, generator=g).to(args.device)
-    times = {}
-    for name, spec in (("bf16", LinearSpec()), ("w4a16-qat", LinearSpec(weight="nvfp4"))):
-        times[name], n_params = _time_trainer_step(args, spec, batch, adv)
-        rows.append({"suite": "trainer", "recipe": name, "step_ms": times[name] * 1e3, "batch": B, "seq_len": S,
-                     "params": n_params})
-    rows[-1]["vs_bf16"] = times["w4a16-qat"] / times["bf16"]
+    timer = _Timer(args.device)
+    names = [n.strip() for n in args.trainer_recipes.split(",") if n.strip()]
+    bad = set(names) - set(TRAINER_RECIPES)
+    if bad:
+        raise ValueError(f"--trainer-recipes: unknown {sorted(bad)}; valid: {', '.join(TRAINER_RECIPES)}")
+    for preset in [p.strip() for p in args.preset.split(",") if p.strip()]:
+        steps, n_params, cfg = {}, 0, None
+        for name in names:
+            model, steps[name] = _trainer_step(args, preset, TRAINER_RECIPES[name], batch, adv)
+            cfg, n_params = model.config, sum(p.numel() for p in model.parameters())
+            for _ in range(args.warmup):
+                timer(steps[name])
+        block = 1 if args.interleave == "step" else args.block
+        ms: dict[str, list[float]] = {n: [] for n in names}
+        while len(ms[names[-1]]) < args.steps:
+            for name in names:
+                for _ in range(min(block, args.steps - len(ms[name]))):
+                    ms[name].append(timer(steps[name]))
+        prof = {name: _profile_step(steps[name], args.device) for name in names} if args.trainer_profile else {}
+        del steps, model
+        flops = trainer_flops(cfg, B, S, S - P)
+        base = names[0]
+        for name in names:
+            st = timing_stats(ms[name])
+            row = {"suite": "trainer", "preset": preset, "recipe": name, "experts": args.trainer_experts,
+                   "step_ms": st["median"], "iqr_pct": st["iqr_pct"], "mad_pct": st["mad_pct"], "stats": st,
+                   "batch": B, "seq_len": S, "params": n_params, "active_params": cfg.num_params()["active"],
+                   "model_tflop_per_step": flops / 1e12, "tflops": flops / (st["median"] * 1e-3) / 1e12,
+                   "interleave": args.interleave, "warmup": args.warmup, "timer": "cuda_events"
+                   if timer.cuda else "perf_counter", "raw_ms": ms[name]}
+            if args.device.startswith("cuda"):
+                row["mfu_h200_bf16"] = row["tflops"] * 1e12 / H200_BF16_DENSE_FLOPS
+            if name in prof:
+                row["profile"] = prof[name]
+            if name != base:
+                r = ratio_ci(ms[name], ms[base])
+                row.update({f"vs_{base}": r["ratio"], f"vs_{base}_ci": [r["ci_lo"], r["ci_hi"]],
+                            f"vs_{base}_pair_median": r["pair_median"]})
+            rows.append(row)
+            print(_trainer_line(row), flush=True)
+        _write_json(args, rows)
+
+
+def _profile_step(step, device: str, top: int = 15) -> dict:
+    """torch.profiler over one more step: kernels, launches and host syncs, and the ``top`` ops by
+    device (CPU: host) self time, ``(name, calls, ms)``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        _sync(device)
+    ev = prof.key_averages()
+    t = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    out = {"gpu_kernels": sum(e.count for e in ev if e.device_type == torch.autograd.DeviceType.CUDA),
+           "kernel_launches": sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                    "cudaLaunchKernelExC", "cuLaunchKernelEx")),
+           "syncs": sum(e.count for e in ev if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                          "cudaEventSynchronize")),
+           "memcpy": sum(e.count for e in ev if e.key in ("cudaMemcpyAsync", "cudaMemcpy"))}
+    out["top"] = [(e.key[:80], e.count, round(t(e) / 1e3, 3)) for e in sorted(ev, key=lambda e: -t(e))[:top]]
+    return out
+
+
+def _trainer_line(r: dict) -> str:
+    vs = [k for k in r if k.startswith("vs_") and not k.endswith(("_ci", "_pair_median"))]
+    extra = "".join(f"  {r[k]:.3f}x {k[3:]} (95% CI {r[k + '_ci'][0]:.3f}-{r[k + '_ci'][1]:.3f})" for k in vs)
+    mfu = f"  MFU {100 * r['mfu_h200_bf16']:.1f}%" if "mfu_h200_bf16" in r else ""
+    return (f"trainer {r['preset']:>5} {r['recipe']:>10} ({r['experts']}): {r['step_ms']:8.2f} ms/step "
+            f"(IQR {r['iqr_pct']:.1f}%, MAD {r['mad_pct']:.1f}%, n={r['stats']['n']}, {r['batch']}x{r['seq_len']} tok)  "
+            f"{r['tflops']:.1f} TFLOP/s{mfu}{extra}")
 
 
 def bench_vllm(args, rows: list) -> None:
@@ -419,9 +560,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-recipes", default="bf16,w4a4+rac50", help="profile suite: recipes to trace")
     ap.add_argument("--batch", type=int, default=64, help="trainer: sequences per step")
     ap.add_argument("--seq-len", type=int, default=128, help="trainer: tokens per sequence")
-    ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    ap.add_argument("--reps", type=int, default=5, help="rollout: timed generations (median)")
+    ap.add_argument("--trainer-recipes", default="bf16,w4a16-qat",
+                    help="trainer: recipes, comma list (bf16, w4a16-qat); ratios are against the first")
+    ap.add_argument("--warmup", type=int, default=5, help="trainer: untimed steps per recipe first")
+    ap.add_argument("--steps", type=int, default=30, help="trainer: timed steps per recipe (>= 20 to trust)")
+    ap.add_argument("--interleave", choices=("step", "block"), default="step",
+                    help="trainer: alternate the recipes every step, or every --block steps")
+    ap.add_argument("--block", type=int, default=5, help="trainer: steps per block with --interleave block")
+    ap.add_argument("--trainer-profile", action="store_true",
+                    help="trainer: also profile one step per recipe (kernels, launches, syncs, top ops) into the JSON")
+    ap.add_argument("--trainer-experts", choices=("auto", "grouped", "loop"), default="auto",
+                    help="trainer: expert path (Recipe.expert_path; auto = grouped GEMMs on CUDA, the loop on CPU)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.block < 1:
+        ap.error(f"expected --steps >= 1, --warmup >= 0, --block >= 1; got {args.steps}, {args.warmup}, {args.block}")
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
     bad = set(suites) - {"rollout", "trainer", "profile", "vllm"}
     if bad:
@@ -442,8 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             extra = "".join(f"  {v:.2f}x {k[3:]}" for k, v in r.items() if k.startswith("vs_"))
             print(_rollout_line(r) + extra)
         elif r["suite"] == "trainer":
-            extra = f"  {r['vs_bf16']:.3f}x bf16" if "vs_bf16" in r else ""
-            print(f"trainer {r['recipe']:>11}: {r['step_ms']:9.1f} ms/step ({r['batch']}x{r['seq_len']} tokens){extra}")
+            print(_trainer_line(r))
     out = {"info": info, "args": vars(args), "rows": rows}
     _write_json(args, rows)
     print(json.dumps(out))

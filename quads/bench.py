@@ -15,7 +15,7 @@ from pathlib import Path
 
 SUITES = ("kernels", "e2e")
 E2E_QUICK = ["--prompts", "4", "--n", "2", "--new-tokens", "8", "--long-tokens", "16", "--batch", "4", "--seq-len", "32",
-             "--reps", "2"]
+             "--reps", "2", "--warmup", "1", "--steps", "3"]
 
 
 def register(parser: argparse.ArgumentParser) -> None:

@@ -23,3 +23,63 @@ def test_bench_e2e_quick(tmp_path, capsys):
     assert [r["recipe"] for r in tr] == ["bf16", "w4a16-qat"] and tr[-1]["vs_bf16"] > 0
     assert data["info"]["device"] == "cpu"
     assert "rollout" in capsys.readouterr().out
+
+
+def _bench():
+    from quads.bench import _load_bench
+
+    return _load_bench("bench_e2e")
+
+
+def test_timing_stats_on_synthetic_timings():
+    st = _bench().timing_stats([10.0, 12.0, 11.0, 30.0, 9.0, 10.0, 11.0, 10.0, 12.0])  # one outlier (30)
+    assert st["n"] == 9 and st["median"] == 11.0 and st["min"] == 9.0 and st["max"] == 30.0
+    assert (st["q25"], st["q75"]) == (10.0, 12.0)  # inclusive quartiles of the sorted 9
+    assert abs(st["iqr_pct"] - 100 * 2 / 11) < 1e-12
+    assert abs(st["mad_pct"] - 100 * 1 / 11) < 1e-12  # |t - 11| sorted: 0 0 1 1 1 1 1 2 19 -> median 1
+    assert _bench().timing_stats([5.0])["iqr_pct"] == 0.0
+    with pytest.raises(ValueError, match="at least one sample"):
+        _bench().timing_stats([])
+
+
+def test_ratio_ci_resolves_a_five_percent_difference():
+    g = __import__("random").Random(0)
+    base = [20.0 * (1 + 0.01 * g.gauss(0, 1)) for _ in range(30)]  # 1% noise
+    qat = [b * 1.05 for b in base]
+    r = _bench().ratio_ci(qat, base)
+    assert abs(r["ratio"] - 1.05) < 1e-12 and abs(r["pair_median"] - 1.05) < 1e-12
+    assert 1.0 < r["ci_lo"] <= 1.05 <= r["ci_hi"] < 1.1
+    same = _bench().ratio_ci(base, base)
+    assert same["ratio"] == 1.0 and same["ci_lo"] == same["ci_hi"] == 1.0
+    noisy = _bench().ratio_ci([20.0 * (1 + 0.3 * g.gauss(0, 1)) for _ in range(30)], base)
+    assert noisy["ci_hi"] - noisy["ci_lo"] > r["ci_hi"] - r["ci_lo"]  # more spread, wider interval
+    with pytest.raises(ValueError, match="equally long"):
+        _bench().ratio_ci([1.0], [1.0, 2.0])
+
+
+def test_trainer_flops_counts_active_matmuls():
+    from quads.model import ModelConfig
+
+    cfg = ModelConfig.preset("100m", vocab_size=100)
+    B, S, R = 64, 128, 96
+    f = _bench().trainer_flops(cfg, B, S, R)
+    n = cfg.num_params()
+    # active params minus the embedding table and norms (not matmuls) are the body's matmul weights + head
+    H, L = cfg.hidden_size, cfg.n_layers
+    qk = 2 * cfg.head_dim if cfg.qk_norm == "head" else (0 if cfg.qk_norm == "none" else (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim)
+    body = n["active"] - n["embedding"] - H - L * (2 * H + qk)
+    attn = 6 * L * cfg.n_heads * cfg.head_dim * S * S * B
+    assert f == 6 * body * B * S + 6 * cfg.vocab_size * H * B * R + attn
+
+
+def test_bench_trainer_cpu_interleaved(tmp_path):
+    out = tmp_path / "t.json"
+    assert _bench().main(["--suites", "trainer", "--preset", "tiny", "--device", "cpu", "--batch", "2",
+                          "--seq-len", "16", "--warmup", "1", "--steps", "3", "--interleave", "block", "--trainer-profile",
+                          "--block", "2", "--json", str(out)]) == 0
+    rows = __import__("json").loads(out.read_text())["rows"]
+    assert [r["recipe"] for r in rows] == ["bf16", "w4a16-qat"]
+    assert all(len(r["raw_ms"]) == 3 and r["stats"]["n"] == 3 and r["timer"] == "perf_counter" for r in rows)
+    assert rows[1]["vs_bf16_ci"][0] <= rows[1]["vs_bf16"] <= rows[1]["vs_bf16_ci"][1]
+    assert "mfu_h200_bf16" not in rows[0] and rows[0]["tflops"] > 0
+    assert all(r["profile"]["top"] and r["profile"]["syncs"] == 0 for r in rows)  # CPU: no CUDA syncs to count

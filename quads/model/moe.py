@@ -34,17 +34,26 @@ class MoEExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden, intermediate))
 
+    grouped: bool | None = None  # sorted grouped GEMMs (``sorted_expert_mlp``) or the loop; None = on CUDA
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], top_k_index [T, k] long, top_k_weights [T, k] -> [T, H].
 
         out[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = index[t, j]. Tokens are
-        grouped by expert (one GEMM pair per expert hit), then the k weighted outputs of each token are
-        summed in slot order (for k = 2 this equals transformers' expert-order ``index_add_`` exactly).
+        grouped by expert, then the k weighted outputs of each token are summed in slot order (for k = 2
+        this equals transformers' expert-order ``index_add_`` exactly). The experts run as two grouped
+        GEMMs over the sorted slots (``sorted_expert_mlp``, no host sync) when ``use_sorted`` allows it
+        (``grouped``; None = CUDA tensors only), else as one GEMM pair per expert hit (the reference loop,
+        which syncs once to read the counts). The two differ only in the GEMMs' fp32 accumulation order.
         """
         T, k = top_k_index.shape
         if T == 0:
             return torch.zeros_like(hidden_states)
+        if use_sorted(self.grouped, hidden_states, self.gate_up_proj, self.down_proj):
+            dt = compute_dtype(hidden_states)
+            y = sorted_expert_mlp(hidden_states, top_k_index, self.gate_up_proj.to(dt), self.down_proj.to(dt), F.silu)
+            return _weighted_slot_sum(y, top_k_weights, hidden_states.dtype)
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order kept inside
         counts = torch.bincount(flat, minlength=self.num_experts + 1).tolist()[:self.num_experts]
@@ -143,6 +152,65 @@ def static_routes(top_k_index: torch.Tensor, n_experts: int) -> StaticRoutes:
                         ends=offsets[1:].to(torch.int32))
 
 
+def native_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs ``dtype`` on ``device`` with device-side offsets: BF16 on CUDA
+    (CUTLASS on Hopper; other CUDA dtypes copy the offsets to the host), fp32/fp16/bf16 on the CPU."""
+    if device.type == "cuda":
+        return dtype == torch.bfloat16
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a GEMM of ``x`` runs in: the autocast dtype when autocast is on for ``x``'s device
+    (it casts every floating operand but fp64, as ``F.linear`` under autocast does), else ``x.dtype``."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev) and x.dtype != torch.float64:
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+def use_sorted(setting: bool | None, x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether the experts of ``x`` [T, H] and ``weights`` [E, N, K] take ``sorted_expert_mlp``.
+
+    ``setting`` (``Recipe.expert_path``): True = grouped, False = the loop, None = auto (grouped on CUDA
+    tensors; on the CPU the loop, as fast there). Either way only where ``torch._grouped_mm`` runs the
+    compute dtype without a host sync and every operand row is 16-byte aligned (its requirement).
+    """
+    if not (x.is_cuda if setting is None else setting):
+        return False
+    dt = compute_dtype(x)
+    align = 128 // torch.finfo(dt).bits  # elements per 16 bytes
+    return native_grouped_mm(x.device, dt) and all(w.shape[-1] % align == 0 and w.shape[-2] % align == 0
+                                                    for w in weights)
+
+
+def sorted_expert_mlp(x: torch.Tensor, top_k_index: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                      act) -> torch.Tensor:
+    """The routed SwiGLU experts as two grouped GEMMs over the slots sorted by expert, differentiable,
+    without a host sync: x [T, H], top_k_index [T, k] (ids in [0, E], E = masked), ``gate_up`` [E, 2I, H]
+    and ``down`` [E, H, I] weight operands in the compute dtype (autograd flows through them: the master
+    weights, or QAT's straight-through operand) -> ``y`` [T*k, H] in slot order, zero rows at masked
+    slots (the caller weights and sums each token's k rows).
+
+    ``torch._grouped_mm`` leaves rows past the last offset unwritten, in its output and in the input
+    gradient of its backward: ``torch.where`` on the valid rows after each GEMM and on the gathered
+    input keeps those rows (masked slots) out of every value and gradient. The gather and scatter are
+    permutations (``index_select`` / ``index_copy``), so their backward adds nothing twice; the input is
+    cast to the compute dtype after the gather, so the k slot gradients of a token are summed in
+    ``x.dtype``, as the loop's indexing backward does.
+    """
+    T, k = top_k_index.shape
+    H, dt = x.shape[-1], gate_up.dtype
+    routes = static_routes(top_k_index, gate_up.shape[0])
+    valid = routes.valid[:, None]
+    slots = x[:, None].expand(T, k, H).reshape(T * k, H)  # slot order; backward sums each token's k rows
+    xs = torch.where(valid, slots.index_select(0, routes.order).to(dt), 0.0)  # [T*k, H] sorted by expert
+    h = torch.where(valid, torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=routes.ends), 0.0)
+    gate, up = h.chunk(2, dim=-1)
+    ys = torch.where(valid, torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=routes.ends), 0.0)
+    return torch.empty_like(ys).index_copy_(0, routes.order, ys)  # back to slot order [T*k, H]
+
+
 def grouped_mm(xs: torch.Tensor, w: torch.Tensor, routes: StaticRoutes) -> torch.Tensor:
     """Sorted rows ``xs`` [T*k, K] times each row's expert weight ``w`` [E, N, K] -> [T*k, N] in
     ``xs.dtype``, zero rows at masked slots; no host sync.
@@ -152,8 +220,7 @@ def grouped_mm(xs: torch.Tensor, w: torch.Tensor, routes: StaticRoutes) -> torch
     fp64) go through the padded layout (``StaticRoutes.pad``) and one ``bmm``.
     """
     w = w.to(xs.dtype)
-    fast = xs.dtype == torch.bfloat16 if xs.is_cuda else xs.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    if fast:
+    if native_grouped_mm(xs.device, xs.dtype):
         y = torch._grouped_mm(xs, w.transpose(-2, -1), offs=routes.ends)
         return torch.where(routes.valid[:, None], y, 0.0)  # rows past the last offset are not written
     return routes.unpad(torch.bmm(routes.pad(xs), w.mT))

@@ -25,7 +25,7 @@ from torch import nn
 
 from quads.kernels import dispatch, w4a16
 from quads.model import moe
-from quads.quant import factored, grouped, ops
+from quads.quant import factored, grouped, ops, qat
 from quads.quant.linear import spec_linear
 from quads.quant.rac import StaticChannelSelector, rac_channels
 from quads.quant.recipe import LinearSpec
@@ -272,8 +272,10 @@ class QuantizedExperts(_QuantizedBase):
     (``quads.quant.grouped``: same quantized operands, ~30x fewer kernel launches per layer at decode)
     when ``grouped`` allows it (set from ``Recipe.expert_path``; None = auto: on CUDA tensors only, where
     launches dominate; on the CPU the padding costs more than the loop) and the padding stays under
-    ``pad_limit`` times the real rows;
-    otherwise, and always on the trainer side, the experts loop runs.
+    ``pad_limit`` times the real rows. On the trainer side, for specs with unquantized activations,
+    ``grouped`` likewise picks two grouped GEMMs over the slots sorted by expert (``_forward_sorted``,
+    differentiable, no host sync; where ``moe.use_sorted`` allows). Otherwise the experts loop runs (the
+    reference: same operands, the GEMMs' accumulation order aside).
     """
 
     weight_names = ("gate_up_proj", "down_proj")
@@ -300,7 +302,7 @@ class QuantizedExperts(_QuantizedBase):
         self.act_fn = getattr(experts, "act_fn", None) or nn.SiLU()
         self._setup(experts, spec, side, weight_dtype, groups=self.num_experts)
 
-    grouped: bool | None = None  # rollout side: batched expert GEMMs (Recipe.expert_path); None = on CUDA only
+    grouped: bool | None = None  # batched expert GEMMs, either side (Recipe.expert_path); None = on CUDA only
     pad_limit: float = 8.0  # ... while E * C <= pad_limit * routed slots
 
     def _use_grouped(self, hidden_states: torch.Tensor) -> bool:
@@ -308,9 +310,17 @@ class QuantizedExperts(_QuantizedBase):
         return (on and self.side == "rollout" and grouped.supports(self.spec)
                 and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.gate_up_proj.requires_grad)))
 
+    def _use_sorted(self, hidden_states: torch.Tensor) -> bool:
+        """Trainer side: the sorted grouped GEMMs (``_forward_sorted``) for specs whose activations stay
+        unquantized (BF16, W4A16 QAT, FP8-weight QAT), as ``moe.use_sorted`` allows (``grouped``)."""
+        return (self.side == "trainer" and self.spec.act == "none" and hidden_states.shape[0] > 0
+                and moe.use_sorted(self.grouped, hidden_states, self.gate_up_proj, self.down_proj))
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if self.stores["gate_up_proj"].use_packed(hidden_states):
             return self.forward_static(hidden_states, top_k_index, top_k_weights)  # the packed W4A16 GEMMs
+        if self._use_sorted(hidden_states):
+            return self._forward_sorted(hidden_states, top_k_index, top_k_weights)
         slots = grouped.sort_slots(top_k_index, self.num_experts)  # read by both paths below
         if hidden_states.shape[0] and self._use_grouped(hidden_states):
             layout = grouped.expert_layout(top_k_index, top_k_weights, self.num_experts, slots)
@@ -325,6 +335,25 @@ class QuantizedExperts(_QuantizedBase):
             gate, up = self._gemm("gate_up_proj", e, hidden_states[idx], gu_q, gu_w[e]).chunk(2, dim=-1)
             y = self._gemm("down_proj", e, self.act_fn(gate) * up, dn_q, dn_w[e])
             scatter_expert_output(out, idx, y, w_route)
+        return out
+
+    def _forward_sorted(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The trainer's experts without the loop or a host sync (``moe.sorted_expert_mlp``): each weight
+        operand (the cached ``QDQ(W)`` of the whole stack, or W) enters both grouped GEMMs through
+        ``qat.ste_operand``, so the backward is the loop's straight-through one; the weighted outputs
+        are summed per token in ascending expert order, as the loop does. Same result as the loop up to
+        the GEMMs' fp32 accumulation order."""
+        dt = moe.compute_dtype(hidden_states)
+        gu, dn = (qat.ste_operand(getattr(self, n), self.stores[n].get(), dt) for n in self.weight_names)
+        y = moe.sorted_expert_mlp(hidden_states, top_k_index, gu, dn, self.act_fn)  # [T*k, H] slot order
+        T, k = top_k_index.shape
+        contrib = (y.view(T, k, -1) * top_k_weights[..., None]).to(hidden_states.dtype)
+        by_expert = torch.argsort(top_k_index, dim=-1, stable=True)  # each token's slots, ascending id
+        parts = contrib.gather(1, by_expert[..., None].expand(T, k, contrib.shape[-1]))
+        out = torch.zeros_like(hidden_states)
+        for j in range(k):
+            out = out + parts[:, j]
         return out
 
     def supports_static(self) -> bool:

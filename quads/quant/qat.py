@@ -44,6 +44,28 @@ class _STELinearFn(torch.autograd.Function):
         return gx, gw, None
 
 
+class _STEOperandFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, w_op):  # type: ignore[override]
+        ctx.w_dtype = w.dtype
+        return w_op
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g.to(ctx.w_dtype), None
+
+
+def ste_operand(w: torch.Tensor, w_q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight operand ``w_q`` (e.g. a cached ``QDQ(w)``, any shape of ``w``) in ``dtype``, whose
+    gradient goes to the master weight ``w`` unchanged (in ``w.dtype``): any product ``f(x, operand)``
+    then back-propagates as above, ``dL/dx`` at ``w_op`` and ``dL/dw = dL/dw_op``, the gradient of the
+    unquantized product evaluated at the quantized point. For GEMMs that take all experts at once."""
+    w_op = w_q.detach().to(dtype)
+    if not (torch.is_grad_enabled() and w.requires_grad):
+        return w_op
+    return _STEOperandFn.apply(w, w_op)
+
+
 def ste_linear(
     x: torch.Tensor, w: torch.Tensor, compute: Compute, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

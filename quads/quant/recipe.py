@@ -131,9 +131,11 @@ class Recipe:
     # dtype the master weights are cast to before quantization, on both sides (the weight-sync wire
     # dtype); the dequantized weights are held in this dtype too. Unquantized weights are not cast.
     weight_dtype: str = "bfloat16"
-    # rollout side, eager decode: the routed experts as one padded batched GEMM per projection
-    # ("grouped", quads.quant.grouped), the per-expert loop ("loop"), or "auto" (grouped on CUDA, where
-    # launches dominate; the loop on the CPU). Same quantized operands; the GEMM accumulation order differs.
+    # the routed experts as batched GEMMs ("grouped") or the per-expert loop ("loop", the reference), or
+    # "auto" (grouped on CUDA, where launches and host syncs dominate; the loop on the CPU). Rollout side,
+    # eager decode: one padded batched GEMM per projection (quads.quant.grouped). Trainer side, specs
+    # with unquantized activations: torch._grouped_mm over the slots sorted by expert, differentiable,
+    # no host sync (quads.model.moe.sorted_expert_mlp). Same operands; the GEMM accumulation order differs.
     expert_path: str = "auto"
 
     def __post_init__(self) -> None:

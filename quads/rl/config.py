@@ -78,7 +78,7 @@ class RecipeSection:
     act_scale: Literal["tensor", "token"] | None = None  # NVFP4 activation global scale, both sides
     weight_tile: Literal["1x16", "16x16"] | None = None  # NVFP4 weight block shape, both sides
     targets: list[str] | None = None  # module-name patterns to quantize (default: routed experts)
-    expert_path: Literal["auto", "grouped", "loop"] | None = None  # rollout experts: batched GEMMs or the loop (auto: grouped on CUDA)
+    expert_path: Literal["auto", "grouped", "loop"] | None = None  # experts (trainer and rollout): batched GEMMs or the loop (auto: grouped on CUDA)
     # mismatch amplifier alpha (diagnostic): every quantized rollout GEMM uses x + alpha * (Q(x) - x) for its
     # weight and activation operands (quads.quant.amplify); 1 = the recipe as is; != 1 runs the experts loop
     rollout_error_scale: float = 1.0

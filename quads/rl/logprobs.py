@@ -75,16 +75,73 @@ def forward_logprobs(model: torch.nn.Module, batch: RolloutBatch | SequenceBatch
         routing = routing.to(model.device)
     out = model(seq.input_ids, attention_mask=seq.attention_mask, position_ids=seq.position_ids,
                 routing=routing, return_routing=return_routing, logits_slice=slice(P - 1, -1))
-    logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32)) / temperature  # [B, R, V]
-    logp_all = torch.log_softmax(logits, dim=-1)
-    target = seq.input_ids[:, P:]
-    logp = logp_all.gather(-1, target[..., None]).squeeze(-1)
     mask = seq.response_mask
+    logp, entropy = token_logprobs(out.logits, seq.input_ids[:, P:], temperature, return_entropy)
     logp = logp.masked_fill(~mask, 0.0)
-    entropy = None
-    if return_entropy:
-        entropy = -(logp_all.exp() * logp_all).sum(-1).masked_fill(~mask, 0.0)
+    if entropy is not None:
+        entropy = entropy.masked_fill(~mask, 0.0)
     return LogprobResult(logp, entropy, out.aux_loss, out.routing)
+
+
+CHUNK_ELEMENTS = 1 << 24  # logits entries per chunk of ``token_logprobs`` (64 MiB in fp32)
+
+
+def token_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0,
+                   return_entropy: bool = False, chunk_elements: int = CHUNK_ELEMENTS
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logits`` [..., V], ``target`` [...] long -> (log p(target) [...], entropy [...] or None) of
+    ``softmax(logits / temperature)``, computed in at least fp32, chunked over rows.
+
+    Numerically ``log_softmax(z).gather(target)`` and ``-(p * log p).sum()`` with ``z = logits / T``:
+    ``lse = logsumexp(z)``, ``log p(t) = z_t - lse``, ``H = lse - sum(p * z)``. Only the logits and
+    ``lse`` are kept for the backward, which recomputes ``p`` chunk by chunk:
+    ``dz = g_logp * (onehot(t) - p) + g_H * p * (sum(p * z) - z)``; the full-vocabulary fp32 softmax
+    exists one chunk at a time (``chunk_elements`` entries), in neither pass whole.
+    """
+    V = logits.shape[-1]
+    if target.shape != logits.shape[:-1]:
+        raise ValueError(f"token_logprobs: expected target of shape {tuple(logits.shape[:-1])}, got "
+                         f"{tuple(target.shape)}")
+    rows = max(1, chunk_elements // max(V, 1))
+    lp, ent = _TokenLogprobFn.apply(logits.reshape(-1, V), target.reshape(-1), float(temperature), rows,
+                                    return_entropy)
+    return lp.view(target.shape), (ent.view(target.shape) if return_entropy else None)
+
+
+class _TokenLogprobFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, temperature, rows, want_entropy):  # type: ignore[override]
+        dt = torch.promote_types(logits.dtype, torch.float32)
+        N = logits.shape[0]
+        lse, lp = logits.new_empty(N, dtype=dt), logits.new_empty(N, dtype=dt)
+        ent = logits.new_empty(N if want_entropy else 0, dtype=dt)
+        for a in range(0, N, rows):
+            z = logits[a:a + rows].to(dt) / temperature
+            lse[a:a + rows] = torch.logsumexp(z, dim=-1)
+            lp[a:a + rows] = z.gather(-1, target[a:a + rows, None]).squeeze(-1) - lse[a:a + rows]
+            if want_entropy:
+                p = torch.exp(z - lse[a:a + rows, None])
+                ent[a:a + rows] = lse[a:a + rows] - (p * z).sum(-1)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.temperature, ctx.rows, ctx.want_entropy = temperature, rows, want_entropy
+        if not want_entropy:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):  # type: ignore[override]
+        logits, target, lse = ctx.saved_tensors
+        T, rows = ctx.temperature, ctx.rows
+        grad = torch.empty_like(logits)
+        for a in range(0, logits.shape[0], rows):
+            z = logits[a:a + rows].to(lse.dtype) / T
+            p = torch.exp(z - lse[a:a + rows, None])
+            dz = -p * g_lp[a:a + rows, None]
+            dz.scatter_add_(-1, target[a:a + rows, None], g_lp[a:a + rows, None])
+            if ctx.want_entropy and g_ent is not None:
+                dz += p * ((p * z).sum(-1, keepdim=True) - z) * g_ent[a:a + rows, None]
+            grad[a:a + rows] = dz / T
+        return grad, None, None, None, None
 
 
 def sequence_logprobs(model: torch.nn.Module, batch: RolloutBatch | SequenceBatch,
