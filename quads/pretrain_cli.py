@@ -36,5 +36,6 @@ def run(args: argparse.Namespace) -> int:
           f"{res.get('final_ce', float('nan')):.4f}, held-out greedy pass@1 {res.get('heldout_pass@1')}")
     print(json.dumps({"metric": "pretrain", "checkpoint": str(folder), "cached": cached,
                       **{k: v for k, v in res.items() if k != "loss_history"},
+                      **({"outliers_result": extra["outliers_result"]} if "outliers_result" in extra else {}),
                       **dataclasses.asdict(cfg)}))
     return 0
