@@ -28,7 +28,7 @@ class OutliersCommandConfig:
     channels: list[int] = field(default_factory=list)  # hidden channels made outliers, in every layer
     scale: float = 32.0  # gain factor s (a power of two keeps the BF16 function bit for bit)
     sites: list[str] = field(default_factory=lambda: ["mlp"])  # norms scaled: mlp (router + experts), attn (q/k/v)
-    device: str = "cpu"
+    device: str = "cpu"  # where the model is loaded and the function check runs (cpu, cuda, cuda:1 ...)
 
     def __post_init__(self) -> None:
         if not self.checkpoint or not self.out_dir:

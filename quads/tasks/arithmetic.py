@@ -5,7 +5,7 @@ in the usual order (innermost parentheses first, then ``*`` left to right, then 
 right), each step ``a<op>b=c`` on the values computed so far, then ``#`` and the final answer.
 Responses are tens of characters long, so a per-token error rate compounds over the sequence.
 Level 8 (``CHAIN_LEVEL``) is the long-response "chain": 32-40 one-digit operands joined by ``+``/``-``,
-so the scratchpad is the running sum (``3+6=9 9-5=4 4-3=1 ...``), 200-400 characters (mean about 285).
+so the scratchpad is the running sum (``3+6=9 9-5=4 4-3=1 ...``), 200-390 characters (mean 284).
 
 The verifier reads the integer right after the first ``#``; no marker or no integer after it is
 reward 0 with the reason. Only the final answer is checked, not the scratchpad.
