@@ -332,13 +332,14 @@ def rac_table(rows: list[dict[str, Any]], trainer: str) -> str:
 
 def floor_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per trainer: the W4A4 rollout (RAC ratio 0) against the engine-drift floor (the rollout with the
-    trainer's own spec): ``{trainer, w4a4, floor, k3, floor_k3, k3_ratio, gap_mean, floor_gap_mean}``."""
+    trainer's own spec): ``{trainer, w4a4, floor, k3, floor_k3, k3_ratio, gap_mean, floor_gap_mean}``;
+    trainers whose floor is the W4A4 rollout itself (``w4a4-qat``) have no row."""
     out = []
     for trainer in dict.fromkeys(r["trainer"] for r in rows):
         rac, floor = rac_rows(rows, trainer)
         w4a4 = [r for r in rac if r["rac_ratio"] == 0]
-        if not w4a4 or not floor:
-            continue
+        if not w4a4 or not floor or w4a4[0]["rollout"] == floor[0]["rollout"]:
+            continue  # no W4A4 row, no floor, or the W4A4 rollout is this trainer's floor (w4a4-qat)
         w, f = w4a4[0], floor[0]
         out.append({"trainer": trainer, "w4a4": w["rollout"], "floor": f["rollout"], "k3": w["k3"],
                     "floor_k3": f["k3"], "k3_ratio": w["k3"] / f["k3"] if f["k3"] > 0 else math.inf,
