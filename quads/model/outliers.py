@@ -43,6 +43,8 @@ class OutlierConfig:
     sites: list[str] = field(default_factory=lambda: ["mlp"])  # norms scaled: mlp (router + experts), attn (q/k/v)
 
     def __post_init__(self) -> None:
+        self.scale = float(self.scale)  # 32 and 32.0 are one setting (and one warm-start cache key)
+        self.channels, self.sites = [int(c) for c in self.channels], list(self.sites)
         if self.mode not in ("none", "inject", "init"):
             raise ValueError(f"outliers.mode must be none, inject or init; got {self.mode!r}")
         if not (math.isfinite(self.scale) and self.scale > 0):
