@@ -59,12 +59,12 @@ def _reduce_once(tokens: list) -> tuple[list, str | None]:
     dropped). Order: the innermost parenthesized group, inside it ``*`` first, then ``+``/``-``.
     """
     close = tokens.index(")") if ")" in tokens else len(tokens)
-    open_ = max((i for i in range(close) if tokens[i] == "("), default=-1)
+    open_ = max((i for i in range(close) if tokens[i] == "("), default=-1) if "(" in tokens else -1
     lo, hi = open_ + 1, close  # the group is tokens[lo:hi]
     group = tokens[lo:hi]
     if len(group) == 1:  # "(7)" -> "7"
         return tokens[:open_] + group + tokens[close + 1:], None
-    idx = next((i for i in range(1, len(group), 2) if group[i] == "*"), 1)
+    idx = next((i for i in range(1, len(group), 2) if group[i] == "*"), 1) if "*" in group else 1
     a, op, b = group[idx - 1], group[idx], group[idx + 1]
     c = _apply(a, op, b)
     j = lo + idx - 1
