@@ -7,7 +7,7 @@
 # Run from the repository root:  OUT=runs/chain-ws STEPS_LIST=1000,2000 bash scripts/chain_warm_start.sh
 # Knobs (env): OUT (runs/chain-ws), WARM_DIR (warm-start cache, default $OUT/warm_start; a folder outside
 #   $OUT keeps the weights for later calls on the same machine), STEPS_LIST (1000,2000,3000), PRESET (100m),
-#   LR (0.001), BATCH (32), EVAL (200), DEVICE (cuda), PY (python3), OUTLIERS (1: also inject the outlier
+#   LR (0.001), BATCH (32), EVAL (200), DEVICE (cuda), PY (python3), OUTLIERS (0; 1: also inject the outlier
 #   channels of configs/chain_100m_outliers.yaml into the largest count's warm start and measure it).
 # Output: $OUT/chain_warm_start.jsonl (one `quads pretrain` JSON line per run: heldout_pass@1,
 #   train_seconds, final_ce ...), $OUT/pretrain_<steps>.log.
@@ -36,7 +36,7 @@ for steps in ${STEPS_LIST//,/ }; do
   if [ "$NGPU" -le 1 ] || [ $(( i % NGPU )) -eq 0 ]; then wait "${pids[@]}"; pids=(); fi
 done
 [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
-if [ "${OUTLIERS:-1}" = 1 ]; then
+if [ "${OUTLIERS:-0}" = 1 ]; then
   last=${STEPS_LIST##*,}
   $PY -m quads.cli pretrain "${common[@]}" --steps "$last" --outliers.mode inject \
     --outliers.channels 37,150,301,444 --outliers.scale 32 > "$OUT/pretrain_${last}_outliers.log" 2>&1

@@ -91,3 +91,14 @@ def test_chain_configs_find_the_warm_start_of_the_sweep(monkeypatch):
                                outliers=OutlierConfig(mode="inject", channels=[37, 150, 301, 444], scale=32)
                                if name.endswith("outliers") else OutlierConfig())
         assert asked[-1] == sweep.cache_key(), name
+
+
+def test_sequences_longer_than_the_preset_are_refused_before_training():
+    import pytest
+
+    from quads.pretrain import check_lengths
+
+    cfg = PretrainConfig(difficulty=8)
+    check_lengths([([0] * 512, 90)], 512, cfg)  # exactly max_seq_len fits
+    with pytest.raises(ValueError, match="513 tokens, over the tiny preset's max_seq_len 512"):
+        check_lengths([([0] * 40, 5), ([0] * 513, 90)], 512, cfg)
