@@ -73,6 +73,13 @@ class PretrainConfig:
             raise ValueError(f"PretrainConfig.threads must be >= 1 or None, got {self.threads}")
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"PretrainConfig.dtype must be float32, bfloat16 or float64, got {self.dtype!r}")
+        if self.outliers.active:
+            from quads.model.config import PRESETS
+
+            hidden = PRESETS.get(self.preset, {}).get("hidden_size")
+            if hidden is not None and max(self.outliers.channels) >= hidden:
+                raise ValueError(f"outliers.channels must be < the {self.preset} preset's hidden_size {hidden}; "
+                                 f"got {self.outliers.channels}")
 
     def cache_key(self) -> str:
         """Hash of every field that changes the weights.

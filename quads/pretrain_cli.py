@@ -28,7 +28,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"quads pretrain: {e}", file=sys.stderr)
         return 2
     cached = (cfg.folder() / "config.json").is_file()
-    folder = warm_start(cfg)
+    try:
+        folder = warm_start(cfg)
+    except ValueError as e:
+        print(f"quads pretrain: {e}", file=sys.stderr)
+        return 2
     _, extra = read_checkpoint_config(folder)
     res = extra.get("pretrain_result", {})
     print(f"{'cached' if cached else 'trained'} checkpoint: {folder}")

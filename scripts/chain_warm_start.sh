@@ -8,7 +8,8 @@
 # Knobs (env): OUT (runs/chain-ws), WARM_DIR (warm-start cache, default $OUT/warm_start; a folder outside
 #   $OUT keeps the weights for later calls on the same machine), STEPS_LIST (1000,2000,3000), PRESET (100m),
 #   LR (0.001), BATCH (32), EVAL (200), DEVICE (cuda), PY (python3), OUTLIERS (0; 1: also inject the outlier
-#   channels of configs/chain_100m_outliers.yaml into the largest count's warm start and measure it).
+#   channels CHANNELS (default 37,150,301,444: configs/chain_100m_outliers.yaml's, for the 100m preset's
+#   hidden size 512) into the largest count's warm start and record the check).
 # Output: $OUT/chain_warm_start.jsonl (one `quads pretrain` JSON line per run: heldout_pass@1,
 #   train_seconds, final_ce ...), $OUT/pretrain_<steps>.log.
 set -uo pipefail
@@ -39,7 +40,7 @@ done
 if [ "${OUTLIERS:-0}" = 1 ]; then
   last=${STEPS_LIST##*,}
   $PY -m quads.cli pretrain "${common[@]}" --steps "$last" --outliers.mode inject \
-    --outliers.channels 37,150,301,444 --outliers.scale 32 > "$OUT/pretrain_${last}_outliers.log" 2>&1
+    --outliers.channels "${CHANNELS:-37,150,301,444}" --outliers.scale 32 > "$OUT/pretrain_${last}_outliers.log" 2>&1
 fi
 grep -h '^{"metric": "pretrain"' "$OUT"/pretrain_*.log > "$OUT/chain_warm_start.jsonl"
 $PY - "$OUT/chain_warm_start.jsonl" <<'PYEOF'

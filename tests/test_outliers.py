@@ -160,3 +160,14 @@ def test_cli_injects_into_a_checkpoint(tmp_path, capsys):
     assert "already holds a checkpoint" in capsys.readouterr().err
     assert main(["outliers", "--checkpoint", str(out), "--out-dir", str(tmp_path / "o2"), "--channels", "3"]) == 2
     assert "already has injected outliers" in capsys.readouterr().err
+
+
+def test_pretrain_refuses_channels_beyond_the_preset_before_training(tmp_path, capsys):
+    from quads.cli import main
+    from quads.pretrain import PretrainConfig
+
+    with pytest.raises(ValueError, match="tiny preset's hidden_size 128"):
+        PretrainConfig(outliers=OutlierConfig(mode="init", channels=[5, 300]))
+    assert main(["pretrain", "--outliers.mode", "inject", "--outliers.channels", "444", "--cache-dir",
+                 str(tmp_path)]) == 2
+    assert "hidden_size 128" in capsys.readouterr().err and not any(tmp_path.iterdir())
