@@ -1,4 +1,4 @@
-"""The ``quads`` command line: ``quads train | compare | diagnose | eval | pretrain | bench | export``.
+"""The ``quads`` command line: ``quads train | compare | diagnose | eval | pretrain | outliers | bench | export``.
 
 Each subcommand lives in the module named in ``COMMANDS`` and exposes ``register(parser)`` (add its
 flags to an ``argparse`` sub-parser) and ``run(args) -> int``. Only the module of the command being run is
@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "diagnose": ("quads.experiments.diagnose", "decompose the rollout/trainer log-prob gap by error source"),
     "eval": ("quads.evaluate", "pass@k of a checkpoint on a task's held-out split or a dataset file"),
     "pretrain": ("quads.pretrain_cli", "supervised warm start of the built-in model on a task"),
+    "outliers": ("quads.outliers_cli", "inject activation outlier channels into a checkpoint (same BF16 function)"),
     "bench": ("quads.bench", "GPU kernel and engine benchmarks against cuBLAS BF16 / FP8"),
     "export": ("quads.export", "export a trained policy as an NVFP4 checkpoint serving engines load"),
 }

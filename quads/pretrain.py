@@ -12,6 +12,13 @@ generator, so a run is a function of its config. The checkpoint is cached under
 ``~/.cache/quads/pretrain``): a second call with the same config returns the folder at once. At the
 end the held-out greedy pass@1 is measured with the rollout engine and stored in the checkpoint's
 ``extra["pretrain_result"]``.
+
+Activation outliers (``outliers``, ``quads.model.outliers``): ``init`` sets the chosen RMSNorm gains to
+``outliers.scale`` before training; ``inject`` takes the warm start of the same config without outliers
+(trained or cached), scales the gains and divides the matching weight columns (function-preserving),
+checks the function on a batch of training sequences and stores the check and the per-channel absmax
+growth in ``extra["outliers_result"]``. A config with ``outliers.mode: none`` hashes as it did before the
+field existed, so older cache entries stay valid.
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from quads.config import to_dict
+from quads.model.outliers import OutlierConfig
 from quads.tasks.base import examples_up_to
 
 FORMAT_VERSION = 1  # bump when the SFT recipe or data format changes, so old cache entries are not reused
@@ -53,6 +61,7 @@ class PretrainConfig:
     cache_dir: str | None = None  # cache root; None = $QUADS_CACHE/pretrain or ~/.cache/quads/pretrain
     progress: bool = True  # tqdm progress bar
     threads: int | None = None  # torch.set_num_threads for the run; None = leave torch's setting
+    outliers: OutlierConfig = field(default_factory=OutlierConfig)  # activation outlier channels (module docstring)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "train_size", "max_new_tokens"):
@@ -64,6 +73,13 @@ class PretrainConfig:
             raise ValueError(f"PretrainConfig.threads must be >= 1 or None, got {self.threads}")
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"PretrainConfig.dtype must be float32, bfloat16 or float64, got {self.dtype!r}")
+        if self.outliers.active:
+            from quads.model.config import PRESETS
+
+            hidden = PRESETS.get(self.preset, {}).get("hidden_size")
+            if hidden is not None and max(self.outliers.channels) >= hidden:
+                raise ValueError(f"outliers.channels must be < the {self.preset} preset's hidden_size {hidden}; "
+                                 f"got {self.outliers.channels}")
 
     def cache_key(self) -> str:
         """Hash of every field that changes the weights.
@@ -74,6 +90,8 @@ class PretrainConfig:
         """
         skip = ("cache_dir", "progress", "device", "threads", "eval_size", "max_new_tokens")
         fields = {k: v for k, v in to_dict(self).items() if k not in skip}
+        if not self.outliers.active:
+            del fields["outliers"]
         blob = json.dumps({"v": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -135,6 +153,15 @@ def _lr_at(step: int, cfg: PretrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
+def check_lengths(data: list[tuple[list[int], int]], max_seq_len: int, cfg: PretrainConfig) -> None:
+    """Every SFT sequence fits the model's ``max_seq_len`` (the rollout KV cache's length); else ValueError."""
+    longest = max(len(s) for s, _ in data)
+    if longest > max_seq_len:
+        raise ValueError(f"pretrain: the longest {cfg.task} demonstration sequence (level {cfg.difficulty}) is "
+                         f"{longest} tokens, over the {cfg.preset} preset's max_seq_len {max_seq_len}; "
+                         "pick a preset with a longer max_seq_len or a level with shorter responses")
+
+
 def train_sft(cfg: PretrainConfig, log_every: int = 50):
     """Train a fresh model; returns (model, tokenizer, task, history of (step, ce) every log_every)."""
     threads = torch.get_num_threads()
@@ -161,6 +188,11 @@ def _train(cfg: PretrainConfig, log_every: int):
               f"(train_size {cfg.train_size}); training on all of them", file=sys.stderr)
     data = [encode_sft(tok, e.prompt, task.demonstration(e)) for e in examples]
     model = MoEForCausalLM(ModelConfig.preset(cfg.preset, vocab_size=tok.vocab_size, dtype=cfg.dtype))
+    check_lengths(data, model.config.max_seq_len, cfg)
+    if cfg.outliers.mode == "init":
+        from quads.model.outliers import init_outliers
+
+        init_outliers(model, cfg.outliers)
     model.to(cfg.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -190,6 +222,8 @@ def warm_start(cfg: PretrainConfig) -> Path:
     folder = cfg.folder()
     if (folder / "config.json").is_file():
         return folder
+    if cfg.outliers.mode == "inject":
+        return _inject_warm_start(cfg)
     if cfg.progress:
         print(f"pretrain {cfg.task}: no cached warm start for this config; training the {cfg.preset} model "
               f"for {cfg.steps} steps (then cached in {folder})", file=sys.stderr)
@@ -198,8 +232,28 @@ def warm_start(cfg: PretrainConfig) -> Path:
     return save_warm_start(cfg, model, tok, task, history, train_seconds=time.monotonic() - start)
 
 
+def _inject_warm_start(cfg: PretrainConfig) -> Path:
+    """``outliers.mode: inject``: the warm start without outliers, with outliers injected, saved to ``cfg.folder()``."""
+    from quads.model.checkpoint import load_checkpoint
+    from quads.model.outliers import inject_checked
+    from quads.model.tokenizer import load_tokenizer
+
+    base = warm_start(replace(cfg, outliers=OutlierConfig()))
+    model, extra = load_checkpoint(base, device=cfg.device)
+    tok, task = load_tokenizer(base), _task(cfg)
+    probe = [encode_sft(tok, e.prompt, task.demonstration(e)) for e in examples_up_to(task, "train", 8)]
+    ids, _ = collate(probe, tok.pad_id)
+    check = inject_checked(model, cfg.outliers, ids.to(cfg.device))
+    if cfg.progress:
+        print(f"pretrain {cfg.task}: injected outliers {cfg.outliers.channels} x{cfg.outliers.scale:g} into "
+              f"{base}; max |logit change| {check['max_abs_logit_change']:.3g}", file=sys.stderr)
+    res = extra["pretrain_result"]
+    return save_warm_start(cfg, model, tok, task, res["loss_history"], train_seconds=res["train_seconds"],
+                           outliers_result={**check, "base_checkpoint": str(base)})
+
+
 def save_warm_start(cfg: PretrainConfig, model, tokenizer, task, history: list[tuple[int, float]],
-                    train_seconds: float = 0.0) -> Path:
+                    train_seconds: float = 0.0, outliers_result: dict[str, Any] | None = None) -> Path:
     """Measure the held-out greedy pass@1 of a trained model and write it to ``cfg.folder()``."""
     from quads.model.checkpoint import save_checkpoint
 
@@ -208,10 +262,19 @@ def save_warm_start(cfg: PretrainConfig, model, tokenizer, task, history: list[t
     if cfg.eval_size > 0:
         from quads.evaluation import evaluate_model
 
-        res = evaluate_model(model.eval(), tokenizer, task, examples_up_to(task, "test", cfg.eval_size),
-                             max_new_tokens=cfg.max_new_tokens)
+        test = examples_up_to(task, "test", cfg.eval_size)
+        longest = max(len(task.demonstration(e)) for e in test)
+        if cfg.progress and longest > cfg.max_new_tokens:
+            print(f"pretrain {cfg.task}: max_new_tokens {cfg.max_new_tokens} is shorter than the longest held-out "
+                  f"demonstration ({longest} characters): such responses are cut and score 0; pass "
+                  f"--max-new-tokens {longest + 8}", file=sys.stderr)
+        res = evaluate_model(model.eval(), tokenizer, task, test, max_new_tokens=cfg.max_new_tokens)
         result["heldout_pass@1"] = res.pass_at[1]
         result["heldout_mean_response_chars"] = res.mean_response_chars
     extra = {"pretrain": to_dict(cfg), "pretrain_result": result, "task": cfg.task,
              "difficulty": getattr(task, "difficulty", None)}
+    if cfg.outliers.active:
+        extra["outliers"] = to_dict(cfg.outliers)
+    if outliers_result is not None:
+        extra["outliers_result"] = outliers_result
     return save_checkpoint(model, cfg.folder(), extra, tokenizer=tokenizer)

@@ -28,7 +28,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"quads pretrain: {e}", file=sys.stderr)
         return 2
     cached = (cfg.folder() / "config.json").is_file()
-    folder = warm_start(cfg)
+    try:
+        folder = warm_start(cfg)
+    except ValueError as e:
+        print(f"quads pretrain: {e}", file=sys.stderr)
+        return 2
     _, extra = read_checkpoint_config(folder)
     res = extra.get("pretrain_result", {})
     print(f"{'cached' if cached else 'trained'} checkpoint: {folder}")
@@ -36,5 +40,6 @@ def run(args: argparse.Namespace) -> int:
           f"{res.get('final_ce', float('nan')):.4f}, held-out greedy pass@1 {res.get('heldout_pass@1')}")
     print(json.dumps({"metric": "pretrain", "checkpoint": str(folder), "cached": cached,
                       **{k: v for k, v in res.items() if k != "loss_history"},
+                      **({"outliers_result": extra["outliers_result"]} if "outliers_result" in extra else {}),
                       **dataclasses.asdict(cfg)}))
     return 0

@@ -9,7 +9,7 @@ import torch
 from conftest import SMALL_MODEL, tiny_model
 
 from quads.cli import main
-from quads.experiments.diagnose import DiagnoseConfig, decompose, load_grid
+from quads.experiments.diagnose import DiagnoseConfig, decompose, floor_summary, load_grid
 from quads.model.tokenizer import CharTokenizer
 from quads.quant import get_recipe, quantize_model
 from quads.rl.logprobs import sequence_logprobs
@@ -144,3 +144,31 @@ def test_committed_report_is_what_the_report_module_writes(folder, tmp_path):
     shutil.copytree(src, tmp_path / "d")
     write_report(load_result(tmp_path / "d"), tmp_path / "d")
     assert (tmp_path / "d" / "decomposition.md").read_text() == (src / "decomposition.md").read_text()
+
+
+def test_injected_outliers_raise_w4a4_error_and_leave_bf16_unchanged(small_checkpoint, tmp_path):
+    """The same model with outlier channels injected (function-preserving, power-of-two scale): the BF16
+    floor row of the decomposition is bit for bit the same (same sampled batch, same log-probs), while the
+    W4A4 rollout's k3 and the activation-quantized layers' errors rise well above the model without them."""
+    from quads.model.checkpoint import load_checkpoint, save_checkpoint
+    from quads.model.outliers import OutlierConfig, inject_outliers
+
+    model, extra = load_checkpoint(small_checkpoint)
+    inject_outliers(model, OutlierConfig(mode="inject", channels=[5, 21, 40], scale=64.0))
+    injected = save_checkpoint(model, tmp_path / "outliers", {**extra, "outliers": {
+        "mode": "inject", "channels": [5, 21, 40], "scale": 64.0, "sites": ["mlp"]}}, tokenizer=CharTokenizer())
+    kw = dict(rac_ratios="1.0", prompts=4, n_samples=2, max_new_tokens=16)
+    base = decompose(_small_cfg(small_checkpoint, tmp_path / "a", **kw), say=lambda s: None)
+    out = decompose(_small_cfg(injected, tmp_path / "b", **kw), say=lambda s: None)
+    b = {(r["rollout"], r["trainer"]): r for r in base["rows"]}
+    o = {(r["rollout"], r["trainer"]): r for r in out["rows"]}
+    for m in ("gap_max", "gap_mean", "k3", "routing_diff"):
+        assert o[("bf16", "bf16")][m] == b[("bf16", "bf16")][m], (m, o[("bf16", "bf16")][m], b[("bf16", "bf16")][m])
+    for rollout in ("w16a4", "w4a4"):
+        key = (rollout, "bf16")
+        assert o[key]["k3"] > 3 * b[key]["k3"], (key, o[key]["k3"], b[key]["k3"])
+        assert o[key]["layer_err_mean"] > 2 * b[key]["layer_err_mean"], (key, o[key], b[key])
+    assert out["meta"]["outliers"]["channels"] == [5, 21, 40] and base["meta"]["outliers"] is None
+    (s,) = [s for s in floor_summary(out["rows"]) if s["trainer"] == "bf16"]
+    assert (s["w4a4"], s["floor"]) == ("w4a4", "bf16")
+    assert s["k3_ratio"] == o[("w4a4", "bf16")]["k3"] / o[("bf16", "bf16")]["k3"]

@@ -67,3 +67,38 @@ def test_config_validation():
         PretrainConfig(steps=0)
     with pytest.raises(ValueError, match="dtype"):
         PretrainConfig(dtype="int8")
+
+
+def test_chain_configs_find_the_warm_start_of_the_sweep(monkeypatch):
+    """``quads train --config configs/chain_100m*.yaml`` asks for the warm start that
+    ``scripts/chain_warm_start.sh`` trains (same cache key: the sweep's evaluation settings and device are
+    not hashed), with and without the injected outliers."""
+    from pathlib import Path
+
+    import quads.pretrain as pretrain
+    from quads.config import build_config
+    from quads.model.outliers import OutlierConfig
+    from quads.rl.build import warm_start_checkpoint
+    from quads.rl.config import TrainConfig
+
+    asked = []
+    monkeypatch.setattr(pretrain, "warm_start", lambda cfg: asked.append(cfg.cache_key()) or "unused")
+    for name in ("chain_100m", "chain_100m_outliers"):
+        cfg = build_config(TrainConfig, Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml")
+        warm_start_checkpoint(cfg)
+        sweep = PretrainConfig(task="arithmetic", difficulty=8, preset="100m", lr=0.001, batch_size=32, eval_size=200,
+                               max_new_tokens=400, device="cuda", progress=False, steps=cfg.warm_start.steps,
+                               outliers=OutlierConfig(mode="inject", channels=[37, 150, 301, 444], scale=32)
+                               if name.endswith("outliers") else OutlierConfig())
+        assert asked[-1] == sweep.cache_key(), name
+
+
+def test_sequences_longer_than_the_preset_are_refused_before_training():
+    import pytest
+
+    from quads.pretrain import check_lengths
+
+    cfg = PretrainConfig(difficulty=8)
+    check_lengths([([0] * 512, 90)], 512, cfg)  # exactly max_seq_len fits
+    with pytest.raises(ValueError, match="513 tokens, over the tiny preset's max_seq_len 512"):
+        check_lengths([([0] * 40, 5), ([0] * 513, 90)], 512, cfg)

@@ -136,3 +136,57 @@ def test_examples_up_to_returns_the_whole_small_split(name, kwargs, train, test)
     assert [e.prompt for e in examples_up_to(task, "train", 10)] == [e.prompt for e in tr[:10]]
     with pytest.raises(ValueError, match=f"offers only {train} distinct prompts"):
         task.examples("train", train + 1)
+
+
+def test_chain_level_is_a_long_running_sum():
+    """Level 8 (the chain): 32-40 one-digit operands, +/- only, the scratchpad is the running sum left to
+    right, and the responses are long (200-400 characters, mean about 285)."""
+    from quads.tasks.arithmetic import CHAIN_LEVEL
+
+    task = ArithmeticTask(CHAIN_LEVEL)
+    examples = task.examples("train", 300)
+    lengths = []
+    for e in examples:
+        nums = [int(x) for x in e.meta["expression"].replace("-", "+").split("+")]
+        assert 32 <= len(nums) <= 40 and all(0 <= x <= 9 for x in nums)
+        steps = task.demonstration(e).split()
+        assert len(steps) == len(nums)  # one step per operand after the first, then the answer
+        running = nums[0]
+        for step, op in zip(steps[:-1], [c for c in e.meta["expression"] if c in "+-"]):
+            a, rest = (step[:1] + step[1:].split(op, 1)[0], step[1:].split(op, 1)[1])
+            assert int(a) == running, (step, running)
+            running = running + int(rest.split("=")[0]) if op == "+" else running - int(rest.split("=")[0])
+            assert int(rest.split("=")[1]) == running
+        assert steps[-1] == f"#{running}" and e.answer == str(running)
+        lengths.append(len(task.demonstration(e)))
+    assert 200 <= min(lengths) and max(lengths) <= 400 and 260 <= sum(lengths) / len(lengths) <= 310
+    again = ArithmeticTask(CHAIN_LEVEL).examples("train", 300)
+    assert [(e.prompt, e.meta["demonstration"]) for e in again] == [(e.prompt, e.meta["demonstration"])
+                                                                    for e in examples]
+
+
+def test_chain_verifier_rewards_the_final_answer_only():
+    from quads.tasks.arithmetic import CHAIN_LEVEL
+
+    task = ArithmeticTask(CHAIN_LEVEL)
+    e = task.examples("test", 1)[0]
+    demo = task.demonstration(e)
+    steps, ans = demo.split()[:-1], int(e.answer)
+    wrong_pad = " ".join(s.rsplit("=", 1)[0] + "=999" for s in steps) + f" #{ans}"
+    cases = [
+        (demo, True, "correct"),
+        (wrong_pad, True, "correct"),  # a wrong scratchpad with the right answer: full reward
+        (f"#{ans}", True, "correct"),  # no scratchpad at all
+        (demo + " and some extra text #0", True, "correct"),  # the first marker counts, trailing text ignored
+        (demo[: demo.index("#")], False, "no final answer marker"),  # truncated before the answer
+        (demo[: demo.index("#") + 1], False, "malformed final answer"),  # truncated right after the marker
+        (" ".join(steps) + f" #{ans + 1}", False, "wrong answer"),  # right scratchpad, wrong answer
+        (" ".join(steps) + f" #{ans}0", False, "wrong answer"),  # an extra digit
+        ("", False, "no final answer marker"),
+    ]
+    for response, correct, reason in cases:
+        s = task.score(e, response)
+        assert s.correct == correct and s.reward == float(correct) and reason in s.reason, (response[-30:], s)
+    if abs(ans) >= 10:  # an answer cut mid-number is a different (wrong) number
+        s = task.score(e, demo[:-1])
+        assert not s.correct and "wrong answer" in s.reason

@@ -23,6 +23,11 @@ Note: activation-quantized GEMMs (``act: nvfp4``) accumulate in FP32 (``quads.qu
 unquantized ones in the compute dtype; at BF16 this adds a little rounding difference to every
 A4 variant beside its quantization error.
 
+The report states, per trainer, the W4A4 row (RAC ratio 0) against the engine-drift floor (the rollout
+with the trainer's own spec): k3 and gap mean, and their ratio (``floor_summary``); and, when the
+checkpoint carries injected or initialised outlier channels (``quads outliers``, ``quads pretrain
+--outliers.*``), which ones (``meta.outliers``).
+
 Outputs in ``out_dir``: ``decomposition.md`` (tables), ``decomposition.jsonl`` (one row per pair),
 ``layer_errors.json`` (per pair, per layer), ``batch.json`` (what was sampled), ``rac_ratio_gap.png``,
 ``decomposition_gap.png``, ``layer_errors.png``.
@@ -192,6 +197,9 @@ def decompose(cfg: DiagnoseConfig, grid: Grid | None = None, say=print) -> dict[
     t_start = time.perf_counter()
     ckpt = _checkpoint(cfg)
     rollout, tok = _load(ckpt, cfg.dtype, cfg.device)
+    from quads.model.checkpoint import read_checkpoint_config
+
+    outliers = read_checkpoint_config(ckpt)[1].get("outliers")
     trainer, _ = _load(ckpt, cfg.master_dtype if cfg.dtype == "bfloat16" else cfg.dtype, cfg.device)
     task_kw = {"seed": cfg.seed} | ({"difficulty": cfg.difficulty} if cfg.difficulty is not None else {})
     task = get_task(cfg.task, **task_kw)
@@ -259,7 +267,7 @@ def decompose(cfg: DiagnoseConfig, grid: Grid | None = None, say=print) -> dict[
             "samples": batch.num_samples, "response_tokens": int(mask.sum()),
             "mean_response_len": batch.response_lengths().float().mean().item(),
             "reward_mean": sum(s.reward for s in scores) / len(scores),
-            "model": rollout.config.to_dict(), "n_params": rollout.num_parameters(),
+            "model": rollout.config.to_dict(), "n_params": rollout.num_parameters(), "outliers": outliers,
             "torch": torch.__version__, "device_name": _device_name(cfg.device)}
     return {"rows": rows, "layer_errors": per_layer, "self_check": self_check, "meta": meta,
             "texts": batch.texts[: min(8, len(batch.texts))], "grid": grid}
@@ -322,6 +330,23 @@ def rac_table(rows: list[dict[str, Any]], trainer: str) -> str:
                            for label, r in zip(labels, rac + floor)])
 
 
+def floor_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per trainer: the W4A4 rollout (RAC ratio 0) against the engine-drift floor (the rollout with the
+    trainer's own spec): ``{trainer, w4a4, floor, k3, floor_k3, k3_ratio, gap_mean, floor_gap_mean}``;
+    trainers whose floor is the W4A4 rollout itself (``w4a4-qat``) have no row."""
+    out = []
+    for trainer in dict.fromkeys(r["trainer"] for r in rows):
+        rac, floor = rac_rows(rows, trainer)
+        w4a4 = [r for r in rac if r["rac_ratio"] == 0]
+        if not w4a4 or not floor or w4a4[0]["rollout"] == floor[0]["rollout"]:
+            continue  # no W4A4 row, no floor, or the W4A4 rollout is this trainer's floor (w4a4-qat)
+        w, f = w4a4[0], floor[0]
+        out.append({"trainer": trainer, "w4a4": w["rollout"], "floor": f["rollout"], "k3": w["k3"],
+                    "floor_k3": f["k3"], "k3_ratio": w["k3"] / f["k3"] if f["k3"] > 0 else math.inf,
+                    "gap_mean": w["gap_mean"], "floor_gap_mean": f["gap_mean"]})
+    return out
+
+
 def layer_table(per_layer: dict[str, dict[str, float]], trainer: str) -> str:
     cols = [k for k in per_layer if k.endswith(f"|{trainer}")]
     if not cols:
@@ -378,6 +403,16 @@ def write_report(result: dict[str, Any], out_dir: str | Path) -> Path:
         "= mean over quantized layers of ||Y_rollout - Y_trainer|| / ||Y_trainer|| on identical inputs.",
         decomposition_table(rows),
     ]
+    if meta.get("outliers"):
+        o = meta["outliers"]
+        parts.append(f"The checkpoint carries activation outlier channels ({o['mode']}): channels {o['channels']} "
+                     f"x{o['scale']:g} at the {', '.join(o['sites'])} norm(s) (quads.model.outliers).")
+    summary = floor_summary(rows)
+    if summary:
+        parts.append("W4A4 (RAC ratio 0) against the engine-drift floor:\n\n" + "\n".join(
+            f"- trainer {s['trainer']}: W4A4 k3 {s['k3']:.2e} = {s['k3_ratio']:.3g} x the floor ({s['floor']} "
+            f"rollout, k3 {s['floor_k3']:.2e}); gap mean {s['gap_mean']:.4f} vs {s['floor_gap_mean']:.4f}"
+            for s in summary))
     for tname in trainers:
         t = rac_table(rows, tname)
         if t.count("\n") > 1:
@@ -416,5 +451,8 @@ def run(args: argparse.Namespace) -> int:
     out = write_report(result, cfg.out_dir)
     save_config(cfg, out / "config.yaml")
     print(decomposition_table(result["rows"]))
+    for s in floor_summary(result["rows"]):
+        print(f"trainer {s['trainer']}: W4A4 k3 {s['k3']:.2e} = {s['k3_ratio']:.3g} x the floor ({s['floor']}, "
+              f"k3 {s['floor_k3']:.2e})")
     print(f"report: {out / 'decomposition.md'}")
     return 0

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from quads.model.outliers import OutlierConfig
 from quads.rl.correction import CorrectionConfig
 from quads.rl.grpo import GRPOLossConfig
 
@@ -48,6 +49,7 @@ class WarmStartSection:
     batch_size: int = 32  # SFT sequences per step
     train_size: int = 20000  # distinct SFT prompts drawn from the task's train split (all it has when fewer)
     cache_dir: str | None = None  # warm-start cache root; None = $QUADS_CACHE/pretrain or ~/.cache/quads/pretrain
+    outliers: OutlierConfig = field(default_factory=OutlierConfig)  # activation outlier channels (quads.model.outliers)
 
     def __post_init__(self) -> None:
         _positive("warm_start", steps=self.steps, lr=self.lr, batch_size=self.batch_size,

@@ -4,6 +4,8 @@ Prompt ``"Q: 3+4*5-2=\\n"``; target response ``"4*5=20 3+20=23 23-2=21 #21"``: o
 in the usual order (innermost parentheses first, then ``*`` left to right, then ``+``/``-`` left to
 right), each step ``a<op>b=c`` on the values computed so far, then ``#`` and the final answer.
 Responses are tens of characters long, so a per-token error rate compounds over the sequence.
+Level 8 (``CHAIN_LEVEL``) is the long-response "chain": 32-40 one-digit operands joined by ``+``/``-``,
+so the scratchpad is the running sum (``3+6=9 9-5=4 4-3=1 ...``), 200-390 characters (mean 284).
 
 The verifier reads the integer right after the first ``#``; no marker or no integer after it is
 reward 0 with the reason. Only the final answer is checked, not the scratchpad.
@@ -40,8 +42,10 @@ LEVELS: dict[int, Level] = {
     5: Level((4, 4), 1, "+-*", True, False),
     6: Level((5, 5), 1, "+-*", True, False),
     7: Level((4, 5), 2, "+-*", True, True),
+    8: Level((32, 40), 1, "+-", False, True),  # the chain: a running-sum scratchpad of 31-39 steps
 }
 DEFAULT_DIFFICULTY = 6
+CHAIN_LEVEL = 8
 
 
 def _apply(a: int, op: str, b: int) -> int:
@@ -55,12 +59,12 @@ def _reduce_once(tokens: list) -> tuple[list, str | None]:
     dropped). Order: the innermost parenthesized group, inside it ``*`` first, then ``+``/``-``.
     """
     close = tokens.index(")") if ")" in tokens else len(tokens)
-    open_ = max((i for i in range(close) if tokens[i] == "("), default=-1)
+    open_ = max((i for i in range(close) if tokens[i] == "("), default=-1) if "(" in tokens else -1
     lo, hi = open_ + 1, close  # the group is tokens[lo:hi]
     group = tokens[lo:hi]
     if len(group) == 1:  # "(7)" -> "7"
         return tokens[:open_] + group + tokens[close + 1:], None
-    idx = next((i for i in range(1, len(group), 2) if group[i] == "*"), 1)
+    idx = next((i for i in range(1, len(group), 2) if group[i] == "*"), 1) if "*" in group else 1
     a, op, b = group[idx - 1], group[idx], group[idx + 1]
     c = _apply(a, op, b)
     j = lo + idx - 1

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Warm-start tuning for the long-response chain (arithmetic level 8) on the GPU: one `quads pretrain` per
+# SFT step count in STEPS_LIST, in parallel, one per visible GPU (round robin when there are more counts
+# than GPUs), each measuring held-out greedy pass@1 on EVAL prompts with a 400-token cap. Pick the count
+# whose pass@1 is in 30-60% and set it as warm_start.steps in configs/chain_100m*.yaml; `quads train`
+# then finds that warm start in WARM_DIR (same config hash: the evaluation settings are not hashed).
+# Run from the repository root:  OUT=runs/chain-ws STEPS_LIST=1000,2000 bash scripts/chain_warm_start.sh
+# Knobs (env): OUT (runs/chain-ws), WARM_DIR (warm-start cache, default $OUT/warm_start; a folder outside
+#   $OUT keeps the weights for later calls on the same machine), STEPS_LIST (1000,2000,3000), PRESET (100m),
+#   LR (0.001), BATCH (32), EVAL (200), DEVICE (cuda), PY (python3), OUTLIERS (0; 1: also inject the outlier
+#   channels CHANNELS (default 37,150,301,444: configs/chain_100m_outliers.yaml's, for the 100m preset's
+#   hidden size 512) into the largest count's warm start and record the check).
+# Output: $OUT/chain_warm_start.jsonl (one `quads pretrain` JSON line per run: heldout_pass@1,
+#   train_seconds, final_ce ...), $OUT/pretrain_<steps>.log.
+set -uo pipefail
+OUT=${OUT:-runs/chain-ws}
+WARM_DIR=${WARM_DIR:-$OUT/warm_start}
+STEPS_LIST=${STEPS_LIST:-1000,2000,3000}
+PRESET=${PRESET:-100m}
+LR=${LR:-0.001}
+BATCH=${BATCH:-32}
+EVAL=${EVAL:-200}
+DEVICE=${DEVICE:-cuda}
+PY=${PY:-python3}
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p "$OUT"
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+common=(--task arithmetic --difficulty 8 --preset "$PRESET" --lr "$LR" --batch-size "$BATCH" --eval-size "$EVAL"
+        --max-new-tokens 400 --device "$DEVICE" --cache-dir "$WARM_DIR" --progress false)
+pids=()
+i=0
+for steps in ${STEPS_LIST//,/ }; do
+  gpu=$(( NGPU > 0 ? i % NGPU : 0 ))
+  CUDA_VISIBLE_DEVICES=$gpu $PY -m quads.cli pretrain "${common[@]}" --steps "$steps" > "$OUT/pretrain_$steps.log" 2>&1 &
+  pids+=($!)
+  i=$(( i + 1 ))
+  if [ "$NGPU" -le 1 ] || [ $(( i % NGPU )) -eq 0 ]; then wait "${pids[@]}"; pids=(); fi
+done
+[ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
+if [ "${OUTLIERS:-0}" = 1 ]; then
+  last=${STEPS_LIST##*,}
+  $PY -m quads.cli pretrain "${common[@]}" --steps "$last" --outliers.mode inject \
+    --outliers.channels "${CHANNELS:-37,150,301,444}" --outliers.scale 32 > "$OUT/pretrain_${last}_outliers.log" 2>&1
+fi
+grep -h '^{"metric": "pretrain"' "$OUT"/pretrain_*.log > "$OUT/chain_warm_start.jsonl"
+$PY - "$OUT/chain_warm_start.jsonl" <<'PYEOF'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    o = r.get("outliers", {})
+    tag = f" outliers {o['channels']} x{o['scale']:g}" if o.get("mode", "none") != "none" else ""
+    print(f"steps {r['steps']:>5}{tag}: held-out pass@1 {r.get('heldout_pass@1')}, final ce {r['final_ce']:.4f}, "
+          f"{r['train_seconds']} s SFT, mean response {r.get('heldout_mean_response_chars')} chars")
+PYEOF
