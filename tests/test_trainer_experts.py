@@ -67,7 +67,8 @@ def test_sorted_experts_match_loop(spec, device, autocast):
     for grouped in (False, True):
         m = copy.deepcopy(_experts(spec)).to(device)
         m.grouped = grouped
-        assert moe.use_sorted(grouped, x0, m.gate_up_proj, m.down_proj) == grouped
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):  # the compute dtype decides
+            assert moe.use_sorted(grouped, x0, m.gate_up_proj, m.down_proj) == grouped
         if device == "cuda" and not grouped:
             res["fp32"] = _run(m, x0, idx, w0, False)  # the reference of the CUDA bounds
             m.zero_grad(set_to_none=True)
@@ -154,8 +155,9 @@ def test_sorted_experts_no_host_sync_cuda(recipe):
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.autocast("cuda", dtype=torch.bfloat16):
+            used = m._use_sorted(x)  # under autocast, as the trainer's forward runs
             y = m(x, idx, w)
         y.float().sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert m._use_sorted(x) and torch.isfinite(x.grad).all() and torch.isfinite(m.gate_up_proj.grad).all()
+    assert used and torch.isfinite(x.grad).all() and torch.isfinite(m.gate_up_proj.grad).all()

@@ -532,3 +532,41 @@ def dequantize_bf16(w: W4A16Weight, *, block_n: int = 64, block_k: int = 128) ->
         EVEN_K=w.k % bk == 0, INTERP=interpreted(w.codes),
     )  # fmt: skip
     return out
+
+
+# ---------------------------------------------------------------------------------- torch.compile ops
+# The launchers read the tuning table and pick configs in Python; inside the engine's compiled decode
+# step (quads.rollout.decode) they are single opaque custom ops, so Dynamo neither traces that Python
+# nor breaks the graph around them, and Inductor fuses the code on both sides.
+
+
+@torch.library.custom_op("quads::w4a16_gemm", mutates_args=())
+def _gemm_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+             n: int, k: int) -> torch.Tensor:
+    return gemm(x, W4A16Weight(codes, scales, global_scale, n, k, None))
+
+
+@_gemm_op.register_fake
+def _(x, codes, scales, global_scale, n, k):
+    return x.new_empty(x.shape[0], n)
+
+
+@torch.library.custom_op("quads::w4a16_grouped_gemm", mutates_args=())
+def _grouped_gemm_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                     ends: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    return grouped_gemm(x, W4A16Weight(codes, scales, global_scale, n, k, codes.shape[0]), ends)
+
+
+@_grouped_gemm_op.register_fake
+def _(x, codes, scales, global_scale, ends, n, k):
+    return x.new_empty(x.shape[0], n)
+
+
+def linear_op(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
+    """``gemm(x, w)`` with the tuned launch config, as the custom op ``quads::w4a16_gemm``."""
+    return torch.ops.quads.w4a16_gemm(x, w.codes, w.scales, w.global_scale, w.n, w.k)
+
+
+def grouped_op(x: torch.Tensor, w: W4A16Weight, ends: torch.Tensor) -> torch.Tensor:
+    """``grouped_gemm(x, w, ends)`` with the tuned launch config, as the custom op ``quads::w4a16_grouped_gemm``."""
+    return torch.ops.quads.w4a16_grouped_gemm(x, w.codes, w.scales, w.global_scale, ends, w.n, w.k)

@@ -227,7 +227,7 @@ class QuantizedLinear(_QuantizedBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         store = self.stores["weight"]
         if store.use_packed(x):
-            y = w4a16.gemm(x.reshape(-1, x.shape[-1]), store.get_packed()).reshape(*x.shape[:-1], -1)
+            y = w4a16.linear_op(x.reshape(-1, x.shape[-1]), store.get_packed()).reshape(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         return self._gemm("weight", None, x, store.get())
 
@@ -389,7 +389,7 @@ class QuantizedExperts(_QuantizedBase):
             store = self.stores[name]
             if self.spec.act == "none":
                 if store.use_packed(a):
-                    return w4a16.grouped_gemm(a, store.get_packed(), routes.ends)
+                    return w4a16.grouped_op(a, store.get_packed(), routes.ends)
                 return moe.grouped_mm(a, store.get(), routes)
             sel = self.selectors[name] if name in self.selectors else None
             if sorted_rows:
