@@ -37,8 +37,13 @@ def _check(name: str) -> str:
     return name
 
 
+@torch.compiler.assume_constant_result
 def backend() -> str:
-    """The active backend name (the innermost ``kernels()`` block, else the process's ``set_backend``)."""
+    """The active backend name (the innermost ``kernels()`` block, else the process's ``set_backend``).
+
+    Under ``torch.compile`` (the engine's compiled decode step) the name is read once when the step is
+    traced and baked into the compiled code (Dynamo cannot trace a ``ContextVar``): the backend is a
+    per-run config, so a compiled step keeps the backend it was compiled under."""
     return _override.get() or _default[0]
 
 
