@@ -37,13 +37,8 @@ def _check(name: str) -> str:
     return name
 
 
-@torch.compiler.assume_constant_result
 def backend() -> str:
-    """The active backend name (the innermost ``kernels()`` block, else the process's ``set_backend``).
-
-    Under ``torch.compile`` (the engine's compiled decode step) the name is read once when the step is
-    traced and baked into the compiled code (Dynamo cannot trace a ``ContextVar``): the backend is a
-    per-run config, so a compiled step keeps the backend it was compiled under."""
+    """The active backend name (the innermost ``kernels()`` block, else the process's ``set_backend``)."""
     return _override.get() or _default[0]
 
 
