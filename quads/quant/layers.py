@@ -258,6 +258,18 @@ def scatter_expert_output(out: torch.Tensor, idx: torch.Tensor, y: torch.Tensor,
     out.index_put_((idx,), (y * w_route[:, None]).to(out.dtype), accumulate=True)
 
 
+def _sum_in_expert_order(per_slot: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+    """``[T, H]``: each token's k weighted expert outputs ``per_slot`` ``[T, k, H]`` (slot order) summed in
+    ascending expert id, one add at a time, as the experts loop accumulates them."""
+    T, k, H = per_slot.shape
+    by_expert = torch.argsort(top_k_index, dim=-1, stable=True)  # each token's slots, ascending id
+    parts = per_slot.gather(1, by_expert[..., None].expand(T, k, H))
+    out = torch.zeros_like(parts[:, 0])
+    for j in range(k):
+        out = out + parts[:, j]
+    return out
+
+
 class QuantizedExperts(_QuantizedBase):
     """Drop-in for 3-D expert stacks (transformers 5 ``Qwen3MoeExperts`` / ``OlmoeExperts`` /
     ``MixtralExperts``, ``quads.model.MoEExperts``): ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I].
@@ -349,12 +361,7 @@ class QuantizedExperts(_QuantizedBase):
         y = moe.sorted_expert_mlp(hidden_states, top_k_index, gu, dn, self.act_fn)  # [T*k, H] slot order
         T, k = top_k_index.shape
         contrib = (y.view(T, k, -1) * top_k_weights[..., None]).to(hidden_states.dtype)
-        by_expert = torch.argsort(top_k_index, dim=-1, stable=True)  # each token's slots, ascending id
-        parts = contrib.gather(1, by_expert[..., None].expand(T, k, contrib.shape[-1]))
-        out = torch.zeros_like(hidden_states)
-        for j in range(k):
-            out = out + parts[:, j]
-        return out
+        return _sum_in_expert_order(contrib, top_k_index)
 
     def supports_static(self) -> bool:
         """Whether ``forward_static`` implements this spec (the batched layout's specs)."""
@@ -414,12 +421,7 @@ class QuantizedExperts(_QuantizedBase):
         w = top_k_weights.reshape(-1)[routes.order]
         contrib = (ys * w[:, None].to(ys.dtype)).to(hidden_states.dtype)
         per_slot = torch.empty_like(contrib).index_copy_(0, routes.order, contrib).view(T, k, -1)
-        by_expert = torch.argsort(top_k_index, dim=-1, stable=True)  # each token's slots, ascending id
-        parts = per_slot.gather(1, by_expert[..., None].expand(T, k, per_slot.shape[-1]))
-        out = torch.zeros_like(hidden_states)
-        for j in range(k):
-            out = out + parts[:, j]
-        return out
+        return _sum_in_expert_order(per_slot, top_k_index)
 
     def _forward_grouped(self, hidden_states: torch.Tensor, layout: grouped.ExpertLayout) -> torch.Tensor:
         """The batched expert path (``quads.quant.grouped``); same result as the loop up to GEMM order."""
