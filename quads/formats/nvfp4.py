@@ -293,6 +293,23 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     return out.to(dtype)
 
 
+def scaled_values(
+    x: torch.Tensor,
+    *,
+    tile: tuple[int, int] = (1, 16),
+    per_token: bool = False,
+    amax: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical mode: ``(u, S_dec)`` with ``u = copysign(e2m1 value, x) * float(s)`` in fp32 ([..., K];
+    exact: at most 6 significant bits) and ``S_dec`` the global decode scale, so that
+    ``dequantize(quantize(x)) == u * S_dec``; computed without the codes (``qdq`` is this times S_dec;
+    the W4A4 GEMM multiplies ``u`` and applies S_dec to its output, ``quads.quant.factored``)."""
+    check_input(x, tile, "te")
+    xf, value, _, scales, s_dec, _ = _te_quantize(x, tile, per_token, amax)
+    blk = value.copysign_(_blocks(xf)) * scales.float().unsqueeze(-1)
+    return blk.reshape(xf.shape), s_dec
+
+
 def qdq(
     x: torch.Tensor,
     *,
@@ -310,9 +327,8 @@ def qdq(
     dtype = x.dtype if dtype is None else dtype
     check_input(x, tile, mode)
     _canonical_only(mode, "qdq")
-    xf, value, _, scales, s_dec, _ = _te_quantize(x, tile, per_token, amax)
-    blk = value.copysign_(_blocks(xf)) * scales.float().unsqueeze(-1)
-    return (blk.reshape(xf.shape) * s_dec).to(dtype)
+    u, s_dec = scaled_values(x, tile=tile, per_token=per_token, amax=amax)
+    return (u * s_dec).to(dtype)
 
 
 # ---------------------------------------------------------------- swizzled scale layout

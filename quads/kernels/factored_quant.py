@@ -127,10 +127,8 @@ def quantize_units_reference(
         raise ValueError("quantize_units: residual=True needs index=None (the residual of gathered rows is not kept)")
     xf = x.float()
     xs = xf if index is None else xf.gather(1, index)
-    q = nvfp4.quantize(xs, amax=amax.reshape(-1, 1))
-    vals = nvfp4.e2m1_values(nvfp4.unpack(q.codes))
-    us = (vals.reshape(*vals.shape[:-1], -1, NVFP4_BLOCK) * q.scales.float()[..., None]).reshape(vals.shape)
-    g = q.global_scale.reshape(-1)
+    us, s_dec = nvfp4.scaled_values(xs, amax=amax.reshape(-1, 1))
+    g = s_dec.reshape(-1)
     if index is None:
         u = us.to(dtype)
     else:
