@@ -266,7 +266,9 @@ def tune_space() -> list[tuple]:
     for bn in (16, 32, 64, 128):
         for bk in (128, 256):
             for nw, ns in ((4, 3), (4, 4), (8, 3)):
-                out.append(("moe", 0, (bn, bk, nw, ns)))
+                for sk in (None, 1, 2):  # None: the launcher's split heuristic
+                    for bm in (None, 16, 32):  # None: twice the mean rows per expert
+                        out.append(("moe", 0, (bn, bk, nw, ns, sk, bm)))
     for cfg in ((1, None, 2), (1, None, 4), (1, None, 8), (2, None, 4), (2, 1024, 8), (2, 512, 4), (1, 1024, 4)):
         out.append(("quant_row", 0, cfg))
     for cfg in ((1, 2048, 8), (2, 1024, 8), (4, 256, 4), (8, 512, 8), (1, 1024, 4), (2, 2048, 8), (2, 512, 2)):
@@ -291,10 +293,10 @@ def _tune_call(kind: str, key, cfg, data: dict):
         return [lambda q=q: w4a16.gemm(x, q, block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
                                        num_stages=ns) for q in data["fp4"]]  # fmt: skip
     if kind == "moe":
-        bn, bk, nw, ns = cfg
+        bn, bk, nw, ns, sk, bm = cfg
         x, ends = data["moe_x"][key]
-        return [lambda q=q: w4a16.grouped_gemm(x, q, ends, block_n=bn, block_k=bk, num_warps=nw,
-                                               num_stages=ns) for q in data["moe_w"]]  # fmt: skip
+        return [lambda q=q: w4a16.grouped_gemm(x, q, ends, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
+                                               split_k=sk, block_m=bm) for q in data["moe_w"]]  # fmt: skip
     xq = data["xq"]
     if kind == "quant_row":
         if cfg[1] is None:
@@ -408,7 +410,8 @@ def tuning_from_rows(rows: list) -> dict:
     for case, shapes in (("decode", ["T=1", "T=16", "T=64", "1b gate_up T=128", "1b down T=128"]),):
         c = best("tune moe", shapes)
         if c is not None:
-            table["w4a16_grouped_gemm"][case].update(zip(("block_n", "block_k", "num_warps", "num_stages"), c))
+            table["w4a16_grouped_gemm"][case].update(
+                zip(("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m"), c))
     for kind, case in (("tune quant_row", "per_token"), ("tune quant_amax_tile", "amax_known"),
                        ("tune row_amax", "row_amax")):  # fmt: skip
         c = best(kind)

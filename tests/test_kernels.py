@@ -270,6 +270,10 @@ def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
     fast, slow = (64, 128, 2, 4, 5), (32, 256, 1, 4, 3)
     rows = [{"bench": "tune w4a16", "shape": f"M={m} N={n} K={k}", "cfg": list(c), "us": us}
             for n, k in bench.TUNE_SHAPES for m in (1, 16, 64) for c, us in ((fast, 9.0), (slow, 10.0))]
+    moe_fast, moe_slow = (64, 128, 4, 3, None, 32), (32, 256, 8, 3, 2, 16)
+    rows += [{"bench": "tune moe", "shape": sh, "cfg": list(c), "us": us}
+             for sh in ("T=1", "T=16", "T=64", "1b gate_up T=128", "1b down T=128")
+             for c, us in ((moe_fast, 5.0), (moe_slow, 6.0))]
     rows.append({"bench": "tune rac_pass4", "shape": "16384x8192 token", "cfg": [2, 512, 4], "us": 1.0})
     rows.append({"bench": "tune rac_pass4", "shape": "16384x8192 tensor", "cfg": [2, 512, 4], "us": 1.0})
     table = bench.tuning_from_rows(rows)
@@ -277,5 +281,7 @@ def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
     assert all(table["w4a16_gemm"][f"m{b}"] == want for b in (1, 4, 16, 32, 64))
     assert not any(key.startswith("n") for key in table["w4a16_gemm"])  # one winner for both shapes
     assert table["rac_quantize"]["pass4"] == {"block_m": 2, "block_s": 512, "num_warps": 4}
+    assert table["w4a16_grouped_gemm"]["decode"] == dict(zip(
+        ("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m"), moe_fast))
     assert table["nvfp4_quantize"] == tuning.table()["nvfp4_quantize"]  # not timed: kept
     assert json.dumps(tuning.table(), sort_keys=True) == before
