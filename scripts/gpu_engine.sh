@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call for the rollout engine (issue 17): GPU engine tests, the e2e rollout benchmark on
+# One device call for the rollout engine (issue 17): GPU engine tests, the e2e rollout benchmark (the
+# engine's default: static decode, compiled step, CUDA graphs; --compile on,off compares) on
 # the 1b and 100m presets (every recipe with CUDA graphs, bf16 and w4a4+rac50 also without graphs and
 # on the eager reference path; 64 new tokens + 512-token rows), and a torch.profiler summary of the
 # decode step. About 7.5 minutes in all; each part has its own time limit and writes its results as
