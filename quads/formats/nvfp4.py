@@ -106,10 +106,12 @@ def check_input(x: torch.Tensor, tile: tuple[int, int], mode: str) -> None:
 
 
 
-def check_amax(amax: torch.Tensor | float, x: torch.Tensor, per_token: bool) -> torch.Tensor:
-    """A caller-supplied amax as fp32 on x's device, ``[..., 1]`` when per token; rejects NaN / negative."""
+def check_amax(amax: torch.Tensor | float, x: torch.Tensor, per_token: bool, *, validate: bool = True
+               ) -> torch.Tensor:
+    """A caller-supplied amax as fp32 on x's device, ``[..., 1]`` when per token; rejects NaN / negative
+    (``validate=False``: the caller made it with ``nan_ignoring_amax``; no check, no host sync)."""
     a = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
-    if bool(torch.isnan(a).any()) or bool((a < 0).any()):
+    if validate and (bool(torch.isnan(a).any()) or bool((a < 0).any())):
         raise ValueError(f"amax must be >= 0 and not NaN, got {amax!r}; pass max|x| (Inf is allowed)")
     if per_token and a.dim() == x.dim() - 1:
         a = a.unsqueeze(-1)

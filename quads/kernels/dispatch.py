@@ -84,16 +84,19 @@ def nvfp4_quantize(
     tile: tuple[int, int] = (1, 16),
     per_token: bool = False,
     amax: torch.Tensor | float | None = None,
+    amax_checked: bool = False,
 ) -> nvfp4.NVFP4Tensor:
     """NVFP4 quantize in ``mode``: the canonical ``te`` mode is ``nvfp4.quantize`` (Triton on CUDA, same
-    bits), the compatibility modes ``nvfp4_compat.quantize``."""
+    bits), the compatibility modes ``nvfp4_compat.quantize``. ``amax_checked``: the caller computed
+    ``amax`` itself (``nan_ignoring_amax``: never NaN or negative), so the Triton path skips the check,
+    whose two reads of a device tensor are host syncs (two per expert stack per optimizer step in QAT)."""
     if mode != "te":
         return nvfp4_compat.quantize(x, mode=mode, tile=tuple(tile), per_token=per_token, amax=amax)
     if use_triton(x):
         from quads.kernels.nvfp4_quant import nvfp4_quantize as q
 
         if amax is not None:
-            amax = nvfp4.check_amax(amax, x, per_token)
+            amax = nvfp4.check_amax(amax, x, per_token, validate=not amax_checked)
         return q(x, tile=tile, per_token=per_token, amax=amax)
     return nvfp4.quantize(x, tile=tile, per_token=per_token, amax=amax)
 
