@@ -208,6 +208,16 @@ class RolloutEngine:
         batch.stats.decode_path = f"{path}{'+compile' if batch.compiled else ''}{'+graph' if graphs else ''}/{dispatch}"
         return batch
 
+    def _sync(self) -> None:
+        """Wait for the device (CUDA), so the chunk's timings are the work's, not its launches'."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _stop_ids(self, params: SamplingParams) -> torch.Tensor:
+        """The token ids that end a sample: ``params.stop_token_ids`` and eos (unless ``ignore_eos``)."""
+        ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.tokenizer.eos_id})
+        return torch.tensor(sorted(ids), dtype=torch.long, device=self.device)
+
     def _output_buffers(self, samples: list[list[int]], P: int, params: SamplingParams):
         """The chunk's output tensors: ``input_ids`` / ``mask`` [B, P + R] with the left-padded prompts
         written in, ``logprobs`` [B, R] (fp32, or fp64 for exactness tests) and ``routing``
@@ -230,12 +240,10 @@ class RolloutEngine:
         model, tok, dev = self.model, self.tokenizer, self.device
         cfg = model.config
         B, R = len(samples), params.max_new_tokens
-        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
         input_ids, mask, logprobs, routing = self._output_buffers(samples, P, params)
         lp_dtype = logprobs.dtype
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {tok.eos_id})
-        stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
+        stop_t = self._stop_ids(params)
         cache = KVCache(cfg, B, P + R, dtype=model.dtype, device=dev)
 
         out = model(input_ids[:, :P], attention_mask=mask[:, :P], cache=cache,
@@ -243,7 +251,7 @@ class RolloutEngine:
         if routing is not None:
             routing[:, :, :P] = out.routing.masked_fill(~mask[None, :, :P, None], -1)
         logits = out.logits[:, -1]
-        sync()
+        self._sync()
         t1 = time.perf_counter()
         active = torch.arange(B, device=dev)  # cache row -> sample row
         finish = ["length"] * B
@@ -273,7 +281,7 @@ class RolloutEngine:
             if routing is not None:
                 routing[:, active, P + t] = out.routing[:, :, 0]
             logits = out.logits[:, -1]
-        sync()
+        self._sync()
         t2 = time.perf_counter()
         resp_mask = mask[:, P:]
         prompt_ids = [list(p) for p in samples]
@@ -291,12 +299,10 @@ class RolloutEngine:
         """The static decode path (module docstring): fixed slots, one ``StaticDecoder`` step per token."""
         model, tok, dev = self.model, self.tokenizer, self.device
         B, R = len(samples), params.max_new_tokens
-        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
         input_ids, mask, logprobs, routing = self._output_buffers(samples, P, params)
         lp_dtype = logprobs.dtype
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {tok.eos_id})
-        stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
+        stop_t = self._stop_ids(params)
         dec = self._decoder(B, cache_length(P + R), dispatch, graphs)
         captures = dec.n_captures
         cache = dec.begin()
@@ -307,7 +313,7 @@ class RolloutEngine:
             routing[:, :, :P] = out.routing.masked_fill(~mask[None, :, :P, None], -1)
         logits = out.logits[:, -1]
         cache.start_decode(mask[:, :P])
-        sync()
+        self._sync()
         t1 = time.perf_counter()
         rows = torch.ones(B, dtype=torch.bool, device=dev)  # rows still generating
         stopped = torch.zeros(B, dtype=torch.bool, device=dev)
@@ -334,7 +340,7 @@ class RolloutEngine:
             steps += 1
             if routing is not None:
                 routing[:, :, P + t] = torch.where(rows[None, :, None], step_routing, -1)
-        sync()
+        self._sync()
         t2 = time.perf_counter()
         resp_mask = mask[:, P:]
         prompt_ids = [list(p) for p in samples]
