@@ -70,6 +70,23 @@ def save_tiny_checkpoint(path, extra: dict | None = None, seed: int = 0, **field
     return save_checkpoint(tiny_model(seed, **fields), path, extra, tokenizer=CharTokenizer())
 
 
+def save_vllm_policy(folder, n_layers: int = 2):
+    """The vLLM tests' policy: the ``tiny`` preset with ``n_layers`` layers, vocabulary 128, fp32 and weights
+    large enough (init std 0.08) that quantization visibly moves the log-probs, seeded, saved as a Hugging
+    Face folder at ``folder``; returns ``(folder, tokenizer)``."""
+    from quads.model.config import ModelConfig
+    from quads.model.hf import save_hf_model
+    from quads.model.tokenizer import CharTokenizer
+    from quads.model.transformer import MoEForCausalLM
+
+    torch.manual_seed(0)
+    model = MoEForCausalLM(ModelConfig.preset("tiny", n_layers=n_layers, dtype="float32", vocab_size=128,
+                                              init_std=0.08))
+    tok = CharTokenizer()
+    save_hf_model(model, tok, folder)
+    return folder, tok
+
+
 @pytest.fixture(scope="module")
 def small_checkpoint(tmp_path_factory):
     """A ``SMALL_MODEL`` checkpoint shared by a test module (read only)."""

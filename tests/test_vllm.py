@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import save_vllm_policy
 
 from quads.rollout.vllm import vllm_available
 
@@ -40,18 +41,7 @@ def _recipe(key: str):
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     """A tiny built-in MoE with large enough weights that quantization visibly moves the log-probs."""
-    from quads.model.config import ModelConfig
-    from quads.model.hf import save_hf_model
-    from quads.model.tokenizer import CharTokenizer
-    from quads.model.transformer import MoEForCausalLM
-
-    torch.manual_seed(0)
-    cfg = ModelConfig.preset("tiny", n_layers=2, dtype="float32", vocab_size=128, init_std=0.08)
-    model = MoEForCausalLM(cfg)
-    tok = CharTokenizer()
-    folder = tmp_path_factory.mktemp("vllm") / "policy"
-    save_hf_model(model, tok, folder)
-    return folder, tok
+    return save_vllm_policy(tmp_path_factory.mktemp("vllm") / "policy")
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import save_vllm_policy
 
 from quads.rollout.vllm import vllm_available
 
@@ -34,18 +35,7 @@ def _recipe(**over):
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-    from quads.model.config import ModelConfig
-    from quads.model.hf import save_hf_model
-    from quads.model.tokenizer import CharTokenizer
-    from quads.model.transformer import MoEForCausalLM
-
-    torch.manual_seed(0)
-    model = MoEForCausalLM(ModelConfig.preset("tiny", n_layers=N_LAYERS, dtype="float32", vocab_size=128,
-                                              init_std=0.08))
-    tok = CharTokenizer()
-    folder = tmp_path_factory.mktemp("vllm_packed") / "policy"
-    save_hf_model(model, tok, folder)
-    return folder, tok
+    return save_vllm_policy(tmp_path_factory.mktemp("vllm_packed") / "policy", n_layers=N_LAYERS)
 
 
 @pytest.fixture(scope="module")
