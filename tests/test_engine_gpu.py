@@ -130,3 +130,20 @@ def test_decode_step_has_no_host_sync(recipe):
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
+
+
+@pytest.mark.parametrize("recipe", list(SPECS))
+def test_compiled_decode_step_is_one_graph(recipe):
+    """The compiled step (the engine's CUDA default) is one Dynamo graph for every recipe: a graph break
+    in a quantized layer makes Dynamo skip the whole step and run it eagerly (issue 17, run 8)."""
+    from quads.rollout.decode import StaticKVCache
+
+    model = model_for(recipe)
+    cache = StaticKVCache(model.config, 8, 64, dtype=model.dtype, device=model.device)
+    tokens = torch.zeros(8, dtype=torch.long, device="cuda")
+    rows = torch.ones(8, dtype=torch.bool, device="cuda")
+    cache.start_decode(torch.ones(8, 0, dtype=torch.bool, device="cuda"))  # an empty prompt: decode from column 0
+    torch._dynamo.reset()
+    out = torch._dynamo.explain(model.decode_step)(tokens, cache, rows, device_dispatch=True)
+    assert out.graph_break_count == 0, [str(b.reason) for b in out.break_reasons]
+    assert out.graph_count == 1

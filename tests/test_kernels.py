@@ -244,6 +244,27 @@ def test_set_backend_is_the_default_and_blocks_override_it():
         dispatch.set_backend("auto")
 
 
+def test_backend_traces_under_torch_compile_without_a_graph_break():
+    """The compiled decode step calls the dispatcher in every quantized layer: reading the backend must not
+    break the graph (a ContextVar read made Dynamo skip the whole step), and a ``kernels()`` block must
+    still choose the branch a compiled function takes (it recompiles on the change)."""
+    torch._dynamo.reset()
+
+    def f(x):
+        return x * (2.0 if dispatch.backend() == "reference" else 3.0)
+
+    g = torch.compile(f, fullgraph=True, backend="eager")  # fullgraph: a graph break raises
+    x = torch.ones(4)
+    with dispatch.kernels("reference"):
+        assert g(x).tolist() == [2.0] * 4
+    with dispatch.kernels("triton"):
+        assert g(x).tolist() == [3.0] * 4
+        with dispatch.kernels("reference"):
+            assert g(x).tolist() == [2.0] * 4
+        assert g(x).tolist() == [3.0] * 4
+    assert dispatch.backend() == "auto"
+
+
 # ------------------------------------------------------------------------- real sizes (GPU only)
 
 

@@ -29,6 +29,10 @@ BACKENDS = ("auto", "triton", "reference")
 
 _default = ["auto"]  # the process's backend (set_backend, from the run's config)
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("quads_kernels", default=None)
+# The innermost open ``kernels()`` block of the process, as a plain list that torch.compile can read:
+# Dynamo cannot trace ``ContextVar.get`` (it would skip the whole compiled decode step), but it reads
+# a list item as a constant and guards on it, so a compiled function recompiles when the backend changes.
+_compiled_view: list[str | None] = [None]
 
 
 def _check(name: str) -> str:
@@ -38,7 +42,10 @@ def _check(name: str) -> str:
 
 
 def backend() -> str:
-    """The active backend name (the innermost ``kernels()`` block, else the process's ``set_backend``)."""
+    """The active backend name (the innermost ``kernels()`` block, else the process's ``set_backend``).
+    Under ``torch.compile`` the block is read from the process-wide view of it (one thread compiles)."""
+    if torch.compiler.is_compiling():
+        return _compiled_view[0] or _default[0]
     return _override.get() or _default[0]
 
 
@@ -51,10 +58,12 @@ def set_backend(name: str) -> None:
 def kernels(name: str) -> Iterator[None]:
     """``with kernels("reference"):`` forces a backend inside the block."""
     tok = _override.set(_check(name))
+    outer, _compiled_view[0] = _compiled_view[0], name
     try:
         yield
     finally:
         _override.reset(tok)
+        _compiled_view[0] = outer
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
