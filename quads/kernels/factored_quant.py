@@ -138,3 +138,47 @@ def quantize_units_reference(
     if not residual:
         return u, g, None
     return u, g, xf - us * g[:, None]
+
+
+# ------------------------------------------------------------------------------- as custom ops
+# The compiled decode step (torch.compile) sees the kernels below as opaque ops with a declared
+# mutation (``out``) and fresh outputs, so Dynamo neither traces the launchers (their Python: shape
+# checks, the tuning table read) nor functionalizes a Triton kernel that writes into a strided view.
+
+
+@torch.library.custom_op("quads::quantize_units", mutates_args=("out",))
+def _units_op(x: torch.Tensor, amax: torch.Tensor, index: torch.Tensor | None, out: torch.Tensor, slot: int,
+              residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    _, g, r = quantize_units(x, amax, dtype=out.dtype, index=index, residual=residual, out=out[:, slot])
+    return g, (r if residual else g.new_empty(0))
+
+
+@_units_op.register_fake
+def _(x, amax, index, out, slot, residual):
+    m, k = x.shape
+    return x.new_empty(m, dtype=torch.float32), x.new_empty((m, k) if residual else (0,), dtype=torch.float32)
+
+
+def units_op(x: torch.Tensor, amax: torch.Tensor, out: torch.Tensor, slot: int, *, index: torch.Tensor | None = None,
+             residual: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``quantize_units`` writing ``u`` into ``out[:, slot]`` (``out`` ``[M, P, K]``, the stacked operand),
+    as the custom op ``quads::quantize_units`` -> ``(g [M], r [M, K] or None)``."""
+    g, r = torch.ops.quads.quantize_units(x, amax, index, out, slot, residual)
+    return g, (r if residual else None)
+
+
+@torch.library.custom_op("quads::row_amax", mutates_args=())
+def _row_amax_op(x: torch.Tensor) -> torch.Tensor:
+    from quads.kernels.nvfp4_quant import row_amax
+
+    return row_amax(x)
+
+
+@_row_amax_op.register_fake
+def _(x):
+    return x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+def row_amax_op(x: torch.Tensor) -> torch.Tensor:
+    """``nvfp4_quant.row_amax`` as the custom op ``quads::row_amax``."""
+    return torch.ops.quads.row_amax(x)

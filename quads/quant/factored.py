@@ -85,26 +85,28 @@ class Segments:
 def row_amax(x: torch.Tensor) -> torch.Tensor:
     """NaN-ignoring ``max |x|`` of each row of ``x`` ``[M, K]`` -> fp32 ``[M]`` (Triton on CUDA)."""
     if dispatch.use_triton(x):
-        from quads.kernels.nvfp4_quant import row_amax as kernel
+        from quads.kernels.factored_quant import row_amax_op
 
-        return kernel(x)
+        return row_amax_op(x)
     return nvfp4.nan_ignoring_amax(x.float(), dim=-1).squeeze(-1)
 
 
 def units(
-    x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, *, index: torch.Tensor | None = None,
-    residual: bool = False, out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(u, g, r)``: the exact values ``e2m1 * s`` of NVFP4(``x`` ``[M, K]``) with amax ``[M]`` per row, in
-    ``dtype`` ``[M, K]``; S_dec ``[M]``; the residual ``x - u * S_dec`` fp32 (``residual``). ``index``
-    ``[M, n]``: quantize the gathered ``x[i, index[i]]``, ``u`` scattered back (zero elsewhere).
-    ``out``: the ``[M, K]`` (row-strided) tensor to write ``u`` into. One Triton kernel on CUDA
-    (``quads.kernels.factored_quant``, no host sync), its twin elsewhere."""
+    x: torch.Tensor, amax: torch.Tensor, out: torch.Tensor, slot: int, *, index: torch.Tensor | None = None,
+    residual: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(g, r)``: writes the exact values ``e2m1 * s`` of NVFP4(``x`` ``[M, K]``) with amax ``[M]`` per row
+    into ``out[:, slot]`` (``out`` ``[M, P, K]``, the stacked operand, in the GEMM dtype); returns S_dec
+    ``[M]`` and the residual ``x - u * S_dec`` fp32 (``residual``, else None). ``index`` ``[M, n]``:
+    quantize the gathered ``x[i, index[i]]`` and scatter ``u`` back (the slot must be zero-filled). One
+    Triton kernel on CUDA (``quads.kernels.factored_quant``, a custom op, no host sync), its twin elsewhere."""
     from quads.kernels import factored_quant
 
     if dispatch.use_triton(x):
-        return factored_quant.quantize_units(x, amax, dtype=dtype, index=index, residual=residual, out=out)
-    return factored_quant.quantize_units_reference(x, amax, dtype=dtype, index=index, residual=residual, out=out)
+        return factored_quant.units_op(x, amax, out, slot, index=index, residual=residual)
+    _, g, r = factored_quant.quantize_units_reference(x, amax, dtype=out.dtype, index=index, residual=residual,
+                                                      out=out[:, slot])
+    return g, r
 
 
 def gemm_dtype(w_q: torch.Tensor) -> torch.dtype:
@@ -153,7 +155,7 @@ def operands(
     amax = row_amax(x)
     need_r = n > 0 or observe is not None
     buf = torch.empty(x.shape[0], 2 if n else 1, x.shape[1], dtype=dtype, device=x.device)  # [M, P, K]
-    u, gx, r = units(x, amax if per_token else segs.row_max(amax), dtype, residual=need_r, out=buf[:, 0])
+    gx, r = units(x, amax if per_token else segs.row_max(amax), buf, 0, residual=need_r)
     if not need_r:
         return Operands(buf, gx[:, None], None)
     norms = segs.sq_norms(r) if selection == "dynamic" or observe is not None else None
@@ -172,8 +174,8 @@ def operands(
         s = static_order.reshape(-1, static_order.shape[-1])[:, :n].to(device=x.device, dtype=torch.long)
     s_rows = s.expand(x.shape[0], n) if segs.group is None else s[segs.group.clamp_max(segs.groups - 1)]
     ra = row_amax(r.gather(1, s_rows))  # [M] amax of R[:, S] of each row's group, per row
-    ur = buf[:, 1].zero_()  # the residual's values, scattered: zero outside S
-    _, gr, _ = units(r, ra if per_token else segs.row_max(ra), dtype, index=s_rows, out=ur)
+    buf[:, 1].zero_()  # the residual's values, scattered: zero outside S
+    gr, _ = units(r, ra if per_token else segs.row_max(ra), buf, 1, index=s_rows)
     return Operands(buf, torch.stack([gx, gr], dim=1), s)
 
 
