@@ -7,7 +7,10 @@
 # Run from the repository root:  OUT=runs/chain-ws STEPS_LIST=1000,2000 bash scripts/chain_warm_start.sh
 # Knobs (env): OUT (runs/chain-ws), WARM_DIR (warm-start cache, default $OUT/warm_start; a folder outside
 #   $OUT keeps the weights for later calls on the same machine), STEPS_LIST (1000,2000,3000), PRESET (100m),
-#   LR (0.001), BATCH (32), EVAL (200), DEVICE (cuda), PY (python3), OUTLIERS (0; 1: also inject the outlier
+#   LR (0.001), BATCH (32), EVAL (200), DEVICE (cuda), PY (python3), JOBS_PER_GPU (1: SFT runs sharing one GPU at
+#   a time; a 100m model leaves an H200 mostly idle, so 3 fit), PROBE_RECIPES (none: after the sweep, e.g.
+#   bf16,nvfp4,quads run PROBE_STEPS (3) GRPO steps each, in parallel, from the largest count's warm start with
+#   configs/chain_100m.yaml, to time a long-response RL step; $OUT/probe/<recipe>/metrics.jsonl), OUTLIERS (0; 1: also inject the outlier
 #   channels CHANNELS (default 37,150,301,444: configs/chain_100m_outliers.yaml's, for the 100m preset's
 #   hidden size 512) into the largest count's warm start and record the check).
 # Output: $OUT/chain_warm_start.jsonl (one `quads pretrain` JSON line per run: heldout_pass@1,
@@ -34,7 +37,8 @@ for steps in ${STEPS_LIST//,/ }; do
   CUDA_VISIBLE_DEVICES=$gpu $PY -m quads.cli pretrain "${common[@]}" --steps "$steps" > "$OUT/pretrain_$steps.log" 2>&1 &
   pids+=($!)
   i=$(( i + 1 ))
-  if [ "$NGPU" -le 1 ] || [ $(( i % NGPU )) -eq 0 ]; then wait "${pids[@]}"; pids=(); fi
+  SLOTS=$(( (NGPU > 0 ? NGPU : 1) * ${JOBS_PER_GPU:-1} ))
+  if [ $(( i % SLOTS )) -eq 0 ]; then wait "${pids[@]}"; pids=(); fi
 done
 [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
 if [ "${OUTLIERS:-0}" = 1 ]; then
@@ -52,3 +56,28 @@ for line in open(sys.argv[1]):
     print(f"steps {r['steps']:>5}{tag}: held-out pass@1 {r.get('heldout_pass@1')}, final ce {r['final_ce']:.4f}, "
           f"{r['train_seconds']} s SFT, mean response {r.get('heldout_mean_response_chars')} chars")
 PYEOF
+if [ -n "${PROBE_RECIPES:-}" ]; then
+  last=${STEPS_LIST##*,}
+  pids=()
+  for r in ${PROBE_RECIPES//,/ }; do
+    $PY -m quads.cli train --config configs/chain_100m.yaml --recipe.name "$r" --steps "${PROBE_STEPS:-3}" --eval-every 0 \
+      --model.preset "$PRESET" --warm-start.steps "$last" --warm-start.lr "$LR" --warm-start.batch-size "$BATCH" \
+      --warm-start.cache-dir "$WARM_DIR" --device "$DEVICE" --out-dir "$OUT/probe/$r" > "$OUT/probe_$r.log" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  for r in ${PROBE_RECIPES//,/ }; do
+    $PY - "$OUT/probe/$r/metrics.jsonl" "$r" <<'PYEOF'
+import json, sys
+try:
+    recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+except OSError as e:
+    print(f"probe {sys.argv[2]}: no metrics ({e})"); raise SystemExit
+for r in recs:
+    if "time/step_s" in r:
+        print(f"probe {sys.argv[2]} step {r.get('step')}: {r['time/step_s']:.2f} s/step, "
+              f"rollout {r.get('time/rollout_s', float('nan')):.2f} s, mean response {r.get('response/mean_len', r.get('rollout/mean_response_len'))}, "
+              f"reward {r.get('reward/mean')}")
+PYEOF
+  done
+fi
