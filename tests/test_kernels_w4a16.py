@@ -133,16 +133,22 @@ def _every_code_and_scale(global_scale_bits: int) -> nvfp4.NVFP4Tensor:
                              global_scale=g.to(DEV), shape=torch.Size((len(b), 16)), dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("gbits", [0x3A07CB7C, 0x3F800000], ids=["g=5.18e-4", "g=1"])
+@pytest.mark.parametrize("gbits", [0x3A07CB7C, 0x3F800000, 0x7E7FFFFF, 0x00012345],
+                         ids=["g=5.18e-4", "g=1", "g=8.5e37", "g=1.0e-40"])  # fmt: skip
 def test_kernel_decode_every_code_and_scale(gbits):
     """Every (E2M1 code, finite E4M3 scale) pair under a global scale where the order of the two fp32
     products matters: ``e2m1 * (s * g)`` rounds differently from the reference's ``(e2m1 * s) * g`` for
-    180 of these 4064 weights after the BF16 cast, so only the reference's order passes."""
+    180 of these 4064 weights after the BF16 cast, so only the reference's order passes. Two more global
+    scales take the products out of the normal range: 8.5e37 (1760 of them overflow to inf, and both
+    other orders of the products differ from the reference in about 200 places) and a subnormal one
+    (1792 subnormal products)."""
     q = _every_code_and_scale(gbits)
     want = nvfp4.dequantize(q, torch.bfloat16)
     p = w4a16.pack(q)
     assert torch.equal(w4a16.dequantize(p).view(torch.int16), want.view(torch.int16))
     assert torch.equal(w4a16.dequantize_bf16(p).view(torch.int16), want.view(torch.int16))
+    if want.isinf().any() or ((want != 0) & (want.abs() < 2.0**-126)).any():
+        return  # no GEMM check here: the identity's zeros times inf are NaN, matmuls may flush subnormals
     y = w4a16.gemm(torch.eye(16, dtype=torch.bfloat16, device=DEV), p)
     assert torch.equal(y.view(torch.int16), (want.T.contiguous() + 0.0).view(torch.int16))
 
