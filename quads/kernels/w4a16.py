@@ -6,9 +6,12 @@ byte for byte). Layout of a weight ``[N, K]`` (an expert stack ``[E, N, K]`` has
 padded to ``Kp``, a multiple of ``LAYOUT_K`` = 64 (zero codes and scales):
 
 - ``codes`` int32 ``[(E,) Kp/64, N, 8]``: row n's 64 codes of K tile t are 8 words, element
-  ``64 t + 8 j + i`` in bits ``4i..4i+3`` of word j (the canonical nibble order read as little-endian
-  words); the words of one K tile of consecutive rows are contiguous, so a ``[BLOCK_N, BLOCK_K]`` tile
-  is ``BLOCK_K / 64`` contiguous runs of ``BLOCK_N * 32`` bytes (128-bit loads, 8 codes per word).
+  ``64 t + 8 j + i`` in word j: its 3 magnitude bits in bits ``4i..4i+2`` (the canonical nibble order
+  read as little-endian words), its sign bit in bit ``8i+7`` for i < 4 and ``8(i-4)+3`` for i >= 4 (the
+  nibbles' top bits, ``SIGN_BITS``: there ``w & 0x80808080`` and ``(w << 4) & 0x80808080`` are the sign
+  masks of the bytes the decode looks up); the words of one K tile of consecutive rows are contiguous,
+  so a ``[BLOCK_N, BLOCK_K]`` tile is ``BLOCK_K / 64`` contiguous runs of ``BLOCK_N * 32`` bytes (128-bit
+  loads, 8 codes per word).
 - ``scales`` int32 ``[(E,) Kp/64, N]``: the 4 E4M3 block scales of row n in K tile t, block j in byte j.
 - ``global_scale`` fp32 ``[E]`` (``[1]`` for a single weight): the FP32 decode scale S_dec.
 
@@ -52,6 +55,9 @@ LAYOUT_K = 64  # K elements per layout tile: 8 code words and 1 scale word per r
 # the grouped GEMM takes the "decode" launch config at <= this many routed rows per expert (on average)
 GROUPED_DECODE_ROWS = 16
 SMS = 132  # H200 streaming multiprocessors, for the split-K heuristics (programs per SM)
+# bit of a code word holding the sign of code i: canonical 4i+3, packed SIGN_BITS[i] (module docstring)
+SIGN_BITS = (7, 15, 23, 31, 3, 11, 19, 27)
+CANONICAL_SIGN_BITS = (3, 7, 11, 15, 19, 23, 27, 31)
 
 
 @dataclass
@@ -88,6 +94,16 @@ class W4A16Weight:
         return True
 
 
+def _move_signs(words: torch.Tensor, src: tuple[int, ...], dst: tuple[int, ...]) -> torch.Tensor:
+    """int32 code words with the sign of code i moved from bit ``src[i]`` to bit ``dst[i]`` (magnitudes,
+    bits 4i..4i+2, stay)."""
+    out = words & 0x77777777
+    for a, b in zip(src, dst):
+        bit = torch.tensor(-(1 << 31) if b == 31 else 1 << b, dtype=torch.int32, device=words.device)
+        out = out | torch.where(((words >> a) & 1).bool(), bit, 0)
+    return out
+
+
 def _padded_k(k: int) -> int:
     return -(-k // LAYOUT_K) * LAYOUT_K
 
@@ -116,7 +132,8 @@ def pack(q: nvfp4.NVFP4Tensor) -> W4A16Weight:
         c = torch.nn.functional.pad(c, (0, (kp - k) // 2))
         s = torch.nn.functional.pad(s, (0, (kp - k) // NVFP4_BLOCK))
     lead = c.shape[:-2]
-    cw = c.view(torch.int32).reshape(*lead, n, kp // LAYOUT_K, 8).transpose(-3, -2).contiguous()
+    cw = c.view(torch.int32).reshape(*lead, n, kp // LAYOUT_K, 8).transpose(-3, -2)
+    cw = _move_signs(cw, CANONICAL_SIGN_BITS, SIGN_BITS).contiguous()
     sw = s.view(torch.int32).reshape(*lead, n, kp // LAYOUT_K).transpose(-2, -1).contiguous()
     return W4A16Weight(codes=cw, scales=sw, global_scale=g, n=n, k=k, experts=experts, dtype=q.dtype,
                        tile=tuple(q.tile), mode=q.mode)  # fmt: skip
@@ -126,7 +143,8 @@ def unpack(w: W4A16Weight) -> nvfp4.NVFP4Tensor:
     """The canonical ``NVFP4Tensor`` of a packed weight (byte for byte what ``pack`` was given; global
     scale ``[]`` for one weight, ``[E, 1, 1]`` for a stack)."""
     lead = w.codes.shape[:-3]
-    codes = w.codes.transpose(-3, -2).contiguous().view(torch.uint8).reshape(*lead, w.n, -1)[..., : w.k // 2]
+    words = _move_signs(w.codes, SIGN_BITS, CANONICAL_SIGN_BITS)
+    codes = words.transpose(-3, -2).contiguous().view(torch.uint8).reshape(*lead, w.n, -1)[..., : w.k // 2]
     scales = w.scales.transpose(-2, -1).contiguous().view(torch.uint8).reshape(*lead, w.n, -1)
     scales = scales[..., : w.k // NVFP4_BLOCK].contiguous().view(torch.float8_e4m3fn)
     g = w.global_scale.reshape(()) if w.experts is None else w.global_scale.reshape(-1, 1, 1)
@@ -141,7 +159,8 @@ def dequantize(w: W4A16Weight) -> torch.Tensor:
     lead = w.codes.shape[:-3]
     kt = w.codes.shape[-3]
     shifts = torch.arange(0, 32, 4, device=w.device, dtype=torch.int32)
-    c = (w.codes[..., None] >> shifts) & 0xF  # [.., Kp/64, N, 8, 8]: word j, nibble i -> 64 t + 8 j + i
+    words = _move_signs(w.codes, SIGN_BITS, CANONICAL_SIGN_BITS)
+    c = (words[..., None] >> shifts) & 0xF  # [.., Kp/64, N, 8, 8]: word j, nibble i -> 64 t + 8 j + i
     vals = nvfp4.e2m1_values(c.to(torch.uint8))
     sb = (w.scales[..., None] >> torch.arange(0, 32, 8, device=w.device, dtype=torch.int32)) & 0xFF
     s = sb.to(torch.uint8).view(torch.float8_e4m3fn).float()  # [.., Kp/64, N, 4]
@@ -236,8 +255,8 @@ if HAS_TRITON:
         rounding, RNE to BF16) and held as two 8-byte tables (low bytes, high bytes); each weight is then
         picked by its 3 magnitude bits with byte permutes (``prmt``: 4 weights per lookup) and its sign
         bit XORed into bit 15 (negation commutes with both roundings, and IEEE products take the XOR of
-        the signs: -0.0 and NaN blocks come out as in the reference). About 2 integer instructions per
-        weight plus 1.5 per weight for the tables."""
+        the signs: -0.0 and NaN blocks come out as in the reference). About 1.6 integer instructions per
+        weight plus 1.5 per weight for the tables (sm_90 SASS: scripts/sass_w4a16.py)."""
         NW: tl.constexpr = BLOCK_K // 8  # code words per row
         NS: tl.constexpr = BLOCK_K // 64  # scale words per row
         nmask = rn < N
@@ -269,14 +288,11 @@ if HAS_TRITON:
         hi1 = _prmt(p45, p67, 0x7531, INTERP)[:, :, :, None]
         mag = w & 0x77777777  # selectors: magnitudes of codes 0-3 in bits 0-15, of codes 4-7 in 16-31
         mag_hi = mag >> 16
-        # sign masks: byte q = 0xFF where code q (resp. 4 + q) is negative: the msbs of the bytes of w are
-        # the signs of the odd codes, those of w << 4 the signs of the even codes
-        neg_a = _prmt(w << 4, w, 0xD9C8, INTERP) & -0x7F7F7F80  # 0x80808080
-        neg_b = _prmt(w << 4, w, 0xFBEA, INTERP) & -0x7F7F7F80
+        # the signs (SIGN_BITS): bit 8q + 7 of w is the sign of code q, of w << 4 that of code 4 + q
         lo_a = _prmt(lo0, lo1, mag, INTERP)  # low bytes of codes 0-3
-        hi_a = _prmt(hi0, hi1, mag, INTERP) ^ neg_a  # high bytes (sign applied) of codes 0-3
+        hi_a = _prmt(hi0, hi1, mag, INTERP) ^ (w & -0x7F7F7F80)  # high bytes, signed (mask 0x80808080)
         lo_b = _prmt(lo0, lo1, mag_hi, INTERP)
-        hi_b = _prmt(hi0, hi1, mag_hi, INTERP) ^ neg_b
+        hi_b = _prmt(hi0, hi1, mag_hi, INTERP) ^ ((w << 4) & -0x7F7F7F80)
         # interleave into bf16 pairs (codes 0 1, 2 3, 4 5, 6 7); the nested joins put code i of word q of
         # block j of tile t at position 64 t + 16 j + 8 q + i
         c0, c1 = _bf16_halves(_prmt(lo_a, hi_a, 0x5140, INTERP))
