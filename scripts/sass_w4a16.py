@@ -1,12 +1,18 @@
 """Instruction counts of the W4A16 GEMM kernels' K loop, from their sm_90 SASS, compiled offline (no GPU).
 
-    TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=. python scripts/sass_w4a16.py [--out FILE]
+    TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=. python scripts/sass_w4a16.py [--out FILE [--append]] [--label TEXT]
+
+(``PYTHONPATH`` may point at another checkout's tree, e.g. ``git archive REV quads | tar -x -C DIR``, to
+compile an older version of the kernels with this script.)
 
 Compiles ``quads.kernels.w4a16._gemm_kernel`` and ``_grouped_kernel`` with ``triton.compile`` for
 ``GPUTarget("cuda", 90, 32)`` (Triton's bundled ptxas; the pointer, N, K, KT and row-stride arguments
 marked divisible by 16, as Triton's launcher specializes them for the benchmark's shapes), finds the
-innermost loop (the body of the last backward branch), and prints per config: the loop's instructions,
-the weight elements each thread decodes per iteration, their ratio, and the opcode histogram.
+longest loop (the body of the longest backward branch) and the K loop (the shortest one that holds the
+MMAs; the same loop in the dense kernel, in the grouped kernel the longest one is the loop over an
+expert's M tiles, which also holds the K loop's prologue and the tile's epilogue), and prints per config:
+the loops' instructions, the weight elements each thread decodes per K step, their ratio, and the
+longest loop's opcode histogram.
 """
 
 from __future__ import annotations
@@ -68,26 +74,46 @@ def inner_loop(sass: str) -> list[str]:
     return [line.split("\t", 1)[1].strip() for line in body if "\t" in line]
 
 
+def k_loop(sass: str) -> list[str]:
+    """The instructions of the shortest backward branch's body that holds MMA instructions (the K loop)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\.?(L\w+):", line))}
+    body: list[str] | None = None
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA \.?(L\w+)", line)
+        if m and labels.get(m.group(1), i) < i:
+            cand = lines[labels[m.group(1)] : i + 1]
+            if any("MMA" in c for c in cand) and (body is None or len(cand) < len(body)):
+                body = cand
+    return [line.split("\t", 1)[1].strip() for line in body or [] if "\t" in line]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="also write the rows as JSON lines here")
+    ap.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
+    ap.add_argument("--label", default=None, help="a 'code' field for every row (which version was compiled)")
     args = ap.parse_args(argv)
     rows = []
     for case in CASES:
         kernel, bm, bn, bk, split, warps, stages = case
-        body = inner_loop(sass_of(*case))
+        sass = sass_of(*case)
+        body, kbody = inner_loop(sass), k_loop(sass)
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split(" ")[0] for i in body)
         per_thread = bn * bk // (32 * warps)  # weight elements decoded per thread per K step
-        row = {"kernel": kernel, "block_m": bm, "block_n": bn, "block_k": bk, "split_k": split, "warps": warps,
-               "stages": stages, "loop_instructions": len(body), "elements_per_thread": per_thread,
-               "instructions_per_element": round(len(body) / per_thread, 2), "opcodes": dict(ops.most_common())}  # fmt: skip
+        row = {**({"code": args.label} if args.label else {}), "kernel": kernel, "block_m": bm, "block_n": bn,
+               "block_k": bk, "split_k": split, "warps": warps, "stages": stages, "loop_instructions": len(body), "elements_per_thread": per_thread,
+               "instructions_per_element": round(len(body) / per_thread, 2), "k_loop_instructions": len(kbody),
+               "k_loop_instructions_per_element": round(len(kbody) / per_thread, 2),
+               "opcodes": dict(ops.most_common())}  # fmt: skip
         rows.append(row)
-        print(f"{kernel:8s} BM={bm} BN={bn} BK={bk} split={split} warps={warps}: {len(body)} instructions per K "
-              f"step, {per_thread} weights per thread, {len(body) / per_thread:.2f} per weight")  # fmt: skip
+        print(f"{kernel:8s} BM={bm} BN={bn} BK={bk} split={split} warps={warps}: {len(body)} instructions in the longest loop, "
+              f"{per_thread} weights per thread per K step, {len(body) / per_thread:.2f} per weight; K loop alone "
+              f"{len(kbody)}, {len(kbody) / per_thread:.2f} per weight")  # fmt: skip
         print("   ", ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
     print("triton", triton.__version__)
     if args.out:
-        with open(args.out, "w") as f:
+        with open(args.out, "a" if args.append else "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
     return 0

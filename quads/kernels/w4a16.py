@@ -6,16 +6,20 @@ byte for byte). Layout of a weight ``[N, K]`` (an expert stack ``[E, N, K]`` has
 padded to ``Kp``, a multiple of ``LAYOUT_K`` = 64 (zero codes and scales):
 
 - ``codes`` int32 ``[(E,) Kp/64, N, 8]``: row n's 64 codes of K tile t are 8 words, element
-  ``64 t + 8 j + i`` in bits ``4i..4i+3`` of word j (the canonical nibble order read as little-endian
-  words); the words of one K tile of consecutive rows are contiguous, so a ``[BLOCK_N, BLOCK_K]`` tile
-  is ``BLOCK_K / 64`` contiguous runs of ``BLOCK_N * 32`` bytes (128-bit loads, 8 codes per word).
+  ``64 t + 8 j + i`` in word j: its 3 magnitude bits in bits ``4i..4i+2`` (the canonical nibble order
+  read as little-endian words), its sign bit in bit ``8i+7`` for i < 4 and ``8(i-4)+3`` for i >= 4 (the
+  nibbles' top bits, ``SIGN_BITS``: there ``w & 0x80808080`` and ``(w << 4) & 0x80808080`` are the sign
+  masks of the bytes the decode looks up); the words of one K tile of consecutive rows are contiguous,
+  so a ``[BLOCK_N, BLOCK_K]`` tile is ``BLOCK_K / 64`` contiguous runs of ``BLOCK_N * 32`` bytes (128-bit
+  loads, 8 codes per word).
 - ``scales`` int32 ``[(E,) Kp/64, N]``: the 4 E4M3 block scales of row n in K tile t, block j in byte j.
 - ``global_scale`` fp32 ``[E]`` (``[1]`` for a single weight): the FP32 decode scale S_dec.
 
 The weight the kernels multiply is ``bf16(fp32(e2m1 * s) * S_dec)``, the value of
-``quads.formats.nvfp4.dequantize(q, torch.bfloat16)`` bit for bit: ``e2m1 * s`` is exact in fp32
-(E2M1 by bits into fp16 halves, two codes per int32, ``_e2m1_pair``), the product with S_dec is the
-reference's one fp32 rounding, and the cast to BF16 rounds to nearest even. Products with the BF16 activations are
+``quads.formats.nvfp4.dequantize(q, torch.bfloat16)`` bit for bit: ``e2m1 * s`` is exact in fp32, the
+product with S_dec is the reference's one fp32 rounding, and the cast to BF16 rounds to nearest even.
+``_decode`` computes these once per 16-element block for the 8 E2M1 magnitudes and picks each weight
+from that table with byte permutes (4 weights per ``prmt``; the sign by XOR). Products with the BF16 activations are
 accumulated in fp32 on the tensor cores (``tl.dot``), so a GEMM equals ``x @ dequantize(q, bf16).T`` up
 to fp32 summation order; the output is cast (RNE) to ``x.dtype``.
 
@@ -51,6 +55,9 @@ LAYOUT_K = 64  # K elements per layout tile: 8 code words and 1 scale word per r
 # the grouped GEMM takes the "decode" launch config at <= this many routed rows per expert (on average)
 GROUPED_DECODE_ROWS = 16
 SMS = 132  # H200 streaming multiprocessors, for the split-K heuristics (programs per SM)
+# bit of a code word holding the sign of code i: canonical 4i+3, packed SIGN_BITS[i] (module docstring)
+SIGN_BITS = (7, 15, 23, 31, 3, 11, 19, 27)
+CANONICAL_SIGN_BITS = (3, 7, 11, 15, 19, 23, 27, 31)
 
 
 @dataclass
@@ -87,6 +94,16 @@ class W4A16Weight:
         return True
 
 
+def _move_signs(words: torch.Tensor, src: tuple[int, ...], dst: tuple[int, ...]) -> torch.Tensor:
+    """int32 code words with the sign of code i moved from bit ``src[i]`` to bit ``dst[i]`` (magnitudes,
+    bits 4i..4i+2, stay)."""
+    out = words & 0x77777777
+    for a, b in zip(src, dst):
+        bit = torch.tensor(-(1 << 31) if b == 31 else 1 << b, dtype=torch.int32, device=words.device)
+        out = out | torch.where(((words >> a) & 1).bool(), bit, 0)
+    return out
+
+
 def _padded_k(k: int) -> int:
     return -(-k // LAYOUT_K) * LAYOUT_K
 
@@ -115,7 +132,8 @@ def pack(q: nvfp4.NVFP4Tensor) -> W4A16Weight:
         c = torch.nn.functional.pad(c, (0, (kp - k) // 2))
         s = torch.nn.functional.pad(s, (0, (kp - k) // NVFP4_BLOCK))
     lead = c.shape[:-2]
-    cw = c.view(torch.int32).reshape(*lead, n, kp // LAYOUT_K, 8).transpose(-3, -2).contiguous()
+    cw = c.view(torch.int32).reshape(*lead, n, kp // LAYOUT_K, 8).transpose(-3, -2)
+    cw = _move_signs(cw, CANONICAL_SIGN_BITS, SIGN_BITS).contiguous()
     sw = s.view(torch.int32).reshape(*lead, n, kp // LAYOUT_K).transpose(-2, -1).contiguous()
     return W4A16Weight(codes=cw, scales=sw, global_scale=g, n=n, k=k, experts=experts, dtype=q.dtype,
                        tile=tuple(q.tile), mode=q.mode)  # fmt: skip
@@ -125,7 +143,8 @@ def unpack(w: W4A16Weight) -> nvfp4.NVFP4Tensor:
     """The canonical ``NVFP4Tensor`` of a packed weight (byte for byte what ``pack`` was given; global
     scale ``[]`` for one weight, ``[E, 1, 1]`` for a stack)."""
     lead = w.codes.shape[:-3]
-    codes = w.codes.transpose(-3, -2).contiguous().view(torch.uint8).reshape(*lead, w.n, -1)[..., : w.k // 2]
+    words = _move_signs(w.codes, SIGN_BITS, CANONICAL_SIGN_BITS)
+    codes = words.transpose(-3, -2).contiguous().view(torch.uint8).reshape(*lead, w.n, -1)[..., : w.k // 2]
     scales = w.scales.transpose(-2, -1).contiguous().view(torch.uint8).reshape(*lead, w.n, -1)
     scales = scales[..., : w.k // NVFP4_BLOCK].contiguous().view(torch.float8_e4m3fn)
     g = w.global_scale.reshape(()) if w.experts is None else w.global_scale.reshape(-1, 1, 1)
@@ -140,7 +159,8 @@ def dequantize(w: W4A16Weight) -> torch.Tensor:
     lead = w.codes.shape[:-3]
     kt = w.codes.shape[-3]
     shifts = torch.arange(0, 32, 4, device=w.device, dtype=torch.int32)
-    c = (w.codes[..., None] >> shifts) & 0xF  # [.., Kp/64, N, 8, 8]: word j, nibble i -> 64 t + 8 j + i
+    words = _move_signs(w.codes, SIGN_BITS, CANONICAL_SIGN_BITS)
+    c = (words[..., None] >> shifts) & 0xF  # [.., Kp/64, N, 8, 8]: word j, nibble i -> 64 t + 8 j + i
     vals = nvfp4.e2m1_values(c.to(torch.uint8))
     sb = (w.scales[..., None] >> torch.arange(0, 32, 8, device=w.device, dtype=torch.int32)) & 0xFF
     s = sb.to(torch.uint8).view(torch.float8_e4m3fn).float()  # [.., Kp/64, N, 4]
@@ -189,18 +209,54 @@ if HAS_TRITON:
             return tl.dot(a, b, acc)
 
     @triton.jit
-    def _e2m1_pair(t):
-        """int32 ``t`` -> the fp32 values ``e2m1 * 2**-14`` of its nibbles at bits 0-3 and 16-19 (exact)."""
-        h = ((t & 0x70007) << 9) | ((t & 0x80008) << 12)
-        lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        return lo, hi
+    def _prmt(a, b, sel, INTERP: tl.constexpr):
+        """PTX ``prmt.b32`` (generic mode) on int32 tensors: byte j of the result is byte ``sel[4j+2:4j]``
+        of the 8 bytes ``{b, a}`` (a = bytes 0-3, b = bytes 4-7), or that byte's msb copied to all 8 bits
+        when ``sel`` bit 4j+3 is set; bits 16-31 of ``sel`` are not read. One instruction on the GPU, by
+        shifts under the interpreter."""
+        sel = sel + tl.zeros_like(a)
+        if INTERP:
+            v = (b.to(tl.int64) << 32) | (a.to(tl.int64) & 0xFFFFFFFF)
+            out = tl.zeros_like(v)
+            for j in tl.static_range(4):
+                nib = ((sel >> (4 * j)) & 0xF).to(tl.int64)
+                byte = (v >> ((nib & 7) * 8)) & 0xFF
+                rep = tl.where((byte & 0x80) != 0, 0xFF, 0).to(tl.int64)
+                out = out | (tl.where((nib & 8) != 0, rep, byte) << (8 * j))
+            return out.to(tl.int32)
+        else:
+            return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
+                                             dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+
+    @triton.jit
+    def _bf16x2(lo, hi, INTERP: tl.constexpr):
+        """fp32 ``lo``, ``hi`` -> int32 holding bf16(lo) in bits 0-15 and bf16(hi) in bits 16-31 (RNE)."""
+        if INTERP:
+            lb = f32_to_bf16_rne(lo).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            hb = f32_to_bf16_rne(hi).to(tl.int16, bitcast=True).to(tl.int32)
+            return lb | (hb << 16)
+        else:
+            return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                             is_pure=True, pack=1)  # fmt: skip
+
+    @triton.jit
+    def _bf16_halves(p):
+        """int32 ``p`` (two bf16 by bits) -> (bf16 of bits 0-15, bf16 of bits 16-31)."""
+        return p.to(tl.int16).to(tl.bfloat16, bitcast=True), (p >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
     def _decode(c_ptr, s_ptr, g, rn, k0, N, K, KT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
         """Rows ``rn`` x columns [k0, k0 + BLOCK_K) of the weight -> BF16 [BLOCK_N, BLOCK_K] =
-        bf16(fp32(e2m1 * s) * g). ``KT`` = Kp / 64 layout tiles; ``k0`` a multiple of 64."""
+        bf16(fp32(e2m1 * s) * g). ``KT`` = Kp / 64 layout tiles; ``k0`` a multiple of 64.
+
+        By table lookup: the 8 magnitudes of a 16-element block, ``bf16(fp32(e2m1 * s) * g)`` for the E2M1
+        values 0, 0.5, .., 6, are computed once per block the reference's way (exact products, one fp32
+        rounding, RNE to BF16) and held as two 8-byte tables (low bytes, high bytes); each weight is then
+        picked by its 3 magnitude bits with byte permutes (``prmt``: 4 weights per lookup) and its sign
+        bit XORed into bit 15 (negation commutes with both roundings, and IEEE products take the XOR of
+        the signs: -0.0 and NaN blocks come out as in the reference). About 1.6 integer instructions per
+        weight plus 1.5 per weight for the tables (sm_90 SASS: scripts/sass_w4a16.py)."""
         NW: tl.constexpr = BLOCK_K // 8  # code words per row
         NS: tl.constexpr = BLOCK_K // 64  # scale words per row
         nmask = rn < N
@@ -215,27 +271,39 @@ if HAS_TRITON:
         if not EVEN_K:
             smask = smask & (ts < KT)[None, :]
         sw = tl.load(s_ptr + ts[None, :] * N + rn[:, None], mask=smask, other=0)
-        # 4 scale bytes per word -> [BLOCK_N, BLOCK_K / 16] in block order (join tree: see pack's layout)
-        sb = tl.join(tl.join(sw & 0xFF, (sw >> 16) & 0xFF), tl.join((sw >> 8) & 0xFF, (sw >> 24) & 0xFF))
-        s16 = e4m3_to_f32_hw(tl.reshape(sb, (BLOCK_N, BLOCK_K // 16)), INTERP) * 16384.0
-        # 8 codes per word -> [BLOCK_N, BLOCK_K] in K order. Nibbles q and q + 4 at once: one int32
-        # holds the fp16 bits of both (low / high half), each E2M1 by bits: e2m1 * 2**-14 exactly (the
-        # magnitude bits to the fp16 exponent and top mantissa bit, code 1 on the subnormal 2**-15); the
-        # nested joins put nibble i at position i.
-        e0, e4 = _e2m1_pair(words)
-        e1, e5 = _e2m1_pair(words >> 4)
-        e2, e6 = _e2m1_pair(words >> 8)
-        e3, e7 = _e2m1_pair(words >> 12)
-        e = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
-        e = tl.reshape(e, (BLOCK_N, BLOCK_K // 16, 16))
-        # e2m1 * s exact (2 + 4 significant bits), times S_dec: the reference's one rounding
-        v = tl.reshape((e * s16[:, :, None]) * g, (BLOCK_N, BLOCK_K))
+        # [BLOCK_N, NS, 4 (block), 2 (word)] codes and [BLOCK_N, NS, 4] scales: block j of tile t in byte j
+        w = tl.reshape(words, (BLOCK_N, NS, 4, 2))
+        s = e4m3_to_f32_hw((sw[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF, INTERP)
+        # the block's magnitudes as bf16 pairs (code 2i in the low half, 2i + 1 in the high half): the
+        # products with the E2M1 values are exact, times g the reference's one fp32 rounding
+        p01 = _bf16x2((s * 0.0) * g, (s * 0.5) * g, INTERP)
+        p23 = _bf16x2(s * g, (s * 1.5) * g, INTERP)
+        p45 = _bf16x2((s * 2.0) * g, (s * 3.0) * g, INTERP)
+        p67 = _bf16x2((s * 4.0) * g, (s * 6.0) * g, INTERP)
+        # byte tables: byte c of (lo0, lo1) is the low byte of magnitude c, of (hi0, hi1) its high byte;
+        # one per word of the block
+        lo0 = _prmt(p01, p23, 0x6420, INTERP)[:, :, :, None]
+        lo1 = _prmt(p45, p67, 0x6420, INTERP)[:, :, :, None]
+        hi0 = _prmt(p01, p23, 0x7531, INTERP)[:, :, :, None]
+        hi1 = _prmt(p45, p67, 0x7531, INTERP)[:, :, :, None]
+        mag = w & 0x77777777  # selectors: magnitudes of codes 0-3 in bits 0-15, of codes 4-7 in 16-31
+        mag_hi = mag >> 16
+        # the signs (SIGN_BITS): bit 8q + 7 of w is the sign of code q, of w << 4 that of code 4 + q
+        lo_a = _prmt(lo0, lo1, mag, INTERP)  # low bytes of codes 0-3
+        hi_a = _prmt(hi0, hi1, mag, INTERP) ^ (w & -0x7F7F7F80)  # high bytes, signed (mask 0x80808080)
+        lo_b = _prmt(lo0, lo1, mag_hi, INTERP)
+        hi_b = _prmt(hi0, hi1, mag_hi, INTERP) ^ ((w << 4) & -0x7F7F7F80)
+        # interleave into bf16 pairs (codes 0 1, 2 3, 4 5, 6 7); the nested joins put code i of word q of
+        # block j of tile t at position 64 t + 16 j + 8 q + i
+        c0, c1 = _bf16_halves(_prmt(lo_a, hi_a, 0x5140, INTERP))
+        c2, c3 = _bf16_halves(_prmt(lo_a, hi_a, 0x7362, INTERP))
+        c4, c5 = _bf16_halves(_prmt(lo_b, hi_b, 0x5140, INTERP))
+        c6, c7 = _bf16_halves(_prmt(lo_b, hi_b, 0x7362, INTERP))
+        v = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+        v = tl.reshape(v, (BLOCK_N, BLOCK_K))
         if not EVEN_K:
             v = tl.where((k0 + tl.arange(0, BLOCK_K) < K)[None, :], v, 0.0)
-        if INTERP:
-            return f32_to_bf16_rne(v)  # the interpreter's cast truncates
-        else:
-            return v.to(tl.bfloat16)  # cvt.rn: round to nearest even
+        return v
 
     @triton.jit
     def _gemm_kernel(
