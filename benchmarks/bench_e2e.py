@@ -64,10 +64,10 @@ from quads.rollout import RolloutEngine, SamplingParams  # noqa: E402
 
 ROLLOUT_RECIPES = {
     "bf16": LinearSpec(),
-    "fp8": LinearSpec(weight="fp8", act="fp8"),
-    "w4a16": LinearSpec(weight="nvfp4"),
-    "w4a4": LinearSpec(weight="nvfp4", act="nvfp4"),
-    "w4a4+rac50": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
+    "fp8": LinearSpec.of(weight="fp8", act="fp8"),
+    "w4a16": LinearSpec.of(weight="nvfp4"),
+    "w4a4": LinearSpec.of(weight="nvfp4", act="nvfp4"),
+    "w4a4+rac50": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
 }
 
 
@@ -360,7 +360,7 @@ def trainer_flops(cfg, batch: int, seq_len: int, response_len: int) -> float:
     return float(body + head + attn)
 
 
-TRAINER_RECIPES = {"bf16": LinearSpec(), "w4a16-qat": LinearSpec(weight="nvfp4")}
+TRAINER_RECIPES = {"bf16": LinearSpec(), "w4a16-qat": LinearSpec.of(weight="nvfp4")}
 
 
 class _Timer:

@@ -87,13 +87,13 @@ def diagnose(folder: str, tok, dtype: str) -> dict:
     policy, _ = load_hf_model(folder, dtype=dtype)
     batch = RolloutEngine(policy, tok).generate(["12+3=", "7*8=", "(4+5)*2=", "9-7="],
                                                 SamplingParams(n=4, max_new_tokens=24, seed=0))
-    specs = {"bf16": LinearSpec(), "w4a16": LinearSpec(weight="nvfp4"), "w16a4": LinearSpec(act="nvfp4"),
-             "w4a4": LinearSpec(weight="nvfp4", act="nvfp4"),
-             "w4a4+rac0.5": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5)}
+    specs = {"bf16": LinearSpec(), "w4a16": LinearSpec.of(weight="nvfp4"), "w16a4": LinearSpec.of(act="nvfp4"),
+             "w4a4": LinearSpec.of(weight="nvfp4", act="nvfp4"),
+             "w4a4+rac0.5": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5)}
     roll = vllm_rollout_logprobs(policy, tok, batch, specs, dtype=dtype)
     mask = batch.response_mask
     out = {}
-    for tname, tspec in {"bf16": LinearSpec(), "w4a16-qat": LinearSpec(weight="nvfp4")}.items():
+    for tname, tspec in {"bf16": LinearSpec(), "w4a16-qat": LinearSpec.of(weight="nvfp4")}.items():
         trainer = copy.deepcopy(policy)
         quantize_model(trainer, Recipe(tname, trainer=tspec), side="trainer", verbose=False)
         with torch.no_grad():

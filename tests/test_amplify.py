@@ -12,9 +12,9 @@ from quads.quant.rac import rac_channels, rac_operands
 from quads.quant.recipe import LinearSpec, Recipe, get_recipe
 from quads.rl.config import RecipeSection, TrainConfig
 
-W4A4 = LinearSpec(weight="nvfp4", act="nvfp4")
-RAC = LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5)
-FP8 = LinearSpec(weight="fp8", act="fp8")
+W4A4 = LinearSpec.of(weight="nvfp4", act="nvfp4")
+RAC = LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5)
+FP8 = LinearSpec.of(weight="fp8", act="fp8")
 BF16 = torch.bfloat16
 
 
@@ -86,7 +86,7 @@ def test_bad_alpha_and_fast_paths_refused():
         with pytest.raises(ValueError, match="rollout_error_scale"):
             RecipeSection(rollout_error_scale=bad)
         with pytest.raises(ValueError, match="error_scale"):
-            LinearSpec(weight="nvfp4", act="nvfp4", error_scale=bad)
+            LinearSpec.of(weight="nvfp4", act="nvfp4", error_scale=bad)
     with pytest.raises(ValueError, match="grouped"):
         get_recipe("nvfp4", rollout_error_scale=4.0, expert_path="grouped")
     # auto: the experts loop (the batched path has no amplified GEMM); only the rollout side is amplified

@@ -25,10 +25,10 @@ CFG = dict(vocab_size=128, hidden_size=128, n_layers=2, n_heads=4, n_kv_heads=2,
 PROMPTS = ["1+2=", "a longer prompt:", "x", "12*3="]
 SPECS = {
     "bf16": None,
-    "fp8": LinearSpec(weight="fp8", act="fp8"),
-    "w4a16": LinearSpec(weight="nvfp4"),
-    "w4a4": LinearSpec(weight="nvfp4", act="nvfp4"),
-    "w4a4+rac50": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
+    "fp8": LinearSpec.of(weight="fp8", act="fp8"),
+    "w4a16": LinearSpec.of(weight="nvfp4"),
+    "w4a4": LinearSpec.of(weight="nvfp4", act="nvfp4"),
+    "w4a4+rac50": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
 }
 
 

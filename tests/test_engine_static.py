@@ -22,7 +22,7 @@ TOK = CharTokenizer()
 SMALL = dict(vocab_size=128, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4,
              top_k=2, moe_intermediate_size=32, max_seq_len=64)
 PROMPTS = ["1+2=", "a longer prompt:", "x"]
-SPECS = {"bf16": None, "w4a16": LinearSpec(weight="nvfp4"), "w4a4+rac50": LinearSpec(weight="nvfp4", act="nvfp4",
+SPECS = {"bf16": None, "w4a16": LinearSpec.of(weight="nvfp4"), "w4a4+rac50": LinearSpec.of(weight="nvfp4", act="nvfp4",
                                                                                     rac_ratio=0.5)}
 
 

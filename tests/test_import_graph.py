@@ -66,3 +66,15 @@ def test_the_check_sees_a_violation(tmp_path):
     found = violations(pkg)
     assert sorted({f.split(" imports ")[0] for f in found}) == [
         "quads/rl/grpo.py:1", "quads/rl/trainer.py:2", "quads/rollout/vllm/compare.py:1"], found
+
+
+def test_importing_the_trainer_loads_no_backend():
+    """At run time too: importing ``quads.rl`` (whose modules import the ``quads.rollout`` package) loads
+    no backend module; ``make_backend`` loads the one the config names."""
+    import subprocess
+    import sys
+
+    code = ("import sys, quads.rl.trainer, quads.rl.distributed, quads.rl.build, quads.rl.logprobs; "
+            "print(sorted(m for m in sys.modules if m.startswith(('quads.rollout.', 'quads.experiments', 'vllm'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[-2] == "['quads.rollout.backend', 'quads.rollout.types']", out

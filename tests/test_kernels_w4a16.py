@@ -312,7 +312,7 @@ def _rollout_layers(kernels: str):
     from quads.quant.recipe import LinearSpec
 
     torch.manual_seed(0)
-    spec = LinearSpec(weight="nvfp4", act="none")
+    spec = LinearSpec.of(weight="nvfp4", act="none")
     lin = torch.nn.Linear(128, 48, bias=True).bfloat16().to(DEV)
     ex = moe.MoEExperts(4, 64, 32).bfloat16().to(DEV)
     with torch.no_grad():
@@ -405,7 +405,7 @@ def test_weight_sync_verifies_the_packed_weights(monkeypatch):
         monkeypatch.setattr(ops, "nvfp4_quantize", reference_quantize)
     cfg = dict(vocab_size=64, hidden_size=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32, n_experts=4,
                top_k=2, moe_intermediate_size=32, max_seq_len=32, dtype="bfloat16")
-    recipe = Recipe("w4a16", trainer=LinearSpec(weight="nvfp4"), rollout=LinearSpec(weight="nvfp4"))
+    recipe = Recipe("w4a16", trainer=LinearSpec.of(weight="nvfp4"), rollout=LinearSpec.of(weight="nvfp4"))
     with dispatch.kernels("triton"):
         torch.manual_seed(0)
         trainer = MoEForCausalLM(ModelConfig(**cfg)).to(DEV)

@@ -21,11 +21,11 @@ BF16 = LinearSpec()
 
 
 def test_same_spec_gives_zero_and_errors_order(model):
-    w4a4 = LinearSpec(weight="nvfp4", act="nvfp4")
+    w4a4 = LinearSpec.of(weight="nvfp4", act="nvfp4")
     assert all(v == 0.0 for v in layer_errors(model, IDS, w4a4, w4a4).values())
-    e_w4 = layer_errors(model, IDS, BF16, LinearSpec(weight="nvfp4"))
+    e_w4 = layer_errors(model, IDS, BF16, LinearSpec.of(weight="nvfp4"))
     e_w4a4 = layer_errors(model, IDS, BF16, w4a4)
-    e_rac = layer_errors(model, IDS, BF16, LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=1.0))
+    e_rac = layer_errors(model, IDS, BF16, LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=1.0))
     assert list(e_w4) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     for name in e_w4:
         assert 0 < e_w4[name] < e_w4a4[name] < 0.5

@@ -19,10 +19,10 @@ from quads.quant.recipe import LinearSpec
 E, K, N, T, TOP = 4, 64, 48, 11, 2
 U32 = 2.0**-24
 SPECS = {
-    "w4a4": LinearSpec(weight="nvfp4", act="nvfp4"),
-    "rac50": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
-    "rac25-token": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.25, act_scale="token"),
-    "rac50-static": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5, rac_selection="static"),
+    "w4a4": LinearSpec.of(weight="nvfp4", act="nvfp4"),
+    "rac50": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
+    "rac25-token": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.25, act_scale="token"),
+    "rac50-static": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5, rac_selection="static"),
 }
 
 
@@ -38,7 +38,7 @@ def _case(seed: int = 0, device: str = "cpu"):
     routes = static_routes(idx, E)
     xs = x[routes.order // TOP]
     w = (torch.randn(E, N, K, generator=g) * 0.1).to(device)
-    w_q, _ = ops.quantize_weight(w, LinearSpec(weight="nvfp4"), torch.bfloat16)  # [E, N, K] bf16 operand
+    w_q, _ = ops.quantize_weight(w, LinearSpec.of(weight="nvfp4"), torch.bfloat16)  # [E, N, K] bf16 operand
     order = torch.stack([torch.randperm(K, generator=g) for _ in range(E)]).to(device)
     return xs, routes, w, w_q, order
 
@@ -164,7 +164,7 @@ def test_static_statistics_match_the_padded_path():
 def test_sorted_linear_refuses_other_specs():
     xs, routes, _, w_q, _ = _case()
     with pytest.raises(ValueError, match="canonical NVFP4"):
-        grouped.sorted_linear(xs, routes, w_q, LinearSpec(weight="nvfp4", act="nvfp4", nvfp4_mode="torchao"))
+        grouped.sorted_linear(xs, routes, w_q, LinearSpec.of(weight="nvfp4", act="nvfp4", nvfp4_mode="torchao"))
     with pytest.raises(ValueError, match="at least 32 channels"):
         grouped.sorted_linear(xs, routes, w_q, SPECS["rac50-static"], static_order=torch.zeros(E, 8, dtype=torch.long))
 

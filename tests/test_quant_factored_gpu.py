@@ -20,10 +20,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 E, K, N, T, TOP = 8, 256, 128, 64, 2
 SPECS = {
-    "w4a4": LinearSpec(weight="nvfp4", act="nvfp4"),
-    "rac50": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
-    "rac25-token": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.25, act_scale="token"),
-    "rac50-static": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5, rac_selection="static"),
+    "w4a4": LinearSpec.of(weight="nvfp4", act="nvfp4"),
+    "rac50": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
+    "rac25-token": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.25, act_scale="token"),
+    "rac50-static": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5, rac_selection="static"),
 }
 
 
@@ -38,7 +38,7 @@ def _case(seed=0):
     order = torch.stack([torch.randperm(K, generator=g) for _ in range(E)])
     idx, x, w, order = idx.cuda(), x.cuda().bfloat16(), w.cuda(), order.cuda()
     routes = static_routes(idx, E)
-    w_q, _ = ops.quantize_weight(w, LinearSpec(weight="nvfp4"), torch.bfloat16)
+    w_q, _ = ops.quantize_weight(w, LinearSpec.of(weight="nvfp4"), torch.bfloat16)
     return x[routes.order // TOP], routes, w, w_q, order
 
 

@@ -16,12 +16,12 @@ E, H, INTER, T, K_TOP = 8, 64, 32, 40, 2
 
 SPECS = {
     "bf16": LinearSpec(),
-    "w4a16": LinearSpec(weight="nvfp4"),
-    "w4a4": LinearSpec(weight="nvfp4", act="nvfp4"),
-    "rac50": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
-    "rac25-token": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.25, act_scale="token"),
-    "rac50-static": LinearSpec(weight="nvfp4", act="nvfp4", rac_ratio=0.5, rac_selection="static"),
-    "fp8-row": LinearSpec(weight="fp8", act="fp8"),
+    "w4a16": LinearSpec.of(weight="nvfp4"),
+    "w4a4": LinearSpec.of(weight="nvfp4", act="nvfp4"),
+    "rac50": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
+    "rac25-token": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.25, act_scale="token"),
+    "rac50-static": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5, rac_selection="static"),
+    "fp8-row": LinearSpec.of(weight="fp8", act="fp8"),
 }
 
 
@@ -130,8 +130,8 @@ def test_grouped_never_on_the_trainer_side_or_with_grad():
     assert not ro._use_grouped(x)  # a grad-requiring input keeps the differentiable loop
     ro.grouped = None
     assert not ro._use_grouped(x.detach())  # auto: CUDA only
-    assert not grouped.supports(LinearSpec(weight="nvfp4", act="nvfp4", nvfp4_mode="torchao"))
-    assert not grouped.supports(LinearSpec(weight="fp8", act="fp8", fp8_scheme="tensor"))
+    assert not grouped.supports(LinearSpec.of(weight="nvfp4", act="nvfp4", nvfp4_mode="torchao"))
+    assert not grouped.supports(LinearSpec.of(weight="fp8", act="fp8", fp8_scheme="tensor"))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")

@@ -18,7 +18,7 @@ from quads.quant.recipe import LinearSpec
 from quads.rl.logprobs import SequenceBatch, forward_logprobs
 
 E, H, INTER, T, K = 8, 32, 16, 13, 2
-SPECS = {"bf16": LinearSpec(), "w4a16-qat": LinearSpec(weight="nvfp4")}
+SPECS = {"bf16": LinearSpec(), "w4a16-qat": LinearSpec.of(weight="nvfp4")}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
 
 

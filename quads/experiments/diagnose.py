@@ -130,11 +130,11 @@ class Grid:
 
 def default_grid(cfg: DiagnoseConfig) -> Grid:
     a4 = dict(weight="nvfp4", act="nvfp4")
-    rollout = {"bf16": LinearSpec(), "w4a16": LinearSpec(weight="nvfp4"), "w16a4": LinearSpec(act="nvfp4"),
-               "w4a4": LinearSpec(**a4)}
+    rollout = {"bf16": LinearSpec(), "w4a16": LinearSpec.of(weight="nvfp4"), "w16a4": LinearSpec.of(act="nvfp4"),
+               "w4a4": LinearSpec.of(**a4)}
     for r in cfg.ratios():
-        rollout[f"w4a4+rac{r * 100:g}%"] = LinearSpec(**a4, rac_ratio=r, rac_selection=cfg.rac_selection)
-    return Grid(rollout, {k: LinearSpec(**v) for k, v in DEFAULT_TRAINERS.items()})
+        rollout[f"w4a4+rac{r * 100:g}%"] = LinearSpec.of(**a4, rac_ratio=r, rac_selection=cfg.rac_selection)
+    return Grid(rollout, {k: LinearSpec.of(**v) for k, v in DEFAULT_TRAINERS.items()})
 
 
 def load_grid(path: str) -> Grid:
@@ -150,10 +150,9 @@ def load_grid(path: str) -> Grid:
         if not isinstance(data[side], dict) or not data[side]:
             raise ValueError(f"recipe_grid {path!r}: {side} must be a non-empty mapping name -> spec fields")
         try:
-            out[side] = {str(k): LinearSpec(**(v or {})) for k, v in data[side].items()}
-        except TypeError as e:
-            fields = [f.name for f in dataclasses.fields(LinearSpec)]
-            raise ValueError(f"recipe_grid {path!r} ({side}): {e}; valid spec fields: {fields}") from None
+            out[side] = {str(k): LinearSpec.of(**(v or {})) for k, v in data[side].items()}
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"recipe_grid {path!r} ({side}): {e}") from None
     return Grid(out["rollout"], out["trainer"])
 
 

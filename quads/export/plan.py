@@ -122,10 +122,9 @@ def quantize_weight(w: torch.Tensor, spec: QuantSpec) -> nvfp4.NVFP4Tensor:
     """The rollout's weight quantizer: ``quads.quant.ops.quantize_weight`` (cast to the compute dtype, one
     global scale per expert of a stack)."""
     from quads.quant.ops import quantize_weight as rollout_quantize
-    from quads.quant.recipe import LinearSpec
+    from quads.quant.recipe import LinearSpec, NVFP4WeightConfig
 
-    _, q = rollout_quantize(w, LinearSpec(weight="nvfp4", weight_tile=spec.tile, nvfp4_mode=spec.mode),
-                            spec.compute_dtype)
+    _, q = rollout_quantize(w, LinearSpec(NVFP4WeightConfig(tile=spec.tile, mode=spec.mode)), spec.compute_dtype)
     return q
 
 

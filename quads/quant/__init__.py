@@ -13,13 +13,26 @@ from quads.quant.fp8_linear import fp8_linear
 from quads.quant.layers import QuantizedExperts, QuantizedLinear
 from quads.quant.qat import qat_linear, ste_linear
 from quads.quant.rac import StaticChannelSelector, rac_channels
-from quads.quant.recipe import PRESETS, LinearSpec, Recipe, get_recipe
+from quads.quant.recipe import (
+    PRESETS,
+    FP8ActConfig,
+    FP8WeightConfig,
+    LinearSpec,
+    NVFP4ActConfig,
+    NVFP4WeightConfig,
+    Recipe,
+    get_recipe,
+)
 from quads.quant.sync import SyncReport, WeightSyncError, fingerprint, sync_weights, verify_sync
 from quads.quant.w4a4 import w4a4_linear
 
 __all__ = [
     "PRESETS",
+    "FP8ActConfig",
+    "FP8WeightConfig",
     "LinearSpec",
+    "NVFP4ActConfig",
+    "NVFP4WeightConfig",
     "QuantSummary",
     "QuantizedExperts",
     "QuantizedLinear",

@@ -35,7 +35,7 @@ def load_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quads.rl.trainer import GRPOTrainer, GuardError
+    from quads.rl.trainer import GRPOTrainer
 
     try:
         cfg = load_config(args)
@@ -46,6 +46,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"quads train: run folder {trainer.run_dir}; policy {trainer.res.checkpoint}; recipe "
           f"{trainer.res.recipe.name} (trainer {trainer.res.recipe.trainer.describe()}, rollout "
           f"{trainer.res.recipe.rollout.describe()}); task {cfg.task.name}", file=sys.stderr)
+    code = _train(trainer)
+    if trainer.dist.enabled:  # a torchrun rank ends without interpreter finalization (distributed.end_process)
+        from quads.rl import distributed
+
+        distributed.end_process(code)
+    return code
+
+
+def _train(trainer) -> int:
+    from quads.rl.trainer import GuardError
+
     try:
         res = trainer.run()
     except GuardError as e:

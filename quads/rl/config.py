@@ -77,8 +77,8 @@ class RecipeSection:
     name: str = "quads"  # bf16 | fp8 | nvfp4 | w4a16-qat | w4a4-qat | quads
     rac_ratio: float | None = None  # rollout RAC ratio in [0, 1] (quads: 0.5)
     rac_selection: Literal["dynamic", "static"] | None = None  # RAC channel selection
-    act_scale: Literal["tensor", "token"] | None = None  # NVFP4 activation global scale, both sides
-    weight_tile: Literal["1x16", "16x16"] | None = None  # NVFP4 weight block shape, both sides
+    act_scale: Literal["tensor", "token"] | None = None  # NVFP4 activation global scale, on each side that has them
+    weight_tile: Literal["1x16", "16x16"] | None = None  # NVFP4 weight block shape, on each side that has them
     targets: list[str] | None = None  # module-name patterns to quantize (default: routed experts)
     expert_path: Literal["auto", "grouped", "loop"] | None = None  # experts (trainer and rollout): batched GEMMs or the loop (auto: grouped on CUDA)
     # mismatch amplifier alpha (diagnostic): every quantized rollout GEMM uses x + alpha * (Q(x) - x) for its

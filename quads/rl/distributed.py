@@ -28,6 +28,19 @@ What each rank holds and does in one RL step (``W`` ranks, ``P`` prompts, ``n`` 
 
 Failure: collectives time out after ``timeout_s``; a failed collective is re-raised as
 ``PeerFailureError`` naming this rank, the step and the last checkpoint (``collective_guard``).
+
+End of a rank (``end_process``): a gloo process group keeps its worker threads until its C++ object is
+destroyed, and in quads' runs it outlives ``destroy_process_group`` (its threads were still running after
+destroy and ``gc.collect()``, with the trainer freed and no Python container holding the group). After ``wait()`` returns, the
+worker thread still drops its reference to the collective's tensors; when the last reference to a
+tensor with Python state (a DTensor, an ``nn.Parameter``, a tensor with an attribute) goes there, PyTorch
+takes the GIL on that thread, and if the main thread is already finalizing the interpreter, CPython ends
+the thread with a forced unwind that hits a ``noexcept`` frame: ``terminate called without an active
+exception``, SIGABRT (pytorch/pytorch#190489, #117762). It hit 2 of 30 two-rank runs of
+``tests/test_distributed.py`` on a loaded 2-core machine; ``scripts/gloo_exit_abort.py`` shows it without
+quads. So a
+finished rank runs its exit handlers (``shutdown`` included) and flushes its output while the interpreter
+is alive, then leaves with ``os._exit``, skipping the finalization the abort needs.
 """
 
 from __future__ import annotations
@@ -36,9 +49,10 @@ import atexit
 import contextlib
 import datetime
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -113,6 +127,18 @@ def init(device: str = "cpu", timeout_s: float | None = None) -> DistInfo:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def end_process(code: int) -> NoReturn:
+    """End this rank with exit status ``code``: the exit handlers (``shutdown`` included), then the
+    output flushed, then ``os._exit``, without interpreter finalization (module docstring: a gloo worker
+    thread that takes the GIL during finalization aborts the process). Call it last, with every file
+    closed, in a process that joined a process group."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def barrier(info: DistInfo) -> None:

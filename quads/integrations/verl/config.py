@@ -42,8 +42,8 @@ def _preset_overrides(recipe: Recipe) -> dict[str, Any]:
                          "start from a preset with get_recipe(name, **overrides)")
     out: dict[str, Any] = {}
     for side in ("trainer", "rollout"):
-        a, b = getattr(base, side).__dict__, getattr(recipe, side).__dict__
-        out.update({f"{side}_{k}": (list(v) if isinstance(v, tuple) else v) for k, v in b.items() if a[k] != v})
+        a, b = getattr(base, side).to_dict(), getattr(recipe, side).to_dict()  # flat forms, JSON-safe
+        out.update({f"{side}_{k}": v for k, v in b.items() if a[k] != v})
     for k in ("targets", "weight_dtype", "expert_path"):
         if getattr(base, k) != getattr(recipe, k):
             v = getattr(recipe, k)
