@@ -44,7 +44,7 @@ from quads.metrics.mismatch import mismatch_metrics
 from quads.metrics.report import write_report
 from quads.model.checkpoint import save_checkpoint
 from quads.model.transformer import MoEForCausalLM
-from quads.rl import build, distributed
+from quads.rl import build, compiled, distributed
 from quads.rl.checkpoint import (
     latest_checkpoint,
     load_train_state,
@@ -168,6 +168,7 @@ class GRPOTrainer:
         dispatch.set_backend(cfg.kernels)  # the kernel backend of the quantize ops, from the run's config
         distributed.check_config(cfg, self.dist)
         cfg.device = self.dist.device  # cuda -> cuda:<LOCAL_RANK> under torchrun
+        self.compile = compiled.resolve(cfg.trainer_compile, cfg.device, self.dist.enabled)
         self.run_dir = distributed.broadcast_object(Path(cfg.out_dir) if cfg.out_dir else default_run_dir(cfg),
                                                     self.dist)
         self.resume_state = check_run_dir(cfg, self.run_dir)
@@ -188,6 +189,8 @@ class GRPOTrainer:
         self.task = self.res.task
         self.trainer, self.rollout_model, self.tokenizer = build.build_models(self.res, cfg)
         distributed.shard_model(self.trainer, self.dist)  # FSDP2 under torchrun; the rollout model stays full
+        # the policy forward of every trainer log-prob (old, reference, training): compiled, or None = plain
+        self.policy_forward = compiled.CompiledForward() if self.compile else None
         self.ref = None
         if cfg.grpo.kl_coef > 0:
             self.ref, _, _ = build.build_models(self.res, cfg)
@@ -307,10 +310,10 @@ class GRPOTrainer:
         routing = batch.routing if cfg.routing_replay else None
         t1 = time.perf_counter()
         with torch.no_grad(), build.autocast(cfg):
-            old = forward_logprobs(self.trainer, seq, routing, r.temperature, return_routing=True)
+            old = forward_logprobs(self.trainer, seq, routing, r.temperature, return_routing=True, forward=self.policy_forward)
             ref = None
             if self.ref is not None:
-                ref = forward_logprobs(self.ref, seq, routing, r.temperature).logprobs
+                ref = forward_logprobs(self.ref, seq, routing, r.temperature, forward=self.policy_forward).logprobs
         mask = seq.response_mask
         P = seq.prompt_len
         fed = mask & (batch.routing[0, :, P:, 0] >= 0) if batch.routing is not None else None
@@ -364,7 +367,7 @@ class GRPOTrainer:
                                     None if s.position_ids is None else s.position_ids[rows])
                 with build.autocast(cfg):
                     res = forward_logprobs(self.trainer, sub, None if d.routing is None else d.routing[:, rows],
-                                           cfg.rollout.temperature, return_entropy=True)
+                                           cfg.rollout.temperature, return_entropy=True, forward=self.policy_forward)
                 loss, m = grpo_loss(res.logprobs, d.logp_old[rows], d.advantages[rows], d.loss_mask[rows],
                                     cfg.grpo, is_weights=d.is_weights[rows],
                                     logp_ref=None if d.logp_ref is None else d.logp_ref[rows], entropy=res.entropy,
