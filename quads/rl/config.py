@@ -207,9 +207,8 @@ class TrainConfig:
     # quads.kernels.dispatch: auto = Triton on CUDA tensors when it imports, else PyTorch; triton = always
     # Triton (raises without it); reference = PyTorch only. Bit-exact across backends: speed only.
     kernels: Literal["auto", "triton", "reference"] = "auto"  # kernel backend of the NVFP4 quantize ops
-    # torch.compile of the trainer's policy forward and its backward (quads.rl.compiled; Inductor: fused kernels,
-    # its own rounding); auto = on CUDA in one process, never on the CPU; rollout.compile is the engine's step
-    trainer_compile: Literal["auto", True, False] = "auto"  # compile the trainer forward: auto, true or false
+    # Inductor: fused kernels, its own rounding (not bit-identical to the plain forward); rollout.compile is the engine's
+    trainer_compile: Literal["auto", True, False] = "auto"  # torch.compile the trainer's policy forward + backward (quads.rl.compiled); auto = on CUDA in one process, never on the CPU
     dist_timeout_s: float = 600.0  # under torchrun: a collective that waits this long on a dead peer raises
 
     def __post_init__(self) -> None:

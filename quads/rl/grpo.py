@@ -94,9 +94,9 @@ class GRPOLossConfig:
 def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: LossAgg,
                denom: float | None) -> torch.Tensor:
     """Reduce [B, L] to a scalar. ``denom``: tokens (token_mean) or sequences (seq_mean) of the full batch."""
-    if agg == "token_mean":
-        d = mask.sum() if denom is None else denom
-        return (per_token * mask).sum() / max(float(d), 1.0)
+    if agg == "token_mean":  # this batch's count stays on the device (no host read between forward and backward)
+        d = mask.sum().clamp(min=1.0) if denom is None else max(float(denom), 1.0)
+        return (per_token * mask).sum() / d
     seq_len = mask.sum(dim=1).clamp(min=1.0)  # [B]
     per_seq = (per_token * mask).sum(dim=1) / seq_len
     d = per_token.shape[0] if denom is None else denom

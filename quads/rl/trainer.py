@@ -376,8 +376,10 @@ class GRPOTrainer:
                 self.opt.zero_grad(set_to_none=True)
                 total.backward()
                 clip = o.grad_clip if o.grad_clip > 0 else float("inf")
-                gn = distributed.scalar(torch.nn.utils.clip_grad_norm_(self.params, clip))  # a DTensor under FSDP2
-                loss_value = float(total.detach())
+                gn = distributed.full_tensor(torch.nn.utils.clip_grad_norm_(self.params, clip))  # DTensor under FSDP2
+                # one host read for the step's scalars (fp64 holds each exactly)
+                loss_value, gn, aux, n_tok = torch.stack([t.detach().double() for t in (
+                    total, gn, res.aux_loss, sub.attention_mask.sum())]).tolist()
                 # every rank takes (or skips) the same optimizer steps
                 if distributed.all_reduce(float(not (math.isfinite(loss_value) and math.isfinite(gn))),
                                           self.dist, "max") > 0:
@@ -393,12 +395,12 @@ class GRPOTrainer:
                     self.opt.step()
                     self.opt_steps += 1
                 m["optim/grad_norm"] = gn
-                m["loss/aux"] = float(res.aux_loss)
+                m["loss/aux"] = aux
                 m = distributed.reduce_loss_metrics(m, self.dist)  # global token means (identity in one process)
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
-                tokens += int(sub.attention_mask.sum())
+                tokens += int(n_tok)
         t_train = time.perf_counter() - t0
         rep = self._sync_weights()
         out = {k: v / count for k, v in sums.items()}
