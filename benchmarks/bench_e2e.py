@@ -37,7 +37,11 @@ trainer: one GRPO-shaped trainer step on a fixed batch (``--batch`` sequences of
   dense peak (``trainer_flops``); the ratio of medians to the first recipe with a paired bootstrap 95%
   confidence interval (``ratio_ci``); the raw step times in the JSON. ``--trainer-experts`` picks the
   expert path (``Recipe.expert_path``); ``--trainer-profile`` adds a torch.profiler summary of one more
-  step per recipe (kernels, launches, host syncs, top ops).
+  step per recipe (kernels, launches, host syncs, top ops). ``--trainer-compile off,on`` times every
+  recipe plain and with its policy forward + backward compiled (``quads.rl.compiled``, Inductor, as
+  ``quads train``'s ``trainer_compile``): rows ``<recipe>+compile`` with their ratio to the plain recipe
+  too; every configuration's first step (the compile, for compiled ones) runs before the warm-up and
+  is reported as ``first_step_s``.
 Prints a table and one JSON line at the end (hardware and versions included).
 """
 
@@ -59,6 +63,7 @@ from quads.model import ModelConfig, MoEForCausalLM  # noqa: E402
 from quads.model.tokenizer import CharTokenizer  # noqa: E402
 from quads.quant import quantize_model  # noqa: E402
 from quads.quant.recipe import LinearSpec, Recipe  # noqa: E402
+from quads.rl.compiled import CompiledForward  # noqa: E402
 from quads.rl.logprobs import SequenceBatch, forward_logprobs  # noqa: E402
 from quads.rollout import RolloutEngine, SamplingParams  # noqa: E402
 
@@ -384,16 +389,19 @@ class _Timer:
         return start.elapsed_time(end)
 
 
-def _trainer_step(args, preset: str, spec: LinearSpec, batch: SequenceBatch, adv: torch.Tensor):
-    """(model, step function) of one trainer step with the trainer side under ``spec``; same init for all."""
+def _trainer_step(args, preset: str, spec: LinearSpec, batch: SequenceBatch, adv: torch.Tensor, compile: bool):
+    """(model, step function) of one trainer step with the trainer side under ``spec``; same init for all.
+    ``compile``: the policy forward (and its backward) through ``quads.rl.compiled.CompiledForward``
+    (Inductor), as ``quads train`` runs it with ``trainer_compile``."""
     model = _model(preset, args.device, "float32")
     quantize_model(model, Recipe("bench", trainer=spec, expert_path=args.trainer_experts), side="trainer",
                    verbose=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    forward = CompiledForward() if compile else None
 
     def step():
         with torch.autocast(device_type=torch.device(args.device).type, dtype=torch.bfloat16):
-            res = forward_logprobs(model, batch, None, 1.0, return_entropy=True)
+            res = forward_logprobs(model, batch, None, 1.0, return_entropy=True, forward=forward)
         loss = -(res.logprobs * adv).sum() / batch.response_mask.sum() + res.aux_loss - 1e-3 * res.entropy.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -401,6 +409,14 @@ def _trainer_step(args, preset: str, spec: LinearSpec, batch: SequenceBatch, adv
         opt.step()
 
     return model, step
+
+
+def _on_off(value: str, flag: str) -> list[bool]:
+    """``on`` / ``off`` / ``off,on`` -> [False] / [True] / [False, True] (order kept, repeats dropped)."""
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items or set(items) - {"on", "off"}:
+        raise ValueError(f"{flag}: expected on, off or a comma list of them; got {value!r}")
+    return list(dict.fromkeys(v == "on" for v in items))
 
 
 def bench_trainer(args, rows: list) -> None:
@@ -415,15 +431,20 @@ def bench_trainer(args, rows: list) -> None:
                           torch.ones(B, S - P, dtype=torch.bool, device=args.device))
     adv = torch.randn(B, 1, generator=g).to(args.device)
     timer = _Timer(args.device)
-    names = [n.strip() for n in args.trainer_recipes.split(",") if n.strip()]
-    bad = set(names) - set(TRAINER_RECIPES)
+    recipes = [n.strip() for n in args.trainer_recipes.split(",") if n.strip()]
+    bad = set(recipes) - set(TRAINER_RECIPES)
     if bad:
         raise ValueError(f"--trainer-recipes: unknown {sorted(bad)}; valid: {', '.join(TRAINER_RECIPES)}")
+    compiles = _on_off(args.trainer_compile, "--trainer-compile")
+    # one timed configuration per (compile, recipe); "+compile" names the compiled ones
+    configs = {f"{r}+compile" if c else r: (r, c) for c in compiles for r in recipes}
+    names = list(configs)
     for preset in [p.strip() for p in args.preset.split(",") if p.strip()]:
-        steps, n_params, cfg = {}, 0, None
-        for name in names:
-            model, steps[name] = _trainer_step(args, preset, TRAINER_RECIPES[name], batch, adv)
+        steps, n_params, cfg, compile_s = {}, 0, None, {}
+        for name, (recipe, comp) in configs.items():
+            model, steps[name] = _trainer_step(args, preset, TRAINER_RECIPES[recipe], batch, adv, comp)
             cfg, n_params = model.config, sum(p.numel() for p in model.parameters())
+            compile_s[name] = timer(steps[name]) / 1e3  # the first step (with compile: tracing + Inductor)
             for _ in range(args.warmup):
                 timer(steps[name])
         block = 1 if args.interleave == "step" else args.block
@@ -437,8 +458,10 @@ def bench_trainer(args, rows: list) -> None:
         flops = trainer_flops(cfg, B, S, S - P)
         base = names[0]
         for name in names:
+            recipe, comp = configs[name]
             st = timing_stats(ms[name])
-            row = {"suite": "trainer", "preset": preset, "recipe": name, "experts": args.trainer_experts,
+            row = {"suite": "trainer", "preset": preset, "recipe": recipe, "compile": comp, "config": name,
+                   "first_step_s": compile_s[name], "experts": args.trainer_experts,
                    "step_ms": st["median"], "iqr_pct": st["iqr_pct"], "mad_pct": st["mad_pct"], "stats": st,
                    "batch": B, "seq_len": S, "params": n_params, "active_params": cfg.num_params()["active"],
                    "model_tflop_per_step": flops / 1e12, "tflops": flops / (st["median"] * 1e-3) / 1e12,
@@ -448,10 +471,11 @@ def bench_trainer(args, rows: list) -> None:
                 row["mfu_h200_bf16"] = row["tflops"] * 1e12 / H200_BF16_DENSE_FLOPS
             if name in prof:
                 row["profile"] = prof[name]
-            if name != base:
-                r = ratio_ci(ms[name], ms[base])
-                row.update({f"vs_{base}": r["ratio"], f"vs_{base}_ci": [r["ci_lo"], r["ci_hi"]],
-                            f"vs_{base}_pair_median": r["pair_median"]})
+            refs = [base] + ([recipe] if comp and recipe in configs and recipe != base else [])
+            for ref in refs if name != base else []:  # compiled rows: also against their plain recipe
+                r = ratio_ci(ms[name], ms[ref])
+                row.update({f"vs_{ref}": r["ratio"], f"vs_{ref}_ci": [r["ci_lo"], r["ci_hi"]],
+                            f"vs_{ref}_pair_median": r["pair_median"]})
             rows.append(row)
             print(_trainer_line(row), flush=True)
         _write_json(args, rows)
@@ -482,7 +506,7 @@ def _trainer_line(r: dict) -> str:
     vs = [k for k in r if k.startswith("vs_") and not k.endswith(("_ci", "_pair_median"))]
     extra = "".join(f"  {r[k]:.3f}x {k[3:]} (95% CI {r[k + '_ci'][0]:.3f}-{r[k + '_ci'][1]:.3f})" for k in vs)
     mfu = f"  MFU {100 * r['mfu_h200_bf16']:.1f}%" if "mfu_h200_bf16" in r else ""
-    return (f"trainer {r['preset']:>5} {r['recipe']:>10} ({r['experts']}): {r['step_ms']:8.2f} ms/step "
+    return (f"trainer {r['preset']:>5} {r.get('config', r['recipe']):>18} ({r['experts']}): {r['step_ms']:8.2f} ms/step "
             f"(IQR {r['iqr_pct']:.1f}%, MAD {r['mad_pct']:.1f}%, n={r['stats']['n']}, {r['batch']}x{r['seq_len']} tok)  "
             f"{r['tflops']:.1f} TFLOP/s{mfu}{extra}")
 
@@ -570,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=5, help="trainer: steps per block with --interleave block")
     ap.add_argument("--trainer-profile", action="store_true",
                     help="trainer: also profile one step per recipe (kernels, launches, syncs, top ops) into the JSON")
+    ap.add_argument("--trainer-compile", default="off",
+                    help="trainer: torch.compile of the policy forward + backward (quads.rl.compiled, as quads train's "
+                         "trainer_compile): off, on, or off,on to time both interleaved")
     ap.add_argument("--trainer-experts", choices=("auto", "grouped", "loop"), default="auto",
                     help="trainer: expert path (Recipe.expert_path; auto = grouped GEMMs on CUDA, the loop on CPU)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")

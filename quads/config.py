@@ -73,7 +73,9 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
             return tuple(out) if origin is tuple else out
         if typing.get_origin(base) is typing.Literal:
             choices = typing.get_args(base)
-            if value not in choices:
+            if isinstance(value, str) and any(isinstance(c, bool) for c in choices):  # e.g. Literal["auto", True, False]
+                value = {"true": True, "false": False}.get(value.lower(), value)
+            if not any(value == c and type(value) is type(c) for c in choices):
                 raise ValueError(f"{where}: expected one of {list(choices)}, got {value!r}")
             return value
     except (TypeError, ValueError) as e:

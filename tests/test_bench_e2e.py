@@ -83,3 +83,10 @@ def test_bench_trainer_cpu_interleaved(tmp_path):
     assert rows[1]["vs_bf16_ci"][0] <= rows[1]["vs_bf16"] <= rows[1]["vs_bf16_ci"][1]
     assert "mfu_h200_bf16" not in rows[0] and rows[0]["tflops"] > 0
     assert all(r["profile"]["top"] and r["profile"]["syncs"] == 0 for r in rows)  # CPU: no CUDA syncs to count
+
+
+def test_trainer_compile_flag_parses():
+    on_off = _bench()._on_off
+    assert on_off("off", "f") == [False] and on_off("off,on", "f") == [False, True] and on_off("on,on", "f") == [True]
+    with pytest.raises(ValueError, match="--trainer-compile"):
+        on_off("yes", "--trainer-compile")

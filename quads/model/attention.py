@@ -157,9 +157,11 @@ def build_attn_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int,
     ``attention_mask`` is [B, S] over all keys (past + new). A query always sees itself, so rows of
     padding tokens are never fully masked (their outputs are garbage but finite and unused).
     Returns None when plain causal attention is exact (no padding, no past, or a single query with
-    no padding), so SDPA can take its ``is_causal`` fast path.
+    no padding), so SDPA can take its ``is_causal`` fast path. Under ``torch.compile`` a given mask is
+    always applied: the test for padding reads the mask back to the host (a graph break), so a traced
+    caller passes None itself for a batch without padding (``quads.rl.logprobs.forward_logprobs`` does).
     """
-    if attention_mask is None or bool(attention_mask.all()):
+    if attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask.all())):
         if past == 0 or q_len == 1:
             return None
     s = past + q_len
@@ -217,7 +219,9 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, g, self.head_dim), k, v, attn_mask=mask)
             out = torch.where(rows[:, None, None, None], out, 0.0).reshape(B, self.n_heads, 1, self.head_dim)
             return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
-        causal = mask is None and L > 1  # mask None: plain causal (L > 1) or one query seeing every key
+        # mask None: plain causal (L > 1) or one query seeing every key; a branch, not `mask is None and L > 1`,
+        # so that a dynamic-shape trace hands SDPA a bool (it refuses the symbolic L > 1)
+        causal = True if mask is None and L > 1 else False  # noqa: SIM210
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                              enable_gqa=self.n_kv != self.n_heads)
         if rows is not None:

@@ -21,9 +21,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
 def native_bf16_gemm() -> bool:
-    """Whether torch's CPU BF16 GEMM runs on oneDNN (native BF16 arithmetic) rather than its slow fallback."""
+    """Whether torch's CPU BF16 GEMM runs on oneDNN (native BF16 arithmetic) rather than its slow fallback.
+
+    A property of the process: ``torch.compile`` reads it once while tracing and keeps the answer as a
+    constant (the probe returns a Python bool, which a graph cannot hold). Only CPU GEMMs ask it
+    (``fp32_route`` answers False for CUDA tensors before calling it)."""
+    return _probe_native_bf16()
+
+
+@functools.cache
+def _probe_native_bf16() -> bool:
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch build without oneDNN: the fallback kernel

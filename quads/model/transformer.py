@@ -143,7 +143,7 @@ class MoEForCausalLM(nn.Module):
                 aux = aux + load_balance_loss(probs, top_i, valid).float()
         if cache is not None:
             cache.advance(L)
-        if logits_slice is not None:
+        if isinstance(logits_slice, slice):  # not `is not None`, which makes Dynamo specialise on a traced slice
             x = x[:, logits_slice]
         logits = self.lm_head(self.model.norm(x))
         aux = aux * (cfg.router_aux_loss_coef / cfg.n_layers)

@@ -130,6 +130,8 @@ class WeightStore:
             w_q = self.refresh()
             return w_q if w_q is not None else w4a16.dequantize(self.kernel)
         if self.side == "trainer":
+            if torch.compiler.is_compiling():
+                return self.w_q  # traced: the cache, checked eagerly before the call (``refresh_stale``)
             if self._key() != self.key:
                 return self.refresh()
         elif self.w_q.device != self.param.device:
@@ -140,6 +142,17 @@ class WeightStore:
 def _same_layout(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     return (a is not None and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
             and a.data_ptr() != b.data_ptr())
+
+
+def refresh_stale(model: nn.Module) -> None:
+    """Re-quantize every trainer-side weight of ``model`` whose parameter changed since its cache was
+    made (``WeightStore.get``'s check, run eagerly). A compiled forward calls this first: inside the
+    traced region ``get`` returns the cache as it is (its check reads ``data_ptr`` and the version
+    counter, which a graph cannot)."""
+    for m in model.modules():
+        if isinstance(m, _QuantizedBase) and m.side == "trainer":
+            for store in m.stores.values():
+                store.get()
 
 
 class _QuantizedBase(nn.Module):

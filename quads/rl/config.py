@@ -207,6 +207,8 @@ class TrainConfig:
     # quads.kernels.dispatch: auto = Triton on CUDA tensors when it imports, else PyTorch; triton = always
     # Triton (raises without it); reference = PyTorch only. Bit-exact across backends: speed only.
     kernels: Literal["auto", "triton", "reference"] = "auto"  # kernel backend of the NVFP4 quantize ops
+    # Inductor: fused kernels, its own rounding (not bit-identical to the plain forward); rollout.compile is the engine's
+    trainer_compile: Literal["auto", True, False] = "auto"  # torch.compile the trainer's policy forward + backward (quads.rl.compiled); auto = on CUDA in one process, never on the CPU
     dist_timeout_s: float = 600.0  # under torchrun: a collective that waits this long on a dead peer raises
 
     def __post_init__(self) -> None:
@@ -226,6 +228,8 @@ class TrainConfig:
             raise ValueError(f"rollout_backend must be quads or vllm; got {self.rollout_backend!r}")
         if self.kernels not in ("auto", "triton", "reference"):
             raise ValueError(f"kernels must be auto, triton or reference; got {self.kernels!r}")
+        if self.trainer_compile not in ("auto", True, False):
+            raise ValueError(f"trainer_compile must be auto, true or false; got {self.trainer_compile!r}")
         if not self.dist_timeout_s > 0:
             raise ValueError(f"dist_timeout_s must be > 0 seconds; got {self.dist_timeout_s}")
         if self.rollout_backend == "vllm" and self.recipe.rollout_error_scale != 1.0:

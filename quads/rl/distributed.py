@@ -328,11 +328,9 @@ def reduce_timings(m: dict[str, float], info: DistInfo) -> dict[str, float]:
     return out
 
 
-def scalar(x: torch.Tensor | float) -> float:
-    """A Python float from a tensor that may be a DTensor (e.g. ``clip_grad_norm_`` under FSDP2)."""
-    if hasattr(x, "full_tensor"):
-        x = x.full_tensor()
-    return float(x)
+def full_tensor(x: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (e.g. ``clip_grad_norm_`` under FSDP2); any other tensor as it is."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
 # --------------------------------------------------------------------------- weight sync

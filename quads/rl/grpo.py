@@ -94,9 +94,9 @@ class GRPOLossConfig:
 def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: LossAgg,
                denom: float | None) -> torch.Tensor:
     """Reduce [B, L] to a scalar. ``denom``: tokens (token_mean) or sequences (seq_mean) of the full batch."""
-    if agg == "token_mean":
-        d = mask.sum() if denom is None else denom
-        return (per_token * mask).sum() / max(float(d), 1.0)
+    if agg == "token_mean":  # this batch's count stays on the device (no host read between forward and backward)
+        d = mask.sum().clamp(min=1.0) if denom is None else max(float(denom), 1.0)
+        return (per_token * mask).sum() / d
     seq_len = mask.sum(dim=1).clamp(min=1.0)  # [B]
     per_seq = (per_token * mask).sum(dim=1) / seq_len
     d = per_token.shape[0] if denom is None else denom
@@ -157,21 +157,23 @@ def grpo_loss(
     with torch.no_grad():
         n = mask.sum().clamp(min=1.0)
 
-        def mmean(x: torch.Tensor) -> float:
-            return ((x.float() * mask).sum() / n).item()
+        def mmean(x: torch.Tensor) -> torch.Tensor:
+            return (x.float() * mask).sum() / n
 
-        metrics = {
-            "loss/total": loss.item(),
-            "loss/policy": _aggregate(pg, mask, cfg.agg, denom).item(),
+        values = {
+            "loss/total": loss,
+            "loss/policy": _aggregate(pg, mask, cfg.agg, denom),
             "loss/clip_frac": mmean((pg2 > pg1).float()),
             "loss/clip_frac_low": mmean(((ratio < 1.0 - cfg.clip_low) & (adv < 0)).float()),
             "loss/clip_frac_high": mmean(((ratio > 1.0 + cfg.clip_high) & (adv > 0)).float()),
             "loss/ratio_mean": mmean(ratio),
             "loss/approx_kl_old": mmean(0.5 * log_ratio.pow(2)),
-            "loss/tokens": mask.sum().item(),
+            "loss/tokens": mask.sum(),
         }
         if kl is not None:
-            metrics["loss/kl"] = mmean(kl)
+            values["loss/kl"] = mmean(kl)
         if entropy is not None:
-            metrics["loss/entropy"] = mmean(entropy)
+            values["loss/entropy"] = mmean(entropy)
+        # one read-back for all of them (fp64 holds every fp32 value exactly: the floats .item() would give)
+        metrics = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist()))
     return loss, metrics

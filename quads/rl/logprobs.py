@@ -8,6 +8,7 @@ through the lm_head. Positions count real tokens, so padding does not change any
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,13 +59,32 @@ class LogprobResult:
     routing: torch.Tensor | None  # [n_layers, B, P + R, k] expert ids the forward used, or None
 
 
+def policy_forward(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   position_ids: torch.Tensor | None, routing: torch.Tensor | None, response_mask: torch.Tensor,
+                   return_routing: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The model forward of ``forward_logprobs``: ``input_ids`` [B, P + R] -> (logits [B, R, V] at the
+    columns that predict the response tokens, aux loss [], expert ids [n_layers, B, P + R, k] or None).
+
+    The region ``quads.rl.compiled`` compiles: every argument is a tensor (or None, or a flag), and the
+    prompt width comes from the shapes (``P = input_ids.shape[1] - response_mask.shape[1]``), so one
+    graph with a dynamic sequence length serves every step. ``attention_mask`` None: no padding.
+    """
+    R = response_mask.shape[1]
+    out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, routing=routing,
+                return_routing=return_routing, logits_slice=slice(-R - 1, -1))
+    return out.logits, out.aux_loss, out.routing
+
+
 def forward_logprobs(model: torch.nn.Module, batch: RolloutBatch | SequenceBatch,
                      routing: torch.Tensor | None = None, temperature: float = 1.0, *,
-                     return_entropy: bool = False, return_routing: bool = False) -> LogprobResult:
+                     return_entropy: bool = False, return_routing: bool = False,
+                     forward: Callable | None = None) -> LogprobResult:
     """One full forward over prompt + response (with grad if enabled) -> per-response-token log-probs.
 
     ``routing`` [n_layers, B, P + R, k] replays expert ids (e.g. ``RolloutBatch.routing``; -1 rows use
     the router's own choice). Log-probs are ``log_softmax(logits / temperature)`` in at least fp32.
+    ``forward``: the model-forward region, ``policy_forward`` (None) or its compiled form
+    (``quads.rl.compiled.CompiledForward``); the log-probs (``token_logprobs``) run eagerly after it.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for trainer log-probs, got {temperature} "
@@ -73,14 +93,16 @@ def forward_logprobs(model: torch.nn.Module, batch: RolloutBatch | SequenceBatch
     P = seq.prompt_len
     if routing is not None:
         routing = routing.to(model.device)
-    out = model(seq.input_ids, attention_mask=seq.attention_mask, position_ids=seq.position_ids,
-                routing=routing, return_routing=return_routing, logits_slice=slice(P - 1, -1))
+    # the one host read of the forward, before the region: a batch without padding takes SDPA's causal path
+    key_mask = None if bool(seq.attention_mask.all()) else seq.attention_mask
     mask = seq.response_mask
-    logp, entropy = token_logprobs(out.logits, seq.input_ids[:, P:], temperature, return_entropy)
+    logits, aux_loss, used = (forward or policy_forward)(model, seq.input_ids, key_mask, seq.position_ids, routing,
+                                                          mask, return_routing)
+    logp, entropy = token_logprobs(logits, seq.input_ids[:, P:], temperature, return_entropy)
     logp = logp.masked_fill(~mask, 0.0)
     if entropy is not None:
         entropy = entropy.masked_fill(~mask, 0.0)
-    return LogprobResult(logp, entropy, out.aux_loss, out.routing)
+    return LogprobResult(logp, entropy, aux_loss, used)
 
 
 CHUNK_ELEMENTS = 1 << 24  # logits entries per chunk of ``token_logprobs`` (64 MiB in fp32)

@@ -44,7 +44,7 @@ from quads.metrics.mismatch import mismatch_metrics
 from quads.metrics.report import write_report
 from quads.model.checkpoint import save_checkpoint
 from quads.model.transformer import MoEForCausalLM
-from quads.rl import build, distributed
+from quads.rl import build, compiled, distributed
 from quads.rl.checkpoint import (
     latest_checkpoint,
     load_train_state,
@@ -168,6 +168,7 @@ class GRPOTrainer:
         dispatch.set_backend(cfg.kernels)  # the kernel backend of the quantize ops, from the run's config
         distributed.check_config(cfg, self.dist)
         cfg.device = self.dist.device  # cuda -> cuda:<LOCAL_RANK> under torchrun
+        self.compile = compiled.resolve(cfg.trainer_compile, cfg.device, self.dist.enabled)
         self.run_dir = distributed.broadcast_object(Path(cfg.out_dir) if cfg.out_dir else default_run_dir(cfg),
                                                     self.dist)
         self.resume_state = check_run_dir(cfg, self.run_dir)
@@ -188,6 +189,8 @@ class GRPOTrainer:
         self.task = self.res.task
         self.trainer, self.rollout_model, self.tokenizer = build.build_models(self.res, cfg)
         distributed.shard_model(self.trainer, self.dist)  # FSDP2 under torchrun; the rollout model stays full
+        # the policy forward of every trainer log-prob (old, reference, training): compiled, or None = plain
+        self.policy_forward = compiled.CompiledForward() if self.compile else None
         self.ref = None
         if cfg.grpo.kl_coef > 0:
             self.ref, _, _ = build.build_models(self.res, cfg)
@@ -307,10 +310,10 @@ class GRPOTrainer:
         routing = batch.routing if cfg.routing_replay else None
         t1 = time.perf_counter()
         with torch.no_grad(), build.autocast(cfg):
-            old = forward_logprobs(self.trainer, seq, routing, r.temperature, return_routing=True)
+            old = forward_logprobs(self.trainer, seq, routing, r.temperature, return_routing=True, forward=self.policy_forward)
             ref = None
             if self.ref is not None:
-                ref = forward_logprobs(self.ref, seq, routing, r.temperature).logprobs
+                ref = forward_logprobs(self.ref, seq, routing, r.temperature, forward=self.policy_forward).logprobs
         mask = seq.response_mask
         P = seq.prompt_len
         fed = mask & (batch.routing[0, :, P:, 0] >= 0) if batch.routing is not None else None
@@ -364,7 +367,7 @@ class GRPOTrainer:
                                     None if s.position_ids is None else s.position_ids[rows])
                 with build.autocast(cfg):
                     res = forward_logprobs(self.trainer, sub, None if d.routing is None else d.routing[:, rows],
-                                           cfg.rollout.temperature, return_entropy=True)
+                                           cfg.rollout.temperature, return_entropy=True, forward=self.policy_forward)
                 loss, m = grpo_loss(res.logprobs, d.logp_old[rows], d.advantages[rows], d.loss_mask[rows],
                                     cfg.grpo, is_weights=d.is_weights[rows],
                                     logp_ref=None if d.logp_ref is None else d.logp_ref[rows], entropy=res.entropy,
@@ -373,8 +376,10 @@ class GRPOTrainer:
                 self.opt.zero_grad(set_to_none=True)
                 total.backward()
                 clip = o.grad_clip if o.grad_clip > 0 else float("inf")
-                gn = distributed.scalar(torch.nn.utils.clip_grad_norm_(self.params, clip))  # a DTensor under FSDP2
-                loss_value = float(total.detach())
+                gn = distributed.full_tensor(torch.nn.utils.clip_grad_norm_(self.params, clip))  # DTensor under FSDP2
+                # one host read for the step's scalars (fp64 holds each exactly)
+                loss_value, gn, aux, n_tok = torch.stack([t.detach().double() for t in (
+                    total, gn, res.aux_loss, sub.attention_mask.sum())]).tolist()
                 # every rank takes (or skips) the same optimizer steps
                 if distributed.all_reduce(float(not (math.isfinite(loss_value) and math.isfinite(gn))),
                                           self.dist, "max") > 0:
@@ -390,12 +395,12 @@ class GRPOTrainer:
                     self.opt.step()
                     self.opt_steps += 1
                 m["optim/grad_norm"] = gn
-                m["loss/aux"] = float(res.aux_loss)
+                m["loss/aux"] = aux
                 m = distributed.reduce_loss_metrics(m, self.dist)  # global token means (identity in one process)
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
-                tokens += int(sub.attention_mask.sum())
+                tokens += int(n_tok)
         t_train = time.perf_counter() - t0
         rep = self._sync_weights()
         out = {k: v / count for k, v in sums.items()}
