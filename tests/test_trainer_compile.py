@@ -27,7 +27,7 @@ from quads.rl.compiled import CompiledForward, resolve
 from quads.rl.config import TrainConfig
 from quads.rl.logprobs import SequenceBatch, forward_logprobs, policy_forward
 
-SPECS = {"bf16": LinearSpec(), "w4a16-qat": LinearSpec(weight="nvfp4")}
+SPECS = {"bf16": LinearSpec(), "w4a16-qat": LinearSpec.of(weight="nvfp4")}
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Inductor on the GPU)")
 
 
@@ -226,7 +226,7 @@ def test_inductor_step_matches_plain_cuda(recipe):
 
 
 @CUDA
-def test_trainer_compiles_by_default_on_cuda(tmp_path, monkeypatch):
+def test_trainer_compiles_with_auto_on_cuda(tmp_path, monkeypatch):
     """``trainer_compile: auto`` on CUDA: the run's trainer log-probs go through the compiled forward."""
     monkeypatch.setitem(tasks.TASKS, "digits", DigitsTask)
     calls = []
@@ -235,7 +235,7 @@ def test_trainer_compiles_by_default_on_cuda(tmp_path, monkeypatch):
     from quads.rl.trainer import GRPOTrainer
 
     cfg = tiny_config(tmp_path, save_tiny_checkpoint(tmp_path / "ckpt"), steps=1, eval_every=0, device="cuda",
-                      dtype="bfloat16")
+                      dtype="bfloat16", trainer_compile="auto")
     trainer = GRPOTrainer(cfg, quiet=True)
     res = trainer.run()
     assert trainer.compile and calls == ["inductor", "inductor"], calls
