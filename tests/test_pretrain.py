@@ -215,3 +215,34 @@ def test_cuda_bf16_sft_takes_the_grouped_expert_path_and_learns(tmp_path, monkey
     folder = save_warm_start(cfg, model, tok, task, hist)
     loaded, _ = load_checkpoint(folder, device="cpu")
     assert all(p.dtype == torch.float32 for p in loaded.parameters())
+
+
+def test_bf16_compute_on_cpu_keeps_fp32_weights_and_evaluates_a_bf16_copy(tmp_path, monkeypatch):
+    """compute_dtype bfloat16 (here on the CPU, the path CUDA's auto takes): the forward runs under BF16
+    autocast, the parameters, AdamW and the checkpoint stay float32, the CE falls, and the held-out
+    evaluation runs a BF16 copy (the model handed to the rollout engine is BF16, the trained one untouched)."""
+    import quads.evaluation as evaluation
+    from quads.model.checkpoint import read_checkpoint_config
+
+    seen = []
+    real = evaluation.evaluate_model
+    monkeypatch.setattr(evaluation, "evaluate_model",
+                        lambda model, *a, **k: seen.append(next(model.parameters()).dtype) or real(model, *a, **k))
+    import quads.pretrain as pretrain
+
+    autocast, loss = [], pretrain.sft_loss
+    monkeypatch.setattr(pretrain, "sft_loss", lambda *a: autocast.append(
+        torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")) or loss(*a))
+    cfg = _tiny_cfg(tmp_path, steps=20, compute_dtype="bfloat16", eval_at=[10])
+    assert cfg.cache_key() != _tiny_cfg(tmp_path, steps=20).cache_key()
+    evals = []
+    model, tok, task, hist = train_sft(cfg, log_every=1, evals=evals)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert autocast == [torch.bfloat16] * 20
+    ces = [ce for _, ce in hist]
+    assert sum(ces[-3:]) / 3 < 0.8 * sum(ces[:3]) / 3, ces
+    folder = save_warm_start(cfg, model, tok, task, hist, evals=evals)
+    assert seen == [torch.bfloat16, torch.bfloat16]  # step 10 and the final evaluation
+    assert read_checkpoint_config(folder)[1]["pretrain_result"]["compute_dtype_resolved"] == "bfloat16"
+    loaded, _ = load_checkpoint(folder, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
