@@ -15,7 +15,8 @@
 # importance-sampling correction of the rollout/trainer mismatch) and optim.mini_batches=$MINI_BATCHES
 # (default 2: two optimizer steps per batch, so the second one is off-policy and PPO's ratio clip acts),
 # optim.ppo_epochs 1, the same for every recipe. STEPS is only a cap: the time limit decides how many
-# steps a run gets (the plan line in $OUT/plan.txt says what was given).
+# steps a run gets (not measured yet on the GPU; summary.txt in the tarball gives each run's steps, median
+# seconds per step and held-out pass@1 by step, plan.txt what was given).
 # Run from the repository root:  PYTHONPATH=. bash scripts/gpu_collapse.sh
 # CPU dry run (minutes):  PRESET=tiny DEVICE=cpu SFT_STEPS=4 SFT_EVAL=4 BUDGET_S=300 SEEDS=0 STEPS=2 \
 #   EVAL_N=4 EXTRA_SET=rollout.n_samples=2,rollout.prompts_per_step=2,rollout.max_new_tokens=16 bash scripts/gpu_collapse.sh
@@ -26,7 +27,7 @@
 #   warm_start.steps / lr / batch_size / train_size), SFT_EVAL (200: held-out prompts of the SFT's pass@1),
 #   EVAL_AT (empty: SFT steps at which pass@1 is also measured, e.g. 100,200,300), COMPUTE_DTYPE (auto),
 #   CKPT (skip the SFT: use this checkpoint), RECIPES (bf16,nvfp4,quads), SEEDS (0,1,2), STEPS (150: the
-#   cap), EVAL_EVERY (10), EVAL_N (100: held-out prompts of the RL evals; 0 = no held-out eval),
+#   cap), EVAL_EVERY (10; 0: held-out evals at the start and the end only), EVAL_N (100: held-out prompts of the RL evals),
 #   CORRECTION (none), MINI_BATCHES (2), MARGIN_S (120: seconds kept after a run's time limit for the step in
 #   flight, its final held-out eval and checkpoint, and the report), EXTRA_SET (more TrainConfig overrides
 #   "k=v,k=v"), WORK (runs/collapse-work: warm start and run folders), WARM_DIR ($WORK/warm_start),
