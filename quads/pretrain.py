@@ -13,6 +13,20 @@ generator, so a run is a function of its config. The checkpoint is cached under
 end the held-out greedy pass@1 is measured with the rollout engine and stored in the checkpoint's
 ``extra["pretrain_result"]``.
 
+Mixed precision (``compute_dtype``): the parameters and AdamW state stay in ``dtype`` (the master
+weights, what the checkpoint holds); the forward runs under ``torch.autocast`` to ``compute_dtype``
+(``quads.rl.build.mixed_precision``, as the RL trainer does), so on CUDA the experts take the sorted
+grouped-GEMM path (``quads.model.moe.use_sorted``: BF16 ``torch._grouped_mm``) instead of the per-expert
+loop. ``auto`` is BF16 on CUDA over FP32 weights and ``dtype`` itself elsewhere (the CPU runs are what
+they were). The held-out evaluations run a copy of the model in the compute dtype (the dtype the RL
+rollout runs in). A compute dtype equal to ``dtype`` hashes as it did before the field existed.
+
+Intermediate evaluation (``eval_at``): after each listed optimizer step the same held-out greedy
+evaluation as the final one (``heldout_eval``) runs, and its pass@1 is stored in
+``extra["pretrain_result"]["heldout_by_step"]``, so one run shows how accuracy grows with the step count. The
+step-``s`` model of a longer run is mid-schedule (its learning rate has not decayed to 10%), so it is not
+the model a ``steps: s`` run saves; it locates the range, and the chosen count is then trained as such.
+
 Activation outliers (``outliers``, ``quads.model.outliers``): ``init`` sets the chosen RMSNorm gains to
 ``outliers.scale`` before training; ``inject`` takes the warm start of the same config without outliers
 (trained or cached), scales the gains and divides the matching weight columns (function-preserving),
@@ -39,6 +53,7 @@ from quads.config import to_dict
 from quads.model.outliers import OutlierConfig
 from quads.tasks.base import examples_up_to
 
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # PretrainConfig.compute_dtype values
 FORMAT_VERSION = 1  # bump when the SFT recipe or data format changes, so old cache entries are not reused
 
 
@@ -56,12 +71,14 @@ class PretrainConfig:
     seed: int = 0  # init, data order and task generation seed
     eval_size: int = 200  # held-out prompts for the final greedy pass@1 (0 = skip)
     max_new_tokens: int = 64  # response cap of that evaluation
-    dtype: str = "float32"  # parameter / compute dtype of the model
+    dtype: str = "float32"  # parameter (master weight) dtype of the model: the optimizer's and the checkpoint's
+    compute_dtype: str = "auto"  # forward compute dtype: auto (bfloat16 on CUDA over float32 weights, else dtype), float32, bfloat16
     device: str = "cpu"
     cache_dir: str | None = None  # cache root; None = $QUADS_CACHE/pretrain or ~/.cache/quads/pretrain
     progress: bool = True  # tqdm progress bar
     threads: int | None = None  # torch.set_num_threads for the run; None = leave torch's setting
     outliers: OutlierConfig = field(default_factory=OutlierConfig)  # activation outlier channels (module docstring)
+    eval_at: list[int] = field(default_factory=list)  # optimizer steps after which held-out pass@1 is also measured (<= steps)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "train_size", "max_new_tokens"):
@@ -73,6 +90,19 @@ class PretrainConfig:
             raise ValueError(f"PretrainConfig.threads must be >= 1 or None, got {self.threads}")
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"PretrainConfig.dtype must be float32, bfloat16 or float64, got {self.dtype!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"PretrainConfig.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got "
+                             f"{self.compute_dtype!r}")
+        if self.compute_dtype not in ("auto", self.dtype) and not (self.compute_dtype == "bfloat16"
+                                                                   and self.dtype == "float32"):
+            raise ValueError(f"PretrainConfig.compute_dtype {self.compute_dtype} over dtype {self.dtype} weights is not "
+                             "supported: use auto, the dtype itself, or bfloat16 over float32 weights")
+        self.eval_at = sorted({int(s) for s in self.eval_at})
+        if self.eval_at and not (1 <= self.eval_at[0] and self.eval_at[-1] <= self.steps):
+            raise ValueError(f"PretrainConfig.eval_at must list optimizer steps in 1..steps ({self.steps}), got "
+                             f"{self.eval_at}")
+        if self.eval_at and self.eval_size == 0:
+            raise ValueError("PretrainConfig.eval_at needs eval_size > 0 (the held-out prompts it evaluates)")
         if self.outliers.active:
             from quads.model.config import PRESETS
 
@@ -85,15 +115,25 @@ class PretrainConfig:
         """Hash of every field that changes the weights.
 
         Not hashed: where the cache is, the device, threads, the progress bar, and the final
-        evaluation's settings (``eval_size``, ``max_new_tokens``): a cached checkpoint keeps the pass@1
-        measured by the run that trained it.
+        evaluation's settings (``eval_size``, ``max_new_tokens``, ``eval_at``): a cached checkpoint keeps
+        the pass@1 measured by the run that trained it. The compute dtype is hashed resolved (``auto`` on
+        CUDA is bfloat16), and only when it differs from ``dtype``.
         """
-        skip = ("cache_dir", "progress", "device", "threads", "eval_size", "max_new_tokens")
+        skip = ("cache_dir", "progress", "device", "threads", "eval_size", "max_new_tokens", "eval_at",
+                "compute_dtype")
         fields = {k: v for k, v in to_dict(self).items() if k not in skip}
         if not self.outliers.active:
             del fields["outliers"]
+        if self.resolved_compute_dtype() != self.dtype:
+            fields["compute_dtype"] = self.resolved_compute_dtype()
         blob = json.dumps({"v": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def resolved_compute_dtype(self) -> str:
+        """``compute_dtype`` with ``auto`` resolved: bfloat16 on CUDA over float32 weights, else ``dtype``."""
+        if self.compute_dtype != "auto":
+            return self.compute_dtype
+        return "bfloat16" if torch.device(self.device).type == "cuda" and self.dtype == "float32" else self.dtype
 
     def cache_root(self) -> Path:
         if self.cache_dir is not None:
@@ -162,22 +202,26 @@ def check_lengths(data: list[tuple[list[int], int]], max_seq_len: int, cfg: Pret
                          "pick a preset with a longer max_seq_len or a level with shorter responses")
 
 
-def train_sft(cfg: PretrainConfig, log_every: int = 50):
-    """Train a fresh model; returns (model, tokenizer, task, history of (step, ce) every log_every)."""
+def train_sft(cfg: PretrainConfig, log_every: int = 50, evals: list[dict[str, Any]] | None = None):
+    """Train a fresh model; returns (model, tokenizer, task, history of (step, ce) every log_every).
+
+    ``evals``: when given, one record per ``cfg.eval_at`` step is appended to it (``heldout_eval``'s
+    result plus ``step`` and ``eval_seconds``); the evaluations draw no random numbers from the training."""
     threads = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        return _train(cfg, log_every)
+        return _train(cfg, log_every, evals)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(cfg: PretrainConfig, log_every: int):
+def _train(cfg: PretrainConfig, log_every: int, evals: list[dict[str, Any]] | None):
     from tqdm.auto import tqdm
 
     from quads.model import ModelConfig, MoEForCausalLM
     from quads.model.tokenizer import CharTokenizer
+    from quads.rl.build import mixed_precision
 
     torch.manual_seed(cfg.seed)
     tok = CharTokenizer()
@@ -198,13 +242,14 @@ def _train(cfg: PretrainConfig, log_every: int):
     gen = torch.Generator().manual_seed(cfg.seed)
     history: list[tuple[int, float]] = []
     bar = tqdm(range(cfg.steps), desc=f"pretrain {cfg.task}", disable=not cfg.progress, file=sys.stderr)
-    ema = None
+    ema, t0, eval_total = None, time.monotonic(), 0.0
     for step in bar:
         idx = torch.randint(len(data), (cfg.batch_size,), generator=gen).tolist()
         ids, targets = collate([data[i] for i in idx], tok.pad_id)
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, cfg)
-        loss, metrics = sft_loss(model, ids.to(cfg.device), targets.to(cfg.device))
+        with mixed_precision(cfg.resolved_compute_dtype(), cfg.dtype, cfg.device):
+            loss, metrics = sft_loss(model, ids.to(cfg.device), targets.to(cfg.device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -214,7 +259,44 @@ def _train(cfg: PretrainConfig, log_every: int):
         if step % log_every == 0 or step == cfg.steps - 1:
             history.append((step, ce))
             bar.set_postfix(ce=f"{ema:.3f}", acc=f"{metrics['sft/token_acc']:.3f}")
+        if step + 1 in cfg.eval_at and step + 1 < cfg.steps:  # the last step's is the final evaluation
+            start = time.monotonic()
+            trained = start - t0 - eval_total  # SFT seconds so far, evaluations excluded
+            devices = [torch.device(cfg.device)] if torch.device(cfg.device).type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                res = heldout_eval(cfg, model, tok, task)
+            model.train()
+            took = time.monotonic() - start
+            eval_total += took
+            res.update(step=step + 1, train_seconds=round(trained, 1), eval_seconds=round(took, 1))
+            if evals is not None:
+                evals.append(res)
+            if cfg.progress:
+                print(f"pretrain {cfg.task}: step {step + 1}: held-out greedy pass@1 {res['heldout_pass@1']}",
+                      file=sys.stderr)
     return model, tok, task, history
+
+
+def heldout_eval(cfg: PretrainConfig, model, tokenizer, task) -> dict[str, Any]:
+    """Held-out greedy pass@1 of ``model`` on ``cfg.eval_size`` test prompts (``evaluate_model``, responses
+    capped at ``max_new_tokens``), run in the compute dtype: a copy of the model in that dtype when it
+    differs from ``dtype``. The final evaluation and every ``eval_at`` step use it."""
+    from quads.evaluation import evaluate_model
+    from quads.model import MoEForCausalLM
+
+    test = examples_up_to(task, "test", cfg.eval_size)
+    longest = max(len(task.demonstration(e)) for e in test)
+    if cfg.progress and longest > cfg.max_new_tokens:
+        print(f"pretrain {cfg.task}: max_new_tokens {cfg.max_new_tokens} is shorter than the longest held-out "
+              f"demonstration ({longest} characters): such responses are cut and score 0; pass "
+              f"--max-new-tokens {longest + 8}", file=sys.stderr)
+    compute = cfg.resolved_compute_dtype()
+    if compute != cfg.dtype:
+        copy = MoEForCausalLM(replace(model.config, dtype=compute))
+        copy.load_state_dict(model.state_dict())
+        model = copy.to(next(model.parameters()).device)
+    res = evaluate_model(model.eval(), tokenizer, task, test, max_new_tokens=cfg.max_new_tokens)
+    return {"heldout_pass@1": res.pass_at[1], "heldout_mean_response_chars": res.mean_response_chars}
 
 
 def warm_start(cfg: PretrainConfig) -> Path:
@@ -228,8 +310,10 @@ def warm_start(cfg: PretrainConfig) -> Path:
         print(f"pretrain {cfg.task}: no cached warm start for this config; training the {cfg.preset} model "
               f"for {cfg.steps} steps (then cached in {folder})", file=sys.stderr)
     start = time.monotonic()
-    model, tok, task, history = train_sft(cfg)
-    return save_warm_start(cfg, model, tok, task, history, train_seconds=time.monotonic() - start)
+    evals: list[dict[str, Any]] = []
+    model, tok, task, history = train_sft(cfg, evals=evals)
+    train_seconds = time.monotonic() - start - sum(e["eval_seconds"] for e in evals)
+    return save_warm_start(cfg, model, tok, task, history, train_seconds=train_seconds, evals=evals)
 
 
 def _inject_warm_start(cfg: PretrainConfig) -> Path:
@@ -253,24 +337,23 @@ def _inject_warm_start(cfg: PretrainConfig) -> Path:
 
 
 def save_warm_start(cfg: PretrainConfig, model, tokenizer, task, history: list[tuple[int, float]],
-                    train_seconds: float = 0.0, outliers_result: dict[str, Any] | None = None) -> Path:
-    """Measure the held-out greedy pass@1 of a trained model and write it to ``cfg.folder()``."""
+                    train_seconds: float = 0.0, outliers_result: dict[str, Any] | None = None,
+                    evals: list[dict[str, Any]] | None = None) -> Path:
+    """Measure the held-out greedy pass@1 of a trained model (``heldout_eval``) and write it to ``cfg.folder()``,
+    with the ``eval_at`` records of the run (``evals``; the last step's is this final evaluation)."""
     from quads.model.checkpoint import save_checkpoint
 
     result: dict[str, Any] = {"train_seconds": round(train_seconds, 1), "loss_history": history,
-                              "final_ce": history[-1][1]}
+                              "final_ce": history[-1][1], "compute_dtype_resolved": cfg.resolved_compute_dtype()}
     if cfg.eval_size > 0:
-        from quads.evaluation import evaluate_model
-
-        test = examples_up_to(task, "test", cfg.eval_size)
-        longest = max(len(task.demonstration(e)) for e in test)
-        if cfg.progress and longest > cfg.max_new_tokens:
-            print(f"pretrain {cfg.task}: max_new_tokens {cfg.max_new_tokens} is shorter than the longest held-out "
-                  f"demonstration ({longest} characters): such responses are cut and score 0; pass "
-                  f"--max-new-tokens {longest + 8}", file=sys.stderr)
-        res = evaluate_model(model.eval(), tokenizer, task, test, max_new_tokens=cfg.max_new_tokens)
-        result["heldout_pass@1"] = res.pass_at[1]
-        result["heldout_mean_response_chars"] = res.mean_response_chars
+        start = time.monotonic()
+        result |= heldout_eval(cfg, model, tokenizer, task)
+        result["eval_seconds"] = round(time.monotonic() - start, 1)
+    if cfg.eval_at and "heldout_pass@1" in result:
+        last = ([{"step": cfg.steps, "train_seconds": result["train_seconds"], "heldout_pass@1": result["heldout_pass@1"],
+                  "heldout_mean_response_chars": result["heldout_mean_response_chars"]}]
+                if cfg.steps in cfg.eval_at else [])
+        result["heldout_by_step"] = list(evals or []) + last
     extra = {"pretrain": to_dict(cfg), "pretrain_result": result, "task": cfg.task,
              "difficulty": getattr(task, "difficulty", None)}
     if cfg.outliers.active:

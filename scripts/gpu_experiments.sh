@@ -36,7 +36,9 @@
 #   WARM_DIR (the warm start's cache folder, default $WORK/warm_start), CHECK (1: check the batched expert
 #   path against the loop on this GPU first; 0 skips, e.g. when an earlier call did), STATE_DIR (continue the
 #   runs of an earlier call, see above; DIAG, E2E and CHECK then default to 0), KEEP_STATE (1: pack the state
-#   parts into $OUT; 0: only the results tarball).
+#   parts into $OUT; 0: only the results tarball), COMPUTE_DTYPE (auto: the warm start's SFT computes in BF16
+#   over FP32 weights on CUDA, PretrainConfig.compute_dtype; a state packed before that field existed holds a
+#   float32-compute warm start: continue it with COMPUTE_DTYPE=float32, the same cache entry).
 set -uo pipefail
 T0=$(date +%s)
 OUT=${OUT:-runs/gpu}
@@ -93,9 +95,9 @@ fi
 if [ -z "${CKPT:-}" ]; then
   echo "== 1. warm start ($PRESET on $TASK level $LEVEL, $SFT_STEPS SFT steps; reused when cached) at $(elapsed)s"
   $PY -m quads.cli pretrain --preset "$PRESET" --task "$TASK" --difficulty "$LEVEL" --steps "$SFT_STEPS" --batch-size 64 --lr 1e-3 \
-    --max-new-tokens "$MAX_NEW_TOKENS" --device "$DEVICE" --cache-dir "$WARM_DIR" --progress false --eval-size 200 2>&1 \
-    | tail -3 | tee -a "$WORK/pretrain.txt"
-  CKPT=$(ls -d "$WARM_DIR"/*/ | head -1)
+    --max-new-tokens "$MAX_NEW_TOKENS" --device "$DEVICE" --cache-dir "$WARM_DIR" --progress false --eval-size 200 \
+    --compute-dtype "${COMPUTE_DTYPE:-auto}" 2>&1 | tail -3 | tee -a "$WORK/pretrain.txt"
+  CKPT=$(sed -n 's/^\(trained\|cached\) checkpoint: //p' "$WORK/pretrain.txt" | tail -1)/  # with the / the runs' configs have
 fi
 [ -f "$CKPT/config.json" ] || { echo "no warm-start checkpoint at '$CKPT'"; exit 1; }
 if [ -n "$CHECK_PID" ]; then

@@ -102,3 +102,147 @@ def test_sequences_longer_than_the_preset_are_refused_before_training():
     check_lengths([([0] * 512, 90)], 512, cfg)  # exactly max_seq_len fits
     with pytest.raises(ValueError, match="513 tokens, over the tiny preset's max_seq_len 512"):
         check_lengths([([0] * 40, 5), ([0] * 513, 90)], 512, cfg)
+
+
+def test_compute_dtype_auto_keeps_cpu_runs_and_their_cache_keys():
+    """auto is float32 on the CPU (the key of the committed GPU warm start, trained in float32, is unchanged:
+    results/gpu/chain/warm_start_2026-12-01.jsonl, checkpoint 943e1db5ecaaee47) and bfloat16 on CUDA, which
+    is hashed, so a BF16-compute warm start never answers for a float32 one."""
+    chain = dict(task="arithmetic", difficulty=8, preset="100m", lr=0.001, batch_size=32, steps=1000, eval_size=200,
+                 max_new_tokens=400)
+    cpu = PretrainConfig(**chain)
+    assert cpu.resolved_compute_dtype() == "float32"
+    assert cpu.cache_key() == "943e1db5ecaaee47"
+    assert PretrainConfig(**chain, device="cuda", compute_dtype="float32").cache_key() == "943e1db5ecaaee47"
+    cuda = PretrainConfig(**chain, device="cuda")
+    assert cuda.resolved_compute_dtype() == "bfloat16" and cuda.cache_key() != "943e1db5ecaaee47"
+    assert cuda.cache_key() == PretrainConfig(**chain, compute_dtype="bfloat16").cache_key()
+    assert PretrainConfig(**chain, device="cuda", dtype="bfloat16").resolved_compute_dtype() == "bfloat16"
+    assert PretrainConfig(**chain, eval_at=[100, 500]).cache_key() == "943e1db5ecaaee47"
+
+
+def test_compute_dtype_and_eval_at_validation():
+    import pytest
+
+    with pytest.raises(ValueError, match="compute_dtype must be one of auto, float32, bfloat16, got 'fp16'"):
+        PretrainConfig(compute_dtype="fp16")
+    with pytest.raises(ValueError, match="compute_dtype float32 over dtype bfloat16"):
+        PretrainConfig(dtype="bfloat16", compute_dtype="float32")
+    with pytest.raises(ValueError, match=r"eval_at must list optimizer steps in 1..steps \(10\)"):
+        PretrainConfig(steps=10, eval_at=[5, 11])
+    with pytest.raises(ValueError, match="eval_at needs eval_size > 0"):
+        PretrainConfig(steps=10, eval_at=[5], eval_size=0)
+    assert PretrainConfig(steps=10, eval_at=[8, 2, 8]).eval_at == [2, 8]
+
+
+def test_warm_start_compute_dtype_round_trips_to_the_pretrain_config(monkeypatch):
+    """warm_start.compute_dtype is a TrainConfig field (YAML / --set), reaches PretrainConfig through
+    warm_start_policy (the one path of train, compare and diagnose), and a bad value is refused."""
+    import pytest
+
+    import quads.pretrain as pretrain
+    from quads.config import to_dict
+    from quads.rl.build import warm_start_checkpoint
+    from quads.rl.config import TrainConfig, WarmStartSection
+
+    asked = []
+    monkeypatch.setattr(pretrain, "warm_start", lambda cfg: asked.append(cfg) or "unused")
+    for value, device, want in (("auto", "cpu", "float32"), ("bfloat16", "cpu", "bfloat16"),
+                                ("float32", "cuda", "float32")):
+        cfg = TrainConfig(warm_start=WarmStartSection(compute_dtype=value), device=device)
+        assert to_dict(cfg)["warm_start"]["compute_dtype"] == value
+        warm_start_checkpoint(cfg)
+        assert asked[-1].compute_dtype == value and asked[-1].resolved_compute_dtype() == want
+    from quads.config import from_dict
+
+    back = from_dict(TrainConfig, to_dict(TrainConfig(warm_start=WarmStartSection(compute_dtype="bfloat16"))))
+    assert back.warm_start.compute_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="compute_dtype"):
+        from_dict(TrainConfig, {"warm_start": {"compute_dtype": "half"}})
+
+
+def test_cpu_auto_is_float32_and_eval_at_does_not_change_the_weights(tmp_path):
+    """On the CPU auto trains exactly as compute_dtype float32; eval_at evaluates with the final evaluation's
+    function, draws nothing from the training's randomness, and is recorded in the checkpoint."""
+    from quads.model.checkpoint import read_checkpoint_config
+
+    base = dict(steps=6, train_size=40, max_new_tokens=16)
+    ref = train_sft(_tiny_cfg(tmp_path, **base, compute_dtype="float32"))[0].state_dict()
+    cfg = _tiny_cfg(tmp_path, **base, eval_at=[2, 6])
+    evals = []
+    model, tok, task, hist = train_sft(cfg, evals=evals)
+    assert all(torch.equal(ref[k], v) for k, v in model.state_dict().items())
+    assert [e["step"] for e in evals] == [2] and 0 <= evals[0]["heldout_pass@1"] <= 1
+    folder = save_warm_start(cfg, model, tok, task, hist, evals=evals)
+    res = read_checkpoint_config(folder)[1]["pretrain_result"]
+    assert [e["step"] for e in res["heldout_by_step"]] == [2, 6]
+    assert res["heldout_by_step"][-1]["heldout_pass@1"] == res["heldout_pass@1"] and res["compute_dtype_resolved"] == "float32"
+
+
+def test_cuda_bf16_sft_takes_the_grouped_expert_path_and_learns(tmp_path, monkeypatch):
+    """On CUDA compute_dtype auto trains in BF16 over float32 master weights: every MoE layer's experts run
+    ``sorted_expert_mlp`` (``torch._grouped_mm``), the per-expert loop never, the weights (and the saved
+    checkpoint) stay float32, and the cross-entropy falls over a few steps."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import quads.model.moe as moe
+
+    calls = {"sorted": 0, "grouped_mm": 0}
+    sorted_mlp, grouped = moe.sorted_expert_mlp, torch._grouped_mm
+
+    def spy_sorted(x, *a, **k):
+        calls["sorted"] += 1
+        assert moe.compute_dtype(x) == torch.bfloat16
+        return sorted_mlp(x, *a, **k)
+
+    def spy_grouped(a, b, *args, **k):
+        calls["grouped_mm"] += 1
+        assert a.dtype == b.dtype == torch.bfloat16
+        return grouped(a, b, *args, **k)
+
+    monkeypatch.setattr(moe, "sorted_expert_mlp", spy_sorted)
+    monkeypatch.setattr(torch, "_grouped_mm", spy_grouped)
+    cfg = _tiny_cfg(tmp_path, steps=30, device="cuda", eval_size=4)
+    assert cfg.resolved_compute_dtype() == "bfloat16"
+    model, tok, task, hist = train_sft(cfg, log_every=1)
+    n_layers = model.config.n_layers
+    assert calls["sorted"] == 30 * n_layers and calls["grouped_mm"] >= 2 * 30 * n_layers
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    ces = [ce for _, ce in hist]
+    assert sum(ces[-5:]) / 5 < 0.8 * sum(ces[:5]) / 5, ces
+    folder = save_warm_start(cfg, model, tok, task, hist)
+    loaded, _ = load_checkpoint(folder, device="cpu")
+    assert all(p.dtype == torch.float32 for p in loaded.parameters())
+
+
+def test_bf16_compute_on_cpu_keeps_fp32_weights_and_evaluates_a_bf16_copy(tmp_path, monkeypatch):
+    """compute_dtype bfloat16 (here on the CPU, the path CUDA's auto takes): the forward runs under BF16
+    autocast, the parameters, AdamW and the checkpoint stay float32, the CE falls, and the held-out
+    evaluation runs a BF16 copy (the model handed to the rollout engine is BF16, the trained one untouched)."""
+    import quads.evaluation as evaluation
+    from quads.model.checkpoint import read_checkpoint_config
+
+    seen = []
+    real = evaluation.evaluate_model
+    monkeypatch.setattr(evaluation, "evaluate_model",
+                        lambda model, *a, **k: seen.append(next(model.parameters()).dtype) or real(model, *a, **k))
+    import quads.pretrain as pretrain
+
+    autocast, loss = [], pretrain.sft_loss
+    monkeypatch.setattr(pretrain, "sft_loss", lambda *a: autocast.append(
+        torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")) or loss(*a))
+    cfg = _tiny_cfg(tmp_path, steps=20, compute_dtype="bfloat16", eval_at=[10])
+    assert cfg.cache_key() != _tiny_cfg(tmp_path, steps=20).cache_key()
+    evals = []
+    model, tok, task, hist = train_sft(cfg, log_every=1, evals=evals)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert autocast == [torch.bfloat16] * 20
+    ces = [ce for _, ce in hist]
+    assert sum(ces[-3:]) / 3 < 0.8 * sum(ces[:3]) / 3, ces
+    folder = save_warm_start(cfg, model, tok, task, hist, evals=evals)
+    assert seen == [torch.bfloat16, torch.bfloat16]  # step 10 and the final evaluation
+    assert read_checkpoint_config(folder)[1]["pretrain_result"]["compute_dtype_resolved"] == "bfloat16"
+    loaded, _ = load_checkpoint(folder, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))

@@ -50,6 +50,9 @@ class WarmStartSection:
     train_size: int = 20000  # distinct SFT prompts drawn from the task's train split (all it has when fewer)
     cache_dir: str | None = None  # warm-start cache root; None = $QUADS_CACHE/pretrain or ~/.cache/quads/pretrain
     outliers: OutlierConfig = field(default_factory=OutlierConfig)  # activation outlier channels (quads.model.outliers)
+    # SFT forward compute dtype over float32 master weights (PretrainConfig.compute_dtype): auto = bfloat16 on CUDA
+    # (the experts' grouped-GEMM path), float32 on the CPU; hashed into the cache key when it is not float32
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
     def __post_init__(self) -> None:
         _positive("warm_start", steps=self.steps, lr=self.lr, batch_size=self.batch_size,

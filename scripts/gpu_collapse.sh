@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The collapse experiment of issue 19 in ONE self-contained device call (checkpoints of the 100m preset
+# cannot be carried between calls): on one GPU,
+#   1. warm start: `quads pretrain` of the PRESET model on the chain task (arithmetic level 8, 400-token
+#      cap), SFT_STEPS steps with the BF16 compute path (PretrainConfig.compute_dtype auto: BF16 autocast
+#      over FP32 master weights on CUDA, the experts' grouped GEMMs), its held-out greedy pass@1 on
+#      SFT_EVAL prompts (and at the EVAL_AT steps, if given) in $OUT/pretrain.log;
+#   2. quads compare: RECIPES x SEEDS (bf16,nvfp4,quads x 0,1,2: 9 runs) all in parallel on that GPU, from
+#      that checkpoint, with CONFIG's settings (configs/chain_100m.yaml: 16 prompts x 8 samples, 400 new
+#      tokens, lr 2e-5, temperature 1); every run stops at train.time_limit_s (sized so that all end
+#      before BUDGET_S seconds after the script's start) after a held-out eval, with its per-step metrics;
+#   3. $OUT/results.tar.gz: per run metrics.jsonl, config.yaml and log, the compare report, the pretrain
+#      log and the plan (no weights: at most 64 MiB come back from a call).
+# The runs use the paper's naive setting, explicitly: correction.kind=$CORRECTION (default none: no
+# importance-sampling correction of the rollout/trainer mismatch) and optim.mini_batches=$MINI_BATCHES
+# (default 2: two optimizer steps per batch, so the second one is off-policy and PPO's ratio clip acts),
+# optim.ppo_epochs 1, the same for every recipe. STEPS is only a cap: the time limit decides how many
+# steps a run gets (not measured yet on the GPU; summary.txt in the tarball gives each run's steps, median
+# seconds per step and held-out pass@1 by step, plan.txt what was given).
+# Run from the repository root:  PYTHONPATH=. bash scripts/gpu_collapse.sh
+# CPU dry run (minutes):  PRESET=tiny DEVICE=cpu SFT_STEPS=4 SFT_EVAL=4 BUDGET_S=300 SEEDS=0 STEPS=2 \
+#   EVAL_N=4 EXTRA_SET=rollout.n_samples=2,rollout.prompts_per_step=2,rollout.max_new_tokens=16 bash scripts/gpu_collapse.sh
+#
+# Knobs (env): OUT (runs/collapse), BUDGET_S (560: seconds from the start by which every run has stopped;
+#   a device call allows 600), CONFIG (configs/chain_100m.yaml), TASK (arithmetic), LEVEL (8),
+#   MAX_NEW_TOKENS (400), PRESET (100m), SFT_STEPS, SFT_LR, SFT_BATCH, SFT_TRAIN_SIZE (default: CONFIG's
+#   warm_start.steps / lr / batch_size / train_size), SFT_EVAL (200: held-out prompts of the SFT's pass@1),
+#   EVAL_AT (empty: SFT steps at which pass@1 is also measured, e.g. 100,200,300), COMPUTE_DTYPE (auto),
+#   CKPT (skip the SFT: use this checkpoint), RECIPES (bf16,nvfp4,quads), SEEDS (0,1,2), STEPS (150: the
+#   cap), EVAL_EVERY (10; 0: held-out evals at the start and the end only), EVAL_N (100: held-out prompts of the RL evals),
+#   CORRECTION (none), MINI_BATCHES (2), MARGIN_S (120: seconds kept after a run's time limit for the step in
+#   flight, its final held-out eval and checkpoint, and the report), EXTRA_SET (more TrainConfig overrides
+#   "k=v,k=v"), WORK (runs/collapse-work: warm start and run folders), WARM_DIR ($WORK/warm_start),
+#   DEVICE (cuda), PY (python3).
+set -uo pipefail
+T0=$(date +%s)
+elapsed() { echo $(( $(date +%s) - T0 )); }
+OUT=${OUT:-runs/collapse}
+BUDGET_S=${BUDGET_S:-560}
+CONFIG=${CONFIG:-configs/chain_100m.yaml}
+TASK=${TASK:-arithmetic}
+LEVEL=${LEVEL:-8}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-400}
+PRESET=${PRESET:-100m}
+DEVICE=${DEVICE:-cuda}
+PY=${PY:-python3}
+WORK=${WORK:-runs/collapse-work}
+WARM_DIR=${WARM_DIR:-$WORK/warm_start}
+RECIPES=${RECIPES:-bf16,nvfp4,quads}
+SEEDS=${SEEDS:-0,1,2}
+STEPS=${STEPS:-150}
+EVAL_EVERY=${EVAL_EVERY:-10}
+EVAL_N=${EVAL_N:-100}
+CORRECTION=${CORRECTION:-none}
+MINI_BATCHES=${MINI_BATCHES:-2}
+MARGIN_S=${MARGIN_S:-120}
+SFT_EVAL=${SFT_EVAL:-200}
+COMPUTE_DTYPE=${COMPUTE_DTYPE:-auto}
+EXTRA_SET=${EXTRA_SET:-}
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+[ -f "$CONFIG" ] || { echo "CONFIG=$CONFIG does not exist; pass a TrainConfig YAML (e.g. configs/chain_100m.yaml)"; exit 2; }
+# the SFT settings default to CONFIG's warm_start section (what `quads train --config CONFIG` would warm start)
+read -r WS_STEPS WS_LR WS_BATCH WS_TRAIN <<< "$($PY -c "
+import sys, yaml
+ws = (yaml.safe_load(open(sys.argv[1])) or {}).get('warm_start') or {}
+print(ws.get('steps', 600), ws.get('lr', 3e-3), ws.get('batch_size', 32), ws.get('train_size', 20000))" "$CONFIG")"
+SFT_STEPS=${SFT_STEPS:-$WS_STEPS}
+SFT_LR=${SFT_LR:-$WS_LR}
+SFT_BATCH=${SFT_BATCH:-$WS_BATCH}
+SFT_TRAIN_SIZE=${SFT_TRAIN_SIZE:-$WS_TRAIN}
+NRUNS=$(( $(echo "$RECIPES" | tr ',' '\n' | wc -l) * $(echo "$SEEDS" | tr ',' '\n' | wc -l) ))
+rm -rf "$OUT/stage"
+mkdir -p "$OUT/stage" "$WORK"
+S=$OUT/stage  # everything that comes back is packed from here into $OUT/results.tar.gz
+{
+  echo "date: $(date -u)"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+  $PY -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+} | tee "$S/env.txt"
+
+if [ -z "${CKPT:-}" ]; then
+  echo "== 1. warm start: $PRESET on $TASK level $LEVEL, $SFT_STEPS SFT steps (lr $SFT_LR, batch $SFT_BATCH, compute $COMPUTE_DTYPE) at $(elapsed)s"
+  $PY -m quads.cli pretrain --task "$TASK" --difficulty "$LEVEL" --preset "$PRESET" --steps "$SFT_STEPS" --lr "$SFT_LR" \
+    --batch-size "$SFT_BATCH" --train-size "$SFT_TRAIN_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" --eval-size "$SFT_EVAL" \
+    --compute-dtype "$COMPUTE_DTYPE" ${EVAL_AT:+--eval-at "$EVAL_AT"} --device "$DEVICE" --cache-dir "$WARM_DIR" \
+    --progress false > "$S/pretrain.log" 2>&1
+  tail -3 "$S/pretrain.log" | cut -c1-600
+  CKPT=$(sed -n 's/^\(trained\|cached\) checkpoint: //p' "$S/pretrain.log" | tail -1)
+fi
+[ -n "$CKPT" ] && [ -f "$CKPT/config.json" ] || { echo "no warm-start checkpoint at '$CKPT' (see $S/pretrain.log)"; cp -r "$S" "$OUT/failed"; exit 1; }
+
+TLIMIT=$(( BUDGET_S - $(elapsed) - MARGIN_S ))
+[ "$TLIMIT" -ge 30 ] || { echo "only ${TLIMIT}s of RL left after the warm start (BUDGET_S $BUDGET_S, MARGIN_S $MARGIN_S)"; TLIMIT=30; }
+SET="device=$DEVICE,task.name=$TASK,task.difficulty=$LEVEL,rollout.max_new_tokens=$MAX_NEW_TOKENS,model.checkpoint=$CKPT"
+SET="$SET,steps=$STEPS,eval_every=$EVAL_EVERY,eval_n=$EVAL_N,time_limit_s=$TLIMIT,correction.kind=$CORRECTION"
+SET="$SET,optim.mini_batches=$MINI_BATCHES,optim.ppo_epochs=1,log.save_every=0${EXTRA_SET:+,$EXTRA_SET}"
+echo "== 2. compare: $RECIPES x seeds $SEEDS ($NRUNS runs in parallel), at most $STEPS steps, time limit ${TLIMIT}s per run, at $(elapsed)s" | tee "$S/plan.txt"
+echo "config $CONFIG; warm start $CKPT; --set $SET" | tee -a "$S/plan.txt"
+$PY -m quads.cli compare --train-config "$CONFIG" --recipes "$RECIPES" --seeds "$SEEDS" --set "$SET" --parallel "$NRUNS" \
+  --timeout-s $(( BUDGET_S - $(elapsed) + 15 )) --reuse false --resume false --out-dir "$WORK/compare" > "$S/compare.log" 2>&1
+echo "compare exit $? at $(elapsed)s"; tail -15 "$S/compare.log"
+
+# per run: metrics.jsonl (every step), config.yaml, the run's log; the compare report (no checkpoints, policies, tb)
+for run in "$WORK"/compare/runs/*/; do
+  name=$(basename "$run")
+  mkdir -p "$S/runs/$name"
+  find "$run" -maxdepth 1 -type f \( -name '*.jsonl' -o -name '*.yaml' -o -name '*.json' -o -name '*.md' -o -name '*.log' -o -name '*.txt' \) \
+    -exec cp {} "$S/runs/$name/" \;
+  $PY - "$run/metrics.jsonl" "$name" <<'PY' | tee -a "$S/summary.txt"
+import json, sys
+try:
+    recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+except OSError:
+    print(f"{sys.argv[2]}: no metrics.jsonl"); raise SystemExit
+steps = [r for r in recs if "time/step_s" in r]
+evals = [(r["step"], r[k]) for r in recs for k in r if k.startswith("eval/") and k.endswith("pass@1")]
+ts = [r["time/step_s"] for r in steps]
+print(f"{sys.argv[2]}: {len(steps)} steps, median {sorted(ts)[len(ts) // 2] if ts else float('nan'):.1f} s/step, "
+      f"held-out pass@1 by step {evals}")
+PY
+done
+find "$WORK/compare" -maxdepth 1 -type f -exec cp {} "$S/" \;
+[ -d "$WORK/compare/report" ] && cp -r "$WORK/compare/report" "$S/report"
+[ -d "$WORK/compare/logs" ] && cp -r "$WORK/compare/logs" "$S/logs"
+echo "== done at $(elapsed)s" | tee -a "$S/plan.txt"
+TARBALL=$(mktemp --suffix=.tar.gz)  # packed outside $OUT, then only the tarball is left there
+tar -czf "$TARBALL" -C "$S" . && rm -rf "$S" && mv "$TARBALL" "$OUT/results.tar.gz" && du -sh "$OUT/results.tar.gz"
