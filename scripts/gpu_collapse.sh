@@ -31,7 +31,11 @@
 #   CORRECTION (none), MINI_BATCHES (2), MARGIN_S (120: seconds kept after a run's time limit for the step in
 #   flight, its final held-out eval and checkpoint, and the report), EXTRA_SET (more TrainConfig overrides
 #   "k=v,k=v"), WORK (runs/collapse-work: warm start and run folders), WARM_DIR ($WORK/warm_start),
-#   DEVICE (cuda), PY (python3).
+#   DEVICE (cuda), PY (python3), CONTINUE (0; 1: continue the runs of an earlier call on the SAME machine:
+#   the device keeps ignored folders such as runs/ while it stays warm, so a call made within its idle window
+#   finds WORK as the last one left it; the warm start is found in WARM_DIR's cache, and quads compare resumes
+#   each unfinished run from the checkpoint its time limit wrote (exact resume, `quads compare --resume`)
+#   and skips the finished ones; on a fresh machine it starts over).
 set -uo pipefail
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
@@ -57,6 +61,7 @@ MARGIN_S=${MARGIN_S:-120}
 SFT_EVAL=${SFT_EVAL:-200}
 COMPUTE_DTYPE=${COMPUTE_DTYPE:-auto}
 EXTRA_SET=${EXTRA_SET:-}
+CONT=$([ "${CONTINUE:-0}" = 1 ] && echo true || echo false)
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 [ -f "$CONFIG" ] || { echo "CONFIG=$CONFIG does not exist; pass a TrainConfig YAML (e.g. configs/chain_100m.yaml)"; exit 2; }
 # the SFT settings default to CONFIG's warm_start section (what `quads train --config CONFIG` would warm start)
@@ -97,7 +102,7 @@ SET="$SET,optim.mini_batches=$MINI_BATCHES,optim.ppo_epochs=1,log.save_every=0${
 echo "== 2. compare: $RECIPES x seeds $SEEDS ($NRUNS runs in parallel), at most $STEPS steps, time limit ${TLIMIT}s per run, at $(elapsed)s" | tee "$S/plan.txt"
 echo "config $CONFIG; warm start $CKPT; --set $SET" | tee -a "$S/plan.txt"
 $PY -m quads.cli compare --train-config "$CONFIG" --recipes "$RECIPES" --seeds "$SEEDS" --set "$SET" --parallel "$NRUNS" \
-  --timeout-s $(( BUDGET_S - $(elapsed) + 15 )) --reuse false --resume false --out-dir "$WORK/compare" > "$S/compare.log" 2>&1
+  --timeout-s $(( BUDGET_S - $(elapsed) + 15 )) --reuse "$CONT" --resume "$CONT" --out-dir "$WORK/compare" > "$S/compare.log" 2>&1
 echo "compare exit $? at $(elapsed)s"; tail -15 "$S/compare.log"
 
 # per run: metrics.jsonl (every step), config.yaml, the run's log; the compare report (no checkpoints, policies, tb)
