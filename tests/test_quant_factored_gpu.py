@@ -3,7 +3,7 @@ GEMMs (``torch._grouped_mm``) and the Triton quantize-to-values kernel.
 
 Against the fp32 emulation on the padded layout (``grouped.grouped_linear``): the same quantized
 operands (bit for bit, tests/test_quant_factored.py), so the outputs differ by the fp32 accumulation
-bound plus the BF16 rounding of each grouped-GEMM output (2^-9 relative per term) and of the result;
+bound plus the BF16 rounding of each grouped-GEMM output (2^-8 relative per term) and of the result;
 no host sync; a CUDA graph replays it bit for bit. Run on the device:
 `python3 -m pytest tests/test_quant_factored_gpu.py tests/test_quant_factored.py tests/test_engine_gpu.py -q`.
 """
