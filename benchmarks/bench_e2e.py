@@ -113,7 +113,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step must read, in the recipe's storage format: every quantized
     weight at its format's size (NVFP4: 4-bit codes + one E4M3 scale per 16; FP8: 1 byte), every other
     parameter at its dtype's size; the embedding table counts only when tied to the lm_head (a
-    step reads B of its rows)."""
+    step reads B of its rows). The floor of the format; ``operand_bytes`` is what the layers hold."""
     from quads.quant.layers import _QuantizedBase
 
     counted: set[int] = set()
@@ -132,6 +132,21 @@ def weight_bytes(model: torch.nn.Module) -> int:
         counted.add(id(p))
         total += p.numel() * p.element_size()
     return int(total)
+
+
+def operand_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weight operands the quantized layers hold for their GEMMs (what the step reads of
+    them): the packed NVFP4 layout on the kernel path (W4A16, W4A4(+RAC) on a Triton device: codes,
+    scales, global scales, K padded to 64), else the dequantized ``QDQ(W)`` and its fp32 copy when made."""
+    from quads.quant.layers import _QuantizedBase
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, _QuantizedBase):
+            for st in m.stores.values():
+                held = st.kernel.tensors() if st.kernel is not None else (st.w_q, st.w_q32)
+                total += sum(t.numel() * t.element_size() for t in held if t is not None)
+    return total
 
 
 def kv_bytes(cfg, batch: int, cache_len: int, dtype: torch.dtype) -> int:
@@ -225,7 +240,8 @@ def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, n
     ms = statistics.median(dec)
     row.update(tokens_per_s=statistics.median(tps), decode_ms_per_step=ms, prefill_ms=statistics.median(pre),
                decode_path=b.stats.decode_path, graph_captures_warm=b.stats.graph_captures,
-               graph_captures_first=first.stats.graph_captures, weight_bytes=wb, kv_bytes=kvb,
+               graph_captures_first=first.stats.graph_captures, weight_bytes=wb, operand_bytes=operand_bytes(model),
+               kv_bytes=kvb,
                cache_len=cache_len, copy_gbps=bw / 1e9, floor_ms=floor_ms, x_floor=ms / floor_ms)
     return row
 
@@ -256,7 +272,8 @@ def _rollout_line(r: dict) -> str:
     if "error" in r:
         return f"{head}: ERROR {r['error']}"
     return (f"{head}: {r['tokens_per_s']:9.0f} tok/s  {r['decode_ms_per_step']:7.2f} ms/step  "
-            f"floor {r['floor_ms']:.3f} ms ({r['x_floor']:.1f}x)  [{r['decode_path']}]")
+            f"floor {r['floor_ms']:.3f} ms ({r['x_floor']:.1f}x)  operands {r['operand_bytes'] / 2**20:.1f} MiB  "
+            f"[{r['decode_path']}]")
 
 
 def _trace_counts(eng, prompts, sp, device: str) -> tuple[dict, object, list]:

@@ -90,3 +90,30 @@ def test_trainer_compile_flag_parses():
     assert on_off("off", "f") == [False] and on_off("off,on", "f") == [False, True] and on_off("on,on", "f") == [True]
     with pytest.raises(ValueError, match="--trainer-compile"):
         on_off("yes", "--trainer-compile")
+
+
+def test_operand_bytes_count_the_packed_weights():
+    """W4A4+RAC rollout layers on the Triton backend hold the packed NVFP4 layout (0.5 + 1/16 bytes per
+    weight, K padded to 64, 4 bytes of global scale per expert), on the reference backend the BF16 QDQ(W)."""
+    pytest.importorskip("triton")
+    from conftest import tiny_model
+
+    from quads.kernels import dispatch
+    from quads.kernels._common import interpreter_on
+    from quads.quant import quantize_model
+    from quads.quant.recipe import LinearSpec, Recipe
+
+    if not interpreter_on():
+        pytest.skip("the kernels were imported before TRITON_INTERPRET=1 was set")
+    spec = LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5)
+    held = {}
+    for backend in ("triton", "reference"):
+        model = tiny_model(hidden_size=64, dtype="bfloat16").requires_grad_(False)
+        with dispatch.kernels(backend):
+            quantize_model(model, Recipe("t", rollout=spec), side="rollout", verbose=False)
+        held[backend] = _bench().operand_bytes(model)
+    ex = model.model.layers[0].mlp.experts
+    packed = sum(E * N * (-(-K // 64) * 64) * 9 // 16 + 4 * E
+                 for E, N, K in (ex.gate_up_proj.shape, ex.down_proj.shape))
+    assert held["triton"] == packed
+    assert held["reference"] == 2 * (ex.gate_up_proj.numel() + ex.down_proj.numel())

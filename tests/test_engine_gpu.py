@@ -147,3 +147,37 @@ def test_compiled_decode_step_is_one_graph(recipe):
     out = torch._dynamo.explain(model.decode_step)(tokens, cache, rows, device_dispatch=True)
     assert out.graph_break_count == 0, [str(b.reason) for b in out.break_reasons]
     assert out.graph_count == 1
+
+
+@pytest.mark.parametrize("recipe", ["w4a4", "w4a4+rac50"])
+def test_w4a4_layers_read_only_packed_weights(recipe):
+    """W4A4(+RAC) on the experts and the attention projections: every layer holds the packed NVFP4 weight
+    and no BF16 copy (before and after decoding), the compiled step is one graph, and its graph replay
+    equals the same compiled step without a graph, bit for bit."""
+    from quads.quant.layers import _QuantizedBase
+    from quads.rollout.decode import StaticKVCache
+
+    torch.manual_seed(0)
+    model = MoEForCausalLM(ModelConfig(**CFG)).cuda()
+    recipe_ = Recipe("t", rollout=SPECS[recipe], targets=("*.mlp.experts", "*.self_attn.*_proj"))
+    quantize_model(model, recipe_, side="rollout", verbose=False)
+    stores = [st for m in model.modules() if isinstance(m, _QuantizedBase) for st in m.stores.values()]
+
+    def packed_only():
+        return all(st.kernel is not None and st.w_q is None and st.w_q32 is None and st.packed is None
+                   for st in stores)
+
+    assert len(stores) == CFG["n_layers"] * 6 and packed_only()
+    cache = StaticKVCache(model.config, 8, 64, dtype=model.dtype, device=model.device)
+    cache.start_decode(torch.ones(8, 0, dtype=torch.bool, device="cuda"))
+    torch._dynamo.reset()
+    out = torch._dynamo.explain(model.decode_step)(torch.zeros(8, dtype=torch.long, device="cuda"), cache,
+                                                   torch.ones(8, dtype=torch.bool, device="cuda"), device_dispatch=True)
+    assert out.graph_break_count == 0 and out.graph_count == 1, [str(b.reason) for b in out.break_reasons]
+    params = stopping_params(model, 1.0)
+    off = RolloutEngine(model, TOK, cuda_graphs=False, compile=True).generate(PROMPTS, params)
+    on = RolloutEngine(model, TOK, cuda_graphs=True, done_check_interval=4, compile=True).generate(PROMPTS, params)
+    assert on.stats.decode_path == "static+compile+graph/device" and on.stats.graph_captures == 1
+    assert on.response_ids == off.response_ids and on.finish_reasons == off.finish_reasons
+    assert torch.equal(on.logprobs, off.logprobs) and torch.equal(on.routing, off.routing)
+    assert packed_only()

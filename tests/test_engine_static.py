@@ -155,3 +155,65 @@ def test_decode_plan_and_errors():
         RolloutEngine(model, TOK, decode="fast")
     with pytest.raises(ValueError, match="done_check_interval"):
         RolloutEngine(model, TOK, done_check_interval=0)
+
+
+def _packed_w4a4_model(kernels: str, spec: LinearSpec):
+    """A BF16 one-layer model with the W4A4+RAC rollout spec on the experts and the attention projections,
+    quantized under the kernel backend ``kernels``."""
+    from quads.kernels import dispatch
+
+    torch.manual_seed(0)
+    model = MoEForCausalLM(ModelConfig(**{**SMALL, "n_layers": 1, "dtype": "bfloat16"}))
+    recipe = Recipe("t", rollout=spec, targets=("*.mlp.experts", "*.self_attn.*_proj"))
+    with dispatch.kernels(kernels):
+        quantize_model(model, recipe, side="rollout", verbose=False)
+    return model
+
+
+def test_w4a4_rollout_reads_packed_weights_on_the_triton_backend(monkeypatch):
+    """W4A4+RAC on the Triton backend (the interpreter here): experts and dense projections keep only the
+    packed NVFP4 weight, and the static decode matches the reference backend's (BF16 tensor operand,
+    fp32 GEMM): same tokens; log-probs within the BF16 rounding of the GEMM outputs (the kernel writes
+    BF16, the CPU's tensor path fp32: one BF16 ulp per layer output, tests/test_quant_factored.py). Static
+    RAC selection: its calibration priors read the dense QDQ(W), decoded from the packed bytes."""
+    pytest.importorskip("triton")
+    from quads.kernels import dispatch
+    from quads.kernels._common import interpreter_on
+    from quads.quant import ops
+    from quads.quant.layers import QuantizedLinear
+
+    if not torch.cuda.is_available() and not interpreter_on():
+        pytest.skip("the kernels were imported before TRITON_INTERPRET=1 was set")
+    quantize = ops.nvfp4_quantize  # the weight quantizer's Triton twin is checked in test_kernels.py; its
+
+    def reference_quantize(x, **opts):  # reference keeps the interpreter run short (same bits)
+        with dispatch.kernels("reference"):
+            return quantize(x, **opts)
+
+    monkeypatch.setattr(ops, "nvfp4_quantize", reference_quantize)
+    spec = LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5, rac_selection="static")
+    packed, ref = _packed_w4a4_model("triton", spec), _packed_w4a4_model("reference", spec)
+    layers = [m for m in packed.modules() if isinstance(m, QuantizedExperts | QuantizedLinear)]
+    assert len(layers) == 5
+    for m in layers:
+        for st in m.stores.values():
+            assert st.kernel is not None and st.w_q is None and st.w_q32 is None and st.packed is None
+    ref_store = next(m for m in ref.modules() if isinstance(m, QuantizedExperts)).stores["down_proj"]
+    assert ref_store.kernel is None and ref_store.w_q is not None
+    # what needs the dense QDQ(W) gets it, decoded from the packed bytes: the reference store's bits
+    st = next(m for m in packed.modules() if isinstance(m, QuantizedExperts)).stores["down_proj"]
+    assert torch.equal(st.get().view(torch.int16), ref_store.get().view(torch.int16))
+    n_sel = 0
+    for a, b in zip(packed.modules(), ref.modules()):  # static RAC priors: the same weight column norms
+        for name in getattr(a, "selectors", {}):
+            assert torch.equal(a.selectors[name].order, b.selectors[name].order)
+            n_sel += 1
+    assert n_sel == 6
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=4, ignore_eos=True)
+    with dispatch.kernels("triton"):
+        got = RolloutEngine(packed, TOK, decode="static", moe_dispatch="device").generate(PROMPTS[:2], params)
+    with dispatch.kernels("reference"):
+        want = RolloutEngine(ref, TOK, decode="static", moe_dispatch="device").generate(PROMPTS[:2], params)
+    assert got.response_ids == want.response_ids and torch.equal(got.routing, want.routing)
+    diff = (got.logprobs - want.logprobs).abs().max().item()
+    assert 0 < diff < 0.05, diff  # differs (the BF16 GEMM outputs), by the forwards' rounding only

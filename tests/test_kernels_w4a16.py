@@ -381,10 +381,40 @@ def test_rollout_layers_on_the_kernel_path(monkeypatch):
     assert not torch.equal(y2, y)
 
 
-def test_weight_sync_verifies_the_packed_weights(monkeypatch):
-    """sync_weights into a rollout model on the kernel path: the fingerprints (taken of the weight
-    decoded from the packed bytes) match the trainer's QDQ weights, and a corrupted packed byte is
-    caught."""
+def test_packed_weights_by_spec():
+    """Which rollout specs keep only the packed weight on the kernel path: W4A16 and canonical W4A4(+RAC);
+    not the mismatch amplifier (its GEMM forms the amplified weight from the dense QDQ(W)), not FP32 weights,
+    not the trainer side."""
+    from quads.quant.layers import QuantizedLinear
+    from quads.quant.recipe import LinearSpec
+
+    lin = torch.nn.Linear(64, 32, bias=False).bfloat16().to(DEV)
+    cases = [(LinearSpec.of(weight="nvfp4"), "rollout", torch.bfloat16, True),
+             (LinearSpec.of(weight="nvfp4", act="nvfp4"), "rollout", torch.bfloat16, True),
+             (LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5, act_scale="token"), "rollout", torch.bfloat16,
+              True),
+             (LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5, error_scale=2.0), "rollout", torch.bfloat16,
+              False),
+             (LinearSpec.of(weight="nvfp4", error_scale=0.5), "rollout", torch.bfloat16, False),
+             (LinearSpec.of(weight="nvfp4", act="nvfp4", nvfp4_mode="torchao"), "rollout", torch.bfloat16, False),
+             (LinearSpec.of(weight="nvfp4", act="nvfp4"), "rollout", torch.float32, False),
+             (LinearSpec.of(weight="nvfp4", act="nvfp4"), "trainer", torch.bfloat16, False)]
+    with dispatch.kernels("triton"):
+        for spec, side, wdt, want in cases:
+            st = QuantizedLinear(lin, spec, side=side, weight_dtype=wdt).stores["weight"]
+            st.get()
+            assert (st.kernel is not None and st.w_q is None) == want, (spec.describe(), side, wdt)
+    with dispatch.kernels("reference"):
+        st = QuantizedLinear(lin, cases[1][0], side="rollout", weight_dtype=torch.bfloat16).stores["weight"]
+        assert st.kernel is None and st.w_q is not None
+
+
+@pytest.mark.parametrize("rollout", ["w4a16", "w4a4+rac50-static"])
+def test_weight_sync_verifies_the_packed_weights(rollout, monkeypatch):
+    """sync_weights into a rollout model on the kernel path (W4A16, and W4A4+RAC whose factored GEMM
+    reads the packed weight too): the fingerprints (taken of the weight decoded from the packed bytes)
+    match the trainer's QDQ weights, the packed tensors are updated in place (a captured graph reads
+    them), and a corrupted packed byte is caught."""
     from quads.model import ModelConfig, MoEForCausalLM
     from quads.quant import ops
     from quads.quant.apply import quantize_model
@@ -405,7 +435,9 @@ def test_weight_sync_verifies_the_packed_weights(monkeypatch):
         monkeypatch.setattr(ops, "nvfp4_quantize", reference_quantize)
     cfg = dict(vocab_size=64, hidden_size=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32, n_experts=4,
                top_k=2, moe_intermediate_size=32, max_seq_len=32, dtype="bfloat16")
-    recipe = Recipe("w4a16", trainer=LinearSpec.of(weight="nvfp4"), rollout=LinearSpec.of(weight="nvfp4"))
+    rspec = LinearSpec.of(weight="nvfp4") if rollout == "w4a16" else LinearSpec.of(
+        weight="nvfp4", act="nvfp4", rac_ratio=0.5, rac_selection="static")
+    recipe = Recipe(rollout, trainer=LinearSpec.of(weight="nvfp4"), rollout=rspec)
     with dispatch.kernels("triton"):
         torch.manual_seed(0)
         trainer = MoEForCausalLM(ModelConfig(**cfg)).to(DEV)
@@ -415,8 +447,12 @@ def test_weight_sync_verifies_the_packed_weights(monkeypatch):
         quantize_model(rollout, recipe, side="rollout", verbose=False)
         stores = [st for m in rollout.modules() if hasattr(m, "stores") for st in m.stores.values()]
         assert stores and all(st.kernel is not None and st.w_q is None for st in stores)
+        ptrs = [t.data_ptr() for st in stores for t in st.kernel.tensors()]
+        before = stores[0].get()
         report = sync_weights(trainer, rollout)
         assert report.ok and report.n_checked == len(stores)
+        assert [t.data_ptr() for st in stores for t in st.kernel.tensors()] == ptrs
+        assert not torch.equal(stores[0].get(), before)
         assert WeightSync(LocalWeights(trainer), NoRequantize(rollout)).run().ok
         stores[0].kernel.codes.view(-1)[0] ^= 0x10  # one code in the packed layout
         with pytest.raises(WeightSyncError):

@@ -1,7 +1,10 @@
 """The factored W4A4 (+RAC) path (quads.quant.factored, grouped.sorted_linear) on sorted expert rows:
 quantized operands bit-exact with each expert's own quantization, outputs within the fp32
 accumulation bound of the exact (fp64) product of those operands, and within twice it of the fp32
-emulation (grouped.grouped_linear on the padded layout); masked slots contribute nothing."""
+emulation (grouped.grouped_linear on the padded layout); masked slots contribute nothing. With the
+packed weight operand (the W4A16 kernels; Triton's interpreter on the CPU): the decoded weight is the
+BF16 QDQ(W) bit for bit, the GEMM equals the tensor operand's to fp32 summation order, and the layer
+output is within the fp64 bound plus the BF16 rounding of each GEMM output."""
 
 from __future__ import annotations
 
@@ -56,7 +59,7 @@ def _units(q: nvfp4.NVFP4Tensor) -> torch.Tensor:
 def _exact(xs, routes, w_q, spec, order):
     """Per expert, from nvfp4.quantize and rac's selection directly: the fp64 value of the W4A4(+RAC)
     GEMM of the quantized operands (RAC as the appended-columns product of DESIGN.md), and the bound
-    gamma_(K+|S|+2) * sum |a| |w| of an fp32 evaluation of it."""
+    gamma_(K+|S|+2) * sum |a| |w| of an fp32 evaluation of it, and that magnitude sum |a| |w|."""
     per_token, n = spec.act_scale == "token", rac_channels(K, spec.rac_ratio)
     y = torch.zeros(xs.shape[0], N, dtype=torch.float64)
     mag = torch.zeros_like(y)
@@ -78,7 +81,7 @@ def _exact(xs, routes, w_q, spec, order):
             y[rows] += ar @ w_e[:, s].T
             mag[rows] += ar.abs() @ w_e[:, s].abs().T
     gamma = (K + n + 2) * U32 / (1 - (K + n + 2) * U32)
-    return y, gamma * mag + U32 * y.abs()
+    return y, gamma * mag + U32 * y.abs(), mag
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -87,7 +90,7 @@ def test_sorted_linear_within_fp64_bound_and_matches_emulation(name):
     xs, routes, w, w_q, order = _case()
     got = grouped.sorted_linear(xs, routes, w_q.float(), spec, static_order=order)
     ref = routes.unpad(grouped.grouped_linear(routes.pad(xs), w, w_q, spec, static_order=order))
-    exact, bound = _exact(xs, routes, w_q, spec, order)
+    exact, bound, _ = _exact(xs, routes, w_q, spec, order)
     valid = routes.valid
     err_new = (got.double() - exact).abs()
     err_ref = (ref.double() - exact).abs()
@@ -220,3 +223,118 @@ def test_sorted_linear_triton_matches_reference_backend(name):
     with dispatch.kernels("triton"):
         got = grouped.sorted_linear(xs, routes, w_q.float(), SPECS[name])
     assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------------ the packed weight operand
+
+BF16_U = 2.0**-8  # unit roundoff of BF16: 8 significant bits, round to nearest even
+
+
+def _packed(w: torch.Tensor):
+    """Master ``w`` ([N, K] or [E, N, K]) -> its BF16 QDQ(W) (the tensor operand) and its packed form."""
+    from quads.kernels import w4a16
+
+    spec = LinearSpec.of(weight="nvfp4")
+    w_q, _ = ops.quantize_weight(w, spec, torch.bfloat16)
+    return w_q, w4a16.pack(ops.nvfp4_weight(w, spec, torch.bfloat16))
+
+
+def _bf16_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """BF16 outputs of two fp32 sums of the same products in different orders: one BF16 ulp apart at most
+    (tests/test_kernels_w4a16.py's bound)."""
+    a, b = a.double(), b.double()
+    tol = b.abs() * 2.0**-7 + b.abs().amax() * 1e-5
+    bad = (a - b).abs() > tol
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements more than 1 bf16 ulp apart"
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+def test_packed_operand_decodes_to_the_bf16_qdq_bit_for_bit():
+    """The weight the W4A16 kernels multiply (their own Triton decode, and its PyTorch twin) is the BF16
+    QDQ(W) the tensor path reads, bit for bit, for an expert stack and for one weight."""
+    from quads.kernels import w4a16
+
+    _, _, w, _, _ = _case(6)
+    w[1, 3, :16] = 0.0  # an all-zero block
+    for master in (w, w[2]):
+        w_q, p = _packed(master)
+        assert w_q.dtype == torch.bfloat16
+        assert torch.equal(w4a16.dequantize(p).view(torch.int16), w_q.view(torch.int16))
+        with dispatch.kernels("triton"):
+            assert torch.equal(w4a16.dequantize_bf16(p).view(torch.int16), w_q.view(torch.int16))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("name", ["w4a4", "rac50"])
+def test_packed_gemm_matches_the_tensor_gemm(name):
+    """factored.gemm of the stacked exact values: the packed kernel against the BF16 tensor operand
+    (torch._grouped_mm / F.linear, fp32 accumulation, BF16 out): the same sums in another order."""
+    from quads.model import moe
+
+    xs, routes, w, _, _ = _case(7)
+    spec = SPECS[name]
+    segs = factored.Segments.of(routes.expert, E)
+    op = factored.operands(xs, segs, n=rac_channels(K, spec.rac_ratio), dtype=torch.bfloat16)
+    M, P, _ = op.u.shape
+    u = op.u.reshape(M * P, K)
+    stacked = grouped.stacked_routes(routes, P)
+    w_q, p = _packed(w)
+    with dispatch.kernels("triton"):
+        got = factored.gemm(u, p, stacked)
+    want = moe.grouped_mm(u, w_q, stacked)  # the tensor operand's grouped GEMM in BF16
+    assert got.dtype == want.dtype == torch.bfloat16
+    _bf16_close(got, want, f"{name}: grouped")
+    assert torch.equal(got[~stacked.valid], torch.zeros_like(got[~stacked.valid]))
+    w_q1, p1 = _packed(w[0])
+    with dispatch.kernels("triton"):
+        got1 = factored.gemm(u, p1)
+    _bf16_close(got1, (u.float() @ w_q1.float().T).bfloat16(), f"{name}: dense")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("name", list(SPECS))
+def test_sorted_linear_packed_weight_within_bound(name):
+    """sorted_linear with the packed weight: within the fp64 bound of the exact product plus the BF16
+    rounding of each GEMM output (2^-8 relative per term), so within both bounds of the fp32 tensor path."""
+    spec = SPECS[name]
+    xs, routes, w, w_q, order = _case(8)
+    _, p = _packed(w)
+    with dispatch.kernels("triton"):
+        got = grouped.sorted_linear(xs, routes, p, spec, static_order=order)
+    ref = grouped.sorted_linear(xs, routes, w_q.float(), spec, static_order=order)
+    exact, bound, mag = _exact(xs, routes, w_q, spec, order)
+    # bf16(y_p) = y_p (1 + d), |d| <= 2^-8, |y_p| <= (1 + gamma) mag_p; the fp32 roundings of the scale
+    # and the sum on top (2^-24 each) stay inside the (1 + 2^-7) factor
+    bound_packed = bound + BF16_U * (1 + 2.0**-7) * mag
+    valid = routes.valid
+    err = (got.double() - exact).abs()
+    assert (err[valid] <= bound_packed[valid]).all(), f"{name}: {(err / bound_packed)[valid].max():.3g} x the bound"
+    assert ((got.double() - ref.double()).abs() <= bound_packed + bound).all()
+    assert not torch.equal(got, ref)  # BF16 GEMM outputs round differently: the comparison has teeth
+    assert torch.equal(got[~valid], torch.zeros_like(got[~valid]))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("name", ["w4a4", "rac50", "rac25-token"])
+def test_dense_w4a4_linear_packed_weight(name):
+    """The dense factored call (w4a4_linear: attention projections) with the packed weight: within the
+    fp32 tensor path's result by both GEMMs' fp32 bounds plus the BF16 rounding of the GEMM outputs."""
+    from quads.quant.w4a4 import w4a4_linear
+
+    spec = SPECS[name]
+    xs, _, w, _, _ = _case(9)
+    master = w[1]
+    w_q, p = _packed(master)
+    kw = dict(rac_ratio=spec.rac_ratio, act_scale=spec.act_scale)
+    with dispatch.kernels("triton"):
+        got = w4a4_linear(xs, master, w_q=p, **kw)
+    ref = w4a4_linear(xs, master, w_q=w_q.float(), **kw)
+    op = factored.operands(xs, factored.Segments.of(None), n=rac_channels(K, spec.rac_ratio),
+                           dtype=torch.float32, per_token=spec.act_scale == "token")
+    mag = (op.u.double().abs() * op.g.double()[..., None]).sum(1) @ w_q.double().abs().T  # sum |a| |w|
+    gamma = (K + 2) * U32 / (1 - (K + 2) * U32)
+    tol = (2 * gamma + BF16_U * (1 + 2.0**-7)) * mag + 2 * U32 * ref.double().abs()
+    assert ((got.double() - ref.double()).abs() <= tol).all()
+    assert not torch.equal(got, ref)
+    with pytest.raises(ValueError, match="canonical NVFP4 mode"):
+        w4a4_linear(xs, master, w_q=p, mode="torchao")

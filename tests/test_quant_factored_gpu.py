@@ -3,17 +3,21 @@ GEMMs (``torch._grouped_mm``) and the Triton quantize-to-values kernel.
 
 Against the fp32 emulation on the padded layout (``grouped.grouped_linear``): the same quantized
 operands (bit for bit, tests/test_quant_factored.py), so the outputs differ by the fp32 accumulation
-bound plus the BF16 rounding of each grouped-GEMM output (2^-9 relative per term) and of the result;
-no host sync; a CUDA graph replays it bit for bit. Run on the device:
+bound plus the BF16 rounding of each grouped-GEMM output (2^-8 relative per term) and of the result;
+no host sync; a CUDA graph replays it bit for bit. With the packed weight operand (the W4A16 kernels,
+what the rollout layers hold on the GPU): the decoded weight is the BF16 QDQ(W) bit for bit and the GEMM
+equals torch._grouped_mm's to fp32 summation order (one BF16 ulp per output). Run on the device:
 `python3 -m pytest tests/test_quant_factored_gpu.py tests/test_quant_factored.py tests/test_engine_gpu.py -q`.
 """
 
 import pytest
 import torch
 
-from quads.model.moe import MoEExperts, static_routes
+from quads.kernels import dispatch, w4a16
+from quads.model.moe import MoEExperts, grouped_mm, static_routes
 from quads.quant import factored, grouped, ops
 from quads.quant.layers import QuantizedExperts
+from quads.quant.rac import rac_channels
 from quads.quant.recipe import LinearSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (BF16 grouped GEMM)")
@@ -97,8 +101,10 @@ def test_forward_static_matches_loop_cuda(name):
     idx[5] = E
     idx, wts = idx.cuda(), wts.bfloat16().cuda()
     q.grouped = False
+    assert all(st.kernel is not None and st.w_q is None for st in q.stores.values())  # the packed weight alone
     with torch.no_grad():
-        ref = q(x, idx, wts)
+        with dispatch.kernels("reference"):  # the experts loop over the decoded BF16 QDQ(W)
+            ref = q(x, idx, wts)
         got = q.forward_static(x, idx, wts)
     scale = ref.float().abs().max().item()
     assert (got.float() - ref.float()).abs().max().item() <= 2e-2 * scale
@@ -129,6 +135,101 @@ def test_dense_w4a4_linear_cuda(name):
     torch.cuda.set_sync_debug_mode("error")
     try:
         again = w4a4_linear(x, w, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, got)
+
+
+def _bf16_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """BF16 outputs of two fp32 sums of the same products in different orders: one BF16 ulp apart at most
+    (tests/test_kernels_w4a16.py's bound)."""
+    a, b = a.double(), b.double()
+    bad = (a - b).abs() > b.abs() * 2.0**-7 + b.abs().amax() * 1e-5
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements more than 1 bf16 ulp apart"
+
+
+def _packed(w):
+    return w4a16.pack(ops.nvfp4_weight(w, LinearSpec.of(weight="nvfp4"), torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_packed_weight_matches_grouped_mm_cuda(name):
+    """The packed operand: decoded bit for bit to the BF16 QDQ(W); the factored GEMM within one BF16 ulp
+    of torch._grouped_mm's; sorted_linear within the sum of those ulps over the stacked terms (plus the
+    final BF16 cast) of the tensor path, and as close to the fp32 emulation as it."""
+    spec = SPECS[name]
+    xs, routes, w, w_q, order = _case(3)
+    p = _packed(w)
+    assert torch.equal(w4a16.dequantize_bf16(p).view(torch.int16), w_q.view(torch.int16))
+    segs = factored.Segments.of(routes.expert, E)
+    op = factored.operands(xs, segs, n=rac_channels(K, spec.rac_ratio), dtype=torch.bfloat16,
+                           per_token=spec.act_scale == "token", selection=spec.rac_selection, static_order=order)
+    M, P, _ = op.u.shape
+    stacked = grouped.stacked_routes(routes, P)
+    y_p = factored.gemm(op.u.reshape(M * P, K), p, stacked)
+    y_t = grouped_mm(op.u.reshape(M * P, K), w_q, stacked)
+    _bf16_close(y_p, y_t, f"{name}: packed vs torch._grouped_mm")
+    got = grouped.sorted_linear(xs, routes, p, spec, static_order=order)
+    want = grouped.sorted_linear(xs, routes, w_q, spec, static_order=order)
+    terms = (y_t.view(M, P, -1).float() * op.g[..., None]).abs().sum(1)  # sum_p |g_p y_p|
+    tol = 2.0**-7 * (terms + want.float().abs()) + 1e-5 * want.float().abs().max()
+    assert ((got.float() - want.float()).abs() <= tol).all(), name
+    ref = routes.unpad(grouped.grouped_linear(routes.pad(xs), w, w_q, spec, static_order=order))
+    scale = ref.float().abs().max().item()
+    assert ((got.float() - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-3 * scale).all()
+    assert torch.equal(got[~routes.valid], torch.zeros_like(got[~routes.valid]))
+
+
+@pytest.mark.parametrize("name", ["w4a4", "rac50"])
+def test_packed_sorted_linear_no_host_sync_graph_follows_refresh(name):
+    """With the packed weight: no host sync, a CUDA graph replays it bit for bit, and a refresh copied into
+    the packed tensors (weight sync) reaches the captured graph."""
+    xs, routes, w, _, _ = _case(4)
+    spec, p = SPECS[name], _packed(w)
+    want = grouped.sorted_linear(xs, routes, p, spec)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = grouped.sorted_linear(xs, routes, p, spec)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, want)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        grouped.sorted_linear(xs, routes, p, spec)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = grouped.sorted_linear(xs, routes, p, spec)
+    graph.replay()
+    assert torch.equal(out, want)
+    p2 = _packed(-2 * w)
+    assert p.copy_(p2)
+    graph.replay()
+    assert torch.equal(out, grouped.sorted_linear(xs, routes, p2, spec)) and not torch.equal(out, want)
+
+
+@pytest.mark.parametrize("name", ["w4a4", "rac25-token"])
+def test_dense_w4a4_linear_packed_cuda(name):
+    """The dense factored call with the packed weight (w4a16.linear_op): within the BF16 ulps of the cuBLAS
+    tensor path, no host sync."""
+    from quads.quant.w4a4 import w4a4_linear
+
+    spec = SPECS[name]
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(32, K, generator=g) * 3).bfloat16().cuda()
+    w = torch.randn(N, K, generator=g).cuda()
+    p = _packed(w)
+    w_q = w4a16.dequantize_bf16(p)
+    kw = dict(rac_ratio=spec.rac_ratio, act_scale=spec.act_scale)
+    got, want = w4a4_linear(x, w, w_q=p, **kw), w4a4_linear(x, w, w_q=w_q, **kw)
+    scale = want.float().abs().max().item()
+    assert ((got.float() - want.float()).abs() <= 2**-7 * want.float().abs() + 1e-3 * scale).all()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = w4a4_linear(x, w, w_q=p, **kw)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(again, got)

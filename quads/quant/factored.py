@@ -19,11 +19,24 @@ every quantized operand is bit-identical (codes, block scales, global scales, S)
 ``u * w`` is exact in the fp32 accumulator here, where the emulation rounds ``u * g`` first. The two
 differ by fp32 accumulation order and that rounding (both within ``gamma_K`` of the fp64 value, see
 tests/test_quant_factored.py), plus, on CUDA, the BF16 rounding of each GEMM output (``torch._grouped_mm``
-and cuBLAS write BF16) before the fp32 scale: one extra relative 2^-9 per term.
+and cuBLAS write BF16) before the fp32 scale: one extra relative 2^-8 (BF16's unit roundoff) per term.
 
 GEMM dtype (``gemm_dtype``): the weight operand's dtype on CUDA when it is BF16 (tensor cores; the
 operands are exact there); FP32 otherwise (the CPU, whose BF16 GEMM may be a slow fallback, and FP32
 weights), with the same exact operand values and an FP32 output.
+
+Weight operand (``Weight``, ``gemm``): either ``QDQ(W)`` as a tensor (GEMM: ``F.linear`` for one weight,
+``moe.grouped_mm`` / ``torch._grouped_mm`` for an expert stack), or, on the rollout side on a Triton
+device (``quads.quant.layers.WeightStore``), the packed NVFP4 weight ``w4a16.W4A16Weight`` alone, with no
+BF16 copy (GEMM: the packed W4A16 kernels, ``w4a16.linear_op`` / ``w4a16.grouped_op`` over the stacked
+rows with the stacked routes' ``ends``; the operands are then BF16 wherever they run, Triton's
+interpreter on the CPU included). Numerics contract of the packed operand: the kernels decode each
+weight to ``bf16(fp32(e2m1 * s) * S_dec)``, the BF16 ``QDQ(W)`` the tensor path reads, bit for bit
+(``w4a16.dequantize(pack(q))`` equals ``nvfp4.dequantize(q, bf16)``), and multiply it with the same
+exact ``u`` with fp32 accumulation and a BF16 output, like ``torch._grouped_mm`` / cuBLAS. So on CUDA the
+output differs from the BF16 tensor path only by the fp32 summation order inside each GEMM (split-K
+partials included); against the fp32 GEMM (the CPU's tensor path) add the BF16 rounding of each GEMM
+output (2^-8 relative per term, as above). tests/test_quant_factored.py checks both bounds.
 
 Groups (``Segments``): rows that share an activation global scale and a RAC channel set: one group
 for a dense linear, one per expert for the sorted rows of a MoE layer (``quads.model.moe.static_routes``:
@@ -38,9 +51,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from quads.formats import nvfp4
-from quads.kernels import dispatch
+from quads.kernels import dispatch, w4a16
+from quads.model import moe
 
 
 @dataclass
@@ -109,9 +124,30 @@ def units(
     return g, r
 
 
-def gemm_dtype(w_q: torch.Tensor) -> torch.dtype:
+Weight = torch.Tensor | w4a16.W4A16Weight  # the weight operand: QDQ(W), or its packed NVFP4 form
+
+
+def gemm_dtype(w_q: Weight) -> torch.dtype:
     """The dtype of the factored GEMM's operands (see the module docstring)."""
+    if isinstance(w_q, w4a16.W4A16Weight):
+        return torch.bfloat16
     return torch.bfloat16 if (w_q.is_cuda and w_q.dtype == torch.bfloat16) else torch.float32
+
+
+def gemm(u: torch.Tensor, w_q: Weight, routes: moe.StaticRoutes | None = None) -> torch.Tensor:
+    """The GEMM of the stacked exact values ``u`` ``[R, K]`` (in ``gemm_dtype(w_q)``) with the weight operand
+    -> ``[R, N]`` in ``u.dtype``: one weight ``[N, K]`` (``routes`` None), or an expert stack ``[E, N, K]``
+    over rows sorted by expert (``routes``: their ``grouped.stacked_routes``; zero rows past the last
+    expert's end). A packed weight runs the W4A16 kernels (module docstring)."""
+    if isinstance(w_q, w4a16.W4A16Weight):
+        return w4a16.linear_op(u, w_q) if routes is None else w4a16.grouped_op(u, w_q, routes.ends)
+    w = w_q.to(u.dtype)
+    return F.linear(u, w) if routes is None else moe.grouped_mm(u, w, routes)
+
+
+def dense_weight(w_q: Weight) -> torch.Tensor:
+    """The weight operand as a tensor: ``w_q`` itself, or the BF16 ``QDQ(W)`` decoded from the packed bytes."""
+    return w4a16.dequantize(w_q) if isinstance(w_q, w4a16.W4A16Weight) else w_q
 
 
 @dataclass

@@ -214,7 +214,7 @@ def stacked_routes(routes: moe.StaticRoutes, p: int) -> moe.StaticRoutes:
 def sorted_linear(
     xs: torch.Tensor,
     routes: moe.StaticRoutes,
-    w_q: torch.Tensor,
+    w_q: factored.Weight,
     spec: LinearSpec,
     *,
     segs: factored.Segments | None = None,
@@ -228,9 +228,10 @@ def sorted_linear(
 
     The factored form of ``quads.quant.factored``: NVFP4 global scales per expert (the amax over the
     expert's rows, or per row with ``act_scale="token"``), RAC channel sets per expert, one grouped
-    GEMM (``moe.grouped_mm``) over the stacked ``[activation | residual]`` rows of every expert, the
-    fp32 global scales applied to its output. ``w_q`` is the stored weight operand; it is used in
-    ``factored.gemm_dtype(w_q)`` (pass its fp32 copy on the CPU to avoid a conversion per call).
+    GEMM (``factored.gemm``) over the stacked ``[activation | residual]`` rows of every expert, the
+    fp32 global scales applied to its output. ``w_q`` is the stored weight operand: a tensor, used in
+    ``factored.gemm_dtype(w_q)`` (pass its fp32 copy on the CPU to avoid a conversion per call) by
+    ``moe.grouped_mm``, or the packed ``w4a16.W4A16Weight`` (the grouped W4A16 kernel, same operand values).
     ``segs``: the experts as row groups (``factored.Segments.of(routes.expert, E)``; built here when
     None); ``stacked``: ``stacked_routes(routes, P)`` for the spec's P (1, or 2 with RAC; built here when
     None; a caller running several projections builds it once); ``static_order`` ``[E, >= |S|]``;
@@ -251,5 +252,5 @@ def sorted_linear(
     if stacked.offsets.shape != routes.offsets.shape or stacked.expert.shape[0] != M * P:
         raise ValueError(f"sorted_linear: stacked routes for {stacked.expert.shape[0]} rows, the operands have "
                          f"{M} x {P}; pass stacked_routes(routes, {P})")
-    y = moe.grouped_mm(op.u.reshape(M * P, K), w_q.to(dtype), stacked)  # [M*P, N]
+    y = factored.gemm(op.u.reshape(M * P, K), w_q, stacked)  # [M*P, N]
     return factored.scale_output(y.view(M, P, -1), op.g).to(xs.dtype)

@@ -10,10 +10,11 @@ Weight operands (``WeightStore``):
   quantize each weight once. Writes through ``param.data`` bypass the counter: call ``refresh()``.
 - rollout side: the quantized weight (the ``NVFP4Tensor`` codes/scales and its dequantized copy in
   the recipe's ``weight_dtype``) is produced at sync time (``refresh()``) and used as is by every
-  forward; it is only recomputed if the parameter moves to another device. W4A16 (BF16 weights) on a
-  Triton device keeps no dequantized copy: the GEMMs read the packed 4-bit weight
-  (``quads.kernels.w4a16``, its layout built at sync time, in place on re-sync), and ``get()`` decodes
-  the operand from those bytes when asked (weight-sync fingerprints).
+  forward; it is only recomputed if the parameter moves to another device. W4A16 and W4A4(+RAC)
+  (canonical NVFP4, BF16 weights) on a Triton device keep no dequantized copy: the GEMMs read the
+  packed 4-bit weight (``quads.kernels.w4a16``; W4A4 as the weight operand of the factored GEMM,
+  ``quads.quant.factored``), its layout built at sync time, in place on re-sync, and ``get()`` decodes
+  the operand from those bytes when asked (weight-sync fingerprints, static RAC priors, diagnostics).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class WeightStore:
         self.owner, self.name, self.spec, self.dtype, self.side = owner, name, spec, dtype, side
         self.w_q: torch.Tensor | None = None  # dequantized operand, [N, K] or [E, N, K]
         self.w_q32: torch.Tensor | None = None  # its fp32 copy for fp32 GEMMs (``get_f32``; rollout side)
-        self.packed = None  # NVFP4Tensor for NVFP4 weights (codes, scales, global scales)
-        self.kernel: w4a16.W4A16Weight | None = None  # rollout W4A16: the packed GEMM's weight (no w_q)
+        self.packed = None  # NVFP4Tensor for NVFP4 weights (codes, scales, global scales), beside w_q
+        self.kernel: w4a16.W4A16Weight | None = None  # rollout packed GEMMs: the weight (no w_q, no packed)
         self.key: tuple | None = None
         self.n_quantize = 0  # how many times this weight was quantized (tests, benchmarks)
 
@@ -59,14 +60,13 @@ class WeightStore:
 
         On the rollout side the new operand is copied into the existing tensors when their shapes
         match, so a CUDA graph that captured them (the engine's decode step) reads the synced weights
-        with no re-capture. Returns the operand; None when only the packed W4A16 weight is kept.
+        with no re-capture. Returns the operand; None when only the packed weight is kept.
         """
         if self.packed_gemm():
-            q = ops.nvfp4_weight(self.param, self.spec, self.dtype)
-            new = w4a16.pack(q)
+            new = w4a16.pack(ops.nvfp4_weight(self.param, self.spec, self.dtype))
             if self.kernel is None or not self.kernel.copy_(new):
                 self.kernel = new
-            self.packed, self.w_q, self.w_q32 = q, None, None
+            self.packed, self.w_q, self.w_q32 = None, None, None  # w4a16.unpack(kernel) gives the codes back
             self.key = self._key()
             self.n_quantize += 1
             return None
@@ -104,14 +104,16 @@ class WeightStore:
 
     def packed_gemm(self) -> bool:
         """Whether this weight's GEMMs read the packed 4-bit weight (``quads.kernels.w4a16``): rollout
-        side, W4A16 with BF16 weights in the canonical NVFP4 mode, Triton kernels on its device."""
-        p = self.param
-        return (self.side == "rollout" and self.spec.act == "none" and self.spec.weight == "nvfp4"
-                and self.spec.nvfp4_mode == "te" and self.dtype == torch.bfloat16 and p.dtype == torch.bfloat16
-                and dispatch.use_triton(p))  # fmt: skip
+        side, NVFP4 weights in the canonical mode with BF16 weights, unquantized (W4A16) or NVFP4 (W4A4,
+        +RAC: the factored GEMM's weight operand) activations, no mismatch amplifier (its GEMM forms the
+        amplified weight from ``QDQ(W)``), Triton kernels on its device."""
+        p, spec = self.param, self.spec
+        return (self.side == "rollout" and spec.act in ("none", "nvfp4") and spec.weight == "nvfp4"
+                and spec.nvfp4_mode == "te" and spec.error_scale == 1.0 and self.dtype == torch.bfloat16
+                and p.dtype == torch.bfloat16 and dispatch.use_triton(p))  # fmt: skip
 
     def use_packed(self, x: torch.Tensor) -> bool:
-        """Whether a GEMM of activations ``x`` runs the packed W4A16 kernel (a packed weight is kept, x is
+        """Whether a GEMM of activations ``x`` reads the packed weight (a packed weight is kept, x is
         BF16, and the kernel backend runs Triton on x)."""
         return self.kernel is not None and w4a16.supports(x) and dispatch.use_triton(x)
 
@@ -205,9 +207,10 @@ class _QuantizedBase(nn.Module):
         return {name: (getattr(self, name), store.get()) for name, store in self.stores.items()}
 
     def _gemm(
-        self, name: str, group: int | None, x: torch.Tensor, w_q: torch.Tensor, w: torch.Tensor | None = None
+        self, name: str, group: int | None, x: torch.Tensor, w_q: factored.Weight, w: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """One GEMM of ``x`` with weight ``name`` (expert ``group`` of a stack); ``w``: that master slice."""
+        """One GEMM of ``x`` with weight ``name`` (expert ``group`` of a stack); ``w``: that master slice;
+        ``w_q``: the operand (a packed ``w4a16.W4A16Weight`` only for a whole weight, ``group`` None)."""
         if w is None:
             p = getattr(self, name)
             w = p if group is None else p[group]
@@ -239,10 +242,12 @@ class QuantizedLinear(_QuantizedBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         store = self.stores["weight"]
-        if store.use_packed(x):
-            y = w4a16.linear_op(x.reshape(-1, x.shape[-1]), store.get_packed()).reshape(*x.shape[:-1], -1)
-            return y if self.bias is None else y + self.bias.to(y.dtype)
-        return self._gemm("weight", None, x, store.get())
+        if not store.use_packed(x):
+            return self._gemm("weight", None, x, store.get())
+        if self.spec.act == "nvfp4":  # W4A4(+RAC): the factored GEMM reads the packed weight
+            return self._gemm("weight", None, x, store.get_packed())
+        y = w4a16.linear_op(x.reshape(-1, x.shape[-1]), store.get_packed()).reshape(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 def expert_groups(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, n_experts: int,
@@ -343,7 +348,7 @@ class QuantizedExperts(_QuantizedBase):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if self.stores["gate_up_proj"].use_packed(hidden_states):
-            return self.forward_static(hidden_states, top_k_index, top_k_weights)  # the packed W4A16 GEMMs
+            return self.forward_static(hidden_states, top_k_index, top_k_weights)  # the packed GEMMs
         if self._use_sorted(hidden_states):
             return self._forward_sorted(hidden_states, top_k_index, top_k_weights)
         slots = grouped.sort_slots(top_k_index, self.num_experts)  # read by both paths below
@@ -390,7 +395,8 @@ class QuantizedExperts(_QuantizedBase):
         product read from the 4-bit weight). NVFP4 activations (canonical mode): ``grouped.sorted_linear``
         on the sorted rows (per-expert global scales and RAC channel sets by masked reductions, one
         grouped GEMM of the exact NVFP4 values per projection, fp32 global scales on its output; the
-        quantized operands are the loop's bit for bit, see ``quads.quant.factored``). FP8 activations:
+        quantized operands are the loop's bit for bit, see ``quads.quant.factored``; a packed weight is
+        read by the grouped W4A16 kernel). FP8 activations:
         the padded layout of ``quads.quant.grouped`` at the fixed capacity C = T (zero rows change no
         amax) and ``grouped_linear``. Outputs summed per token in ascending expert order, as the loop does.
         """
@@ -413,7 +419,10 @@ class QuantizedExperts(_QuantizedBase):
                 return moe.grouped_mm(a, store.get(), routes)
             sel = self.selectors[name] if name in self.selectors else None
             if sorted_rows:
-                w_q = store.get() if factored.gemm_dtype(store.get()) == store.get().dtype else store.get_f32()
+                if store.use_packed(a):
+                    w_q = store.get_packed()
+                else:
+                    w_q = store.get() if factored.gemm_dtype(store.get()) == store.get().dtype else store.get_f32()
                 order = observe = None
                 if sel is not None:
                     order = sel.order

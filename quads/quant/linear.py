@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from quads.model import gemm
+from quads.quant import factored
 from quads.quant.amplify import amplified_linear
 from quads.quant.fp8_linear import fp8_linear
 from quads.quant.qat import qat_linear
@@ -32,12 +33,13 @@ def spec_linear(
     w: torch.Tensor,
     spec: LinearSpec,
     *,
-    w_q: torch.Tensor,
+    w_q: factored.Weight,
     bias: torch.Tensor | None = None,
     static_channels: torch.Tensor | None = None,
     observe: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
-    """``x`` ``[..., K]`` times master weight ``w`` ``[N, K]`` (operand ``w_q``) under ``spec``."""
+    """``x`` ``[..., K]`` times master weight ``w`` ``[N, K]`` (operand ``w_q``; a packed ``w4a16.W4A16Weight``
+    only for canonical W4A4(+RAC), ``quads.quant.factored``) under ``spec``."""
     if spec.is_identity:
         return gemm.linear(x, w, bias)
     if spec.error_scale != 1.0:

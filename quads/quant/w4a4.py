@@ -12,7 +12,8 @@
 How it is computed (canonical NVFP4 mode): in the factored form of ``quads.quant.factored``,
 ``Y = g_x * (U_x @ Wq.T) + g_r * (U_r @ Wq.T)`` with the exact ``e2m1 * s`` values ``U`` (``U_r``
 scattered back to its channels) in BF16 on CUDA (tensor cores) or FP32 on the CPU, fp32 accumulation,
-the FP32 global scales applied to the output; the same formula as the engine's capturable expert path
+the FP32 global scales applied to the output (on a Triton device the rollout's weight operand is the
+packed NVFP4 weight, read by the W4A16 kernel: same operand values); the same formula as the engine's capturable expert path
 (``quads.quant.grouped.sorted_linear``), with one group of rows. The fp32 emulation above
 (``rac_gemm_operands`` + ``ops.lowp_matmul``: both operands dequantized to fp32, one GEMM over K')
 is the reference it is tested against (same quantized operands, accumulation order aside), and the
@@ -25,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from quads.quant import factored, ops
 from quads.quant.qat import ste_linear
@@ -52,14 +52,15 @@ def w4a4_linear(
     static_channels: torch.Tensor | None = None,
     tile: tuple[int, int] = (1, 16),
     mode: str = "te",
-    w_q: torch.Tensor | None = None,
+    w_q: factored.Weight | None = None,
     bias: torch.Tensor | None = None,
     observe: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """``x`` ``[..., K]``, ``w`` ``[N, K]`` -> ``[..., N]`` in ``x.dtype`` (W4A4 + RAC, see module doc).
 
-    ``w_q``: the already dequantized weight (the rollout side stores it at sync time); when None,
-    ``QDQ(w)`` is computed here with ``tile`` and ``mode``. ``static_channels``: a calibrated channel
+    ``w_q``: the already dequantized weight (the rollout side stores it at sync time), or in the
+    canonical mode its packed form ``w4a16.W4A16Weight`` (``quads.quant.factored``: the same operand
+    values, read by the packed W4A16 kernel); when None, ``QDQ(w)`` is computed here with ``tile`` and ``mode``. ``static_channels``: a calibrated channel
     order (at least |S| long) for ``selection="static"``. ``observe``: called with the residual
     ``[T, K]`` (calibration statistics).
     """
@@ -70,6 +71,9 @@ def w4a4_linear(
     n = rac_channels(k, rac_ratio)
     if w_q is None:
         w_q = ops.nvfp4_qdq(w.detach(), tile=tile, mode=mode)
+    elif mode != "te" and not isinstance(w_q, torch.Tensor):
+        raise ValueError(f"w4a4_linear: a packed weight operand needs the canonical NVFP4 mode 'te', got mode "
+                         f"{mode!r}; pass the dequantized QDQ(W) tensor")
 
     def compute(x2: torch.Tensor, need: bool):
         if mode == "te":
@@ -93,9 +97,9 @@ def w4a4_linear(
             observe=None if observe is None else lambda r, norms: observe(r),
         )  # fmt: skip
         m, p, kk = op.u.shape
-        y = factored.scale_output(F.linear(op.u.reshape(m * p, kk), w_q.to(dtype)).view(m, p, -1), op.g)
+        y = factored.scale_output(factored.gemm(op.u.reshape(m * p, kk), w_q).view(m, p, -1), op.g)
         if not need:
             return y.to(x2.dtype), None, None
-        return y.to(x2.dtype), op.dequantized(), w_q
+        return y.to(x2.dtype), op.dequantized(), factored.dense_weight(w_q)
 
     return ste_linear(x, w, compute, bias)
