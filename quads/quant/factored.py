@@ -181,6 +181,7 @@ def operands(
     selection: str = "dynamic",
     static_order: torch.Tensor | None = None,
     observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    fused_rac: bool = True,
 ) -> Operands:
     """The factored W4A4 (+RAC with ``n`` = |S| channels) operands of ``x`` ``[M, K]`` (canonical NVFP4).
 
@@ -190,6 +191,9 @@ def operands(
     stable descending sort), or ``static_order[g, :n]``; ``R[:, S]`` in selection order is quantized
     with its own global scale (per group over the gathered residual, or per row). ``observe(r, norms)``:
     the residual ``[M, K]`` and its per-group norms ``[G, K]`` (static-order calibration).
+    On Triton, dynamic selection without ``observe`` runs the residual operand as the custom op
+    ``quads::rac_units`` (``quads.kernels.rac_select``: three kernels, the same bits as the steps below;
+    ``fused_rac=False`` runs the steps instead, for benchmarks and tests).
     """
     if selection not in ("dynamic", "static"):
         raise ValueError(f"unknown RAC selection {selection!r}; valid: dynamic, static")
@@ -199,7 +203,7 @@ def operands(
     gx, r = units(x, amax if per_token else segs.row_max(amax), buf, 0, residual=need_r)
     if not need_r:
         return Operands(buf, gx[:, None], None)
-    if n and selection == "dynamic" and observe is None and dispatch.use_triton(r):
+    if n and fused_rac and selection == "dynamic" and observe is None and dispatch.use_triton(r):
         from quads.kernels.factored_quant import rac_units_op  # the fused twin of the steps below
 
         gr, s = rac_units_op(r, segs.group, segs.groups, buf, 1, n=n, per_token=per_token)
