@@ -92,19 +92,27 @@ if HAS_TRITON:
 
     @triton.jit
     def _rac_rank_kernel(norms_ptr, rank_ptr, s_ptr, K, n, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr):
-        """rank of each channel of a block in its group's stable descending order; s[g, rank] = c if rank < n."""
+        """rank of each channel of a block in its group's stable descending order; s[g, rank] = c if rank < n.
+        Channels c' < c0 (the block's first) come before c when their key is >= c's, those past the block
+        when it is >, those inside the block by the full rule (BLOCK_C a multiple of BLOCK_J)."""
         g = tl.program_id(0)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c0 = tl.program_id(1) * BLOCK_C
+        c = c0 + tl.arange(0, BLOCK_C)
         cmask = c < K
-        v = tl.load(norms_ptr + g * K + c, mask=cmask, other=0.0)
-        key = _sort_key(v)
+        key = _sort_key(tl.load(norms_ptr + g * K + c, mask=cmask, other=0.0))
         rank = tl.zeros((BLOCK_C,), tl.int32)
-        for j0 in range(0, K, BLOCK_J):
+        for j0 in range(0, c0, BLOCK_J):  # every j < c
+            kj = _sort_key(tl.load(norms_ptr + g * K + j0 + tl.arange(0, BLOCK_J)))
+            rank += tl.sum((kj[None, :] >= key[:, None]).to(tl.int32), axis=1)
+        for j0 in range(c0, c0 + BLOCK_C, BLOCK_J):
             j = j0 + tl.arange(0, BLOCK_J)
-            w = tl.load(norms_ptr + g * K + j, mask=j < K, other=0.0)
-            kj = _sort_key(w)
+            kj = _sort_key(tl.load(norms_ptr + g * K + j, mask=j < K, other=0.0))
             before = (kj[None, :] > key[:, None]) | ((kj[None, :] == key[:, None]) & (j[None, :] < c[:, None]))
             rank += tl.sum((before & (j < K)[None, :]).to(tl.int32), axis=1)
+        for j0 in range(c0 + BLOCK_C, K, BLOCK_J):  # every j > c
+            j = j0 + tl.arange(0, BLOCK_J)
+            kj = _sort_key(tl.load(norms_ptr + g * K + j, mask=j < K, other=0.0))
+            rank += tl.sum(((kj[None, :] > key[:, None]) & (j < K)[None, :]).to(tl.int32), axis=1)
         tl.store(rank_ptr + g * K + c, rank, mask=cmask)
         tl.store(s_ptr + g * n + rank, c.to(tl.int64), mask=cmask & (rank < n))
 
@@ -194,7 +202,8 @@ def rac_units(
     bc = min(128, triton.next_power_of_2(k))
     _rac_norms_kernel[(norms.shape[0], triton.cdiv(k, bc))](r, grp, norms, cmax, m, k, ONE_GROUP=one, BLOCK_M=16,
                                                             BLOCK_C=bc, num_warps=4)  # fmt: skip
-    _rac_rank_kernel[(n_sel, triton.cdiv(k, bc))](norms, rank, s, k, n, BLOCK_C=bc, BLOCK_J=64, num_warps=4)
+    _rac_rank_kernel[(n_sel, triton.cdiv(k, bc))](norms, rank, s, k, n, BLOCK_C=bc, BLOCK_J=min(64, bc),
+                                                  num_warps=4)  # fmt: skip
     bk = max(NVFP4_BLOCK, min(block_k, triton.next_power_of_2(n)))
     _rac_units_kernel[(triton.cdiv(m, block_m),)](
         r, grp, s, rank, cmax, out, g, m, k, n, n_sel, out.stride(0), ONE_GROUP=one, PER_TOKEN=per_token,
