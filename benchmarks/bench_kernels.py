@@ -241,6 +241,34 @@ def bench_w4a4(rows: list) -> None:
                      "rac_over_plain": res["e2e0.5"] / res["e2e0.0"]})  # fmt: skip
 
 
+RAC_SHAPES = [(1024, "gate_up"), (256, "down")]  # the 1b's expert projections: K, name
+
+
+def bench_rac(rows: list) -> None:
+    """``factored.operands`` (W4A4 + RAC 50%, dynamic selection) at the 1b decode shapes: 128 tokens x
+    top-8 over 64 experts (M = 1024 sorted rows), the residual operand by the fused ``quads::rac_units``
+    against the step-by-step path (same Triton quantize kernels, torch selection), and W4A4 alone."""
+    from quads.kernels import dispatch
+    from quads.model.moe import static_routes
+    from quads.quant import factored
+
+    e, tokens, topk = 64, 128, 8
+    g = torch.Generator(device="cpu").manual_seed(0)
+    idx = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)]).cuda()
+    routes = static_routes(idx, e)
+    segs = factored.Segments.of(routes.expert, e)
+    for k, what in RAC_SHAPES:
+        xs = [torch.randn(tokens * topk, k, device="cuda").bfloat16() for _ in range(4)]
+        t = {}
+        with dispatch.kernels("triton"):
+            for name, n, fused in (("fused", k // 2, True), ("unfused", k // 2, False), ("w4a4", 0, True)):
+                t[name] = time_graph([lambda x=x: factored.operands(x, segs, n=n, dtype=torch.bfloat16,
+                                                                    fused_rac=fused) for x in xs])  # fmt: skip
+        rows.append({"bench": "RAC 50% operands (1b decode)", "shape": f"{what} M={tokens * topk} E={e} K={k} "
+                     f"n={k // 2}", "us": t["fused"] * 1e6, "unfused_us": t["unfused"] * 1e6,
+                     "w4a4_us": t["w4a4"] * 1e6, "x_vs_unfused": t["unfused"] / t["fused"]})  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------ tune
 # Config sweep of every tuned kernel in one device call. The configs are compiled first by worker
 # processes in parallel (Triton's on-disk cache is shared), then timed one by one in this process.
@@ -535,7 +563,7 @@ def _fmt(v) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
-    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4", help="comma list of suites (and: tune)")
+    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,rac", help="comma list of suites (and: tune)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--ms", default="", help="comma list of W4A16 token counts (default: all)")
     ap.add_argument(
@@ -557,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {"quantize": lambda: bench_quantize(rows, copy_bw, args.quick),
                "w4a16": lambda: bench_w4a16(rows, copy_bw, args.quick),
                "moe": lambda: bench_moe(rows, args.quick, copy_bw), "w4a4": lambda: bench_w4a4(rows),
+               "rac": lambda: bench_rac(rows),
                "tune": lambda: bench_tune(rows, args.workers, args.tuning_out)}  # fmt: skip
     for s in suites:
         n0 = len(rows)
@@ -578,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
         "frac_copy",
         "w_TBps",
         "rac_over_plain",
+        "unfused_us",
+        "x_vs_unfused",
         "fused_us",
         "dequant_mm_us",
     ]

@@ -225,6 +225,82 @@ def test_sorted_linear_triton_matches_reference_backend(name):
     assert torch.equal(got, want)
 
 
+# ------------------------------------------------------------------- the fused RAC selection kernels
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns, NaN elements compared as NaN (their payloads may differ)."""
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[a.dtype]
+    nan = b.isnan()
+    return torch.equal(a.isnan(), nan) and torch.equal(a.view(bits)[~nan], b.view(bits)[~nan])
+
+
+def _rac_rows(seed: int, k: int, counts: list[int], masked: int):
+    """Rows sorted by group (``counts[g]`` rows each, then ``masked`` rows of group G) with exact norm ties:
+    channels 16..31 repeat 0..15 (scaled up, so selected), channels 40..47 are zero in every row."""
+    g = torch.Generator().manual_seed(seed)
+    group = torch.cat([torch.full((c,), i) for i, c in enumerate(counts + [masked])]).long()
+    x = torch.randn(len(group), k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]
+    x[:, :16] *= 8
+    x[:, 16:32] = x[:, :16]  # equal residual columns: equal norms, the tie-break decides their order
+    x[:, 40:48] = 0.0
+    return x, factored.Segments.of(group, len(counts))
+
+
+def _fused_matches_reference(x, segs, n, per_token, dtype=torch.bfloat16):
+    with dispatch.kernels("reference"):
+        want = factored.operands(x, segs, n=n, dtype=dtype, per_token=per_token)
+    with dispatch.kernels("triton"):
+        got = factored.operands(x, segs, n=n, dtype=dtype, per_token=per_token)
+    assert got.u.shape == want.u.shape and _same_bits(got.u, want.u)
+    assert _same_bits(got.g, want.g)
+    assert (got.channels is None) == (want.channels is None)
+    assert got.channels is None or torch.equal(got.channels, want.channels)
+    return want
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("k", [64, 256, 1024], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
+def test_fused_rac_operands_bit_exact(k, per_token):
+    """rac_select's kernels (interpreter on the CPU) against the reference path: u, g and the channel
+    sets byte for byte, with exact norm ties, a group of no rows, masked rows (group G) and n = K/2, K."""
+    x, segs = _rac_rows(k, k, [5, 0, 7], masked=3)
+    for n in (k // 2, k):
+        want = _fused_matches_reference(x, segs, n, per_token)
+        pairs = torch.isin(torch.arange(16), want.channels[0]) & torch.isin(torch.arange(16, 32), want.channels[0])
+        assert pairs.sum() >= 8  # tied channels selected together: their order is compared
+    x2, segs2 = _rac_rows(k + 1, k, [9], masked=0)
+    _fused_matches_reference(x2, factored.Segments.of(None), k // 4, per_token, torch.float32)  # one group
+    _fused_matches_reference(x2, segs2, k // 2, per_token, torch.float32)
+
+
+def test_sq_norms_keep_nan_and_inf_in_their_group():
+    """Segments.sq_norms equals each group's own sum of r^2, a NaN or inf square included (a plain GEMM
+    with the 0/1 membership would spread them to every group: 0 * inf = NaN)."""
+    r = torch.randn(9, 32)
+    r[1, 3], r[5, 7] = float("nan"), float("inf")
+    group = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3, 3])
+    got = factored.Segments.of(group, 3).sq_norms(r)
+    for g in range(3):
+        want = r[group == g].double().square().sum(0)
+        assert torch.allclose(got[g], want, rtol=1e-15, atol=0, equal_nan=True)
+    assert got[0, 3].isnan() and got[2, 7].isinf() and got[1].isfinite().all()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+def test_fused_rac_operands_nan_and_n0():
+    """A NaN in a group's residual makes its norm NaN: selected first (torch sorts NaN above every number),
+    as the reference; n = 0 has no residual operand on either path."""
+    x, segs = _rac_rows(3, 64, [4, 6], masked=2)
+    x[2, 50] = float("nan")  # group 0: channels 48..63 get a NaN residual in row 2
+    want = _fused_matches_reference(x, segs, 32, False)
+    assert torch.equal(want.channels[0, :16], torch.arange(48, 64))
+    assert not torch.isin(want.channels[1, :16], torch.arange(48, 64)).any()  # group 1's rows hold no NaN
+    want0 = _fused_matches_reference(x, segs, 0, False)
+    assert want0.u.shape[1] == 1 and want0.channels is None
+
+
 # ------------------------------------------------------------------------ the packed weight operand
 
 BF16_U = 2.0**-8  # unit roundoff of BF16: 8 significant bits, round to nearest even

@@ -233,3 +233,31 @@ def test_dense_w4a4_linear_packed_cuda(name):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("k", [1024, 256], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
+def test_fused_rac_operands_bit_exact_cuda(k, per_token):
+    """The 1b decode shapes (128 tokens x top-8 over 64 experts: M = 1024 sorted rows, masked slots
+    included): the fused residual operand (``quads::rac_units``) equals the step-by-step path on the same
+    device (torch's CUDA argsort) and the reference backend, byte for byte (u, g, channel sets), with
+    exact norm ties (channels 16..31 repeat 0..15)."""
+    e, tokens, topk = 64, 128, 8
+    g = torch.Generator().manual_seed(k)
+    idx = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)])
+    idx[5, 3] = e  # masked slots
+    idx[9] = e
+    routes = static_routes(idx.cuda(), e)
+    x = torch.randn(tokens * topk, k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]
+    x[:, 16:32] = x[:, :16]
+    x = x.cuda().bfloat16()
+    segs = factored.Segments.of(routes.expert, e)
+    kw = dict(n=k // 2, dtype=torch.bfloat16, per_token=per_token)
+    got = factored.operands(x, segs, **kw)
+    steps = factored.operands(x, segs, fused_rac=False, **kw)
+    with dispatch.kernels("reference"):
+        ref = factored.operands(x, segs, **kw)
+    for want in (steps, ref):
+        assert torch.equal(got.u.view(torch.int16), want.u.view(torch.int16))
+        assert torch.equal(got.g.view(torch.int32), want.g.view(torch.int32))
+        assert torch.equal(got.channels, want.channels)

@@ -182,3 +182,24 @@ def _(x):
 def row_amax_op(x: torch.Tensor) -> torch.Tensor:
     """``nvfp4_quant.row_amax`` as the custom op ``quads::row_amax``."""
     return torch.ops.quads.row_amax(x)
+
+
+@torch.library.custom_op("quads::rac_units", mutates_args=("out",))
+def _rac_units_op(r: torch.Tensor, group: torch.Tensor | None, groups: int, out: torch.Tensor, slot: int, n: int,
+                  per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from quads.kernels.rac_select import rac_units
+
+    return rac_units(r, group, groups, out[:, slot], n=n, per_token=per_token)
+
+
+@_rac_units_op.register_fake
+def _(r, group, groups, out, slot, n, per_token):
+    return r.new_empty(r.shape[0], dtype=torch.float32), r.new_empty((1 if group is None else groups, n),
+                                                                     dtype=torch.long)
+
+
+def rac_units_op(r: torch.Tensor, group: torch.Tensor | None, groups: int, out: torch.Tensor, slot: int, *, n: int,
+                 per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rac_select.rac_units`` writing RAC's residual operand into ``out[:, slot]`` (``out`` ``[M, P, K]``,
+    the stacked operand), as the custom op ``quads::rac_units`` -> ``(S_dec [M], S [G, n])``."""
+    return torch.ops.quads.rac_units(r, group, groups, out, slot, n, per_token)

@@ -60,8 +60,10 @@ from quads.model import moe
 
 @dataclass
 class Segments:
-    """Row groups: ``group`` ``[M]`` long in ``[0, G]`` (G: rows of no group), ``hits`` ``[G+1, M]`` bool
-    (``hits[g, i]``: row i is in group g); ``groups`` = G. ``group=None``: all rows one group."""
+    """Row groups: ``group`` ``[M]`` long in ``[0, G]`` (G: rows of no group), sorted ascending (each group
+    one contiguous run of rows, as ``moe.static_routes`` orders them; the fused RAC kernels,
+    ``quads.kernels.rac_select``, rely on it), ``hits`` ``[G+1, M]`` bool (``hits[g, i]``: row i is in
+    group g); ``groups`` = G. ``group=None``: all rows one group."""
 
     group: torch.Tensor | None
     hits: torch.Tensor | None
@@ -84,11 +86,14 @@ class Segments:
 
     def sq_norms(self, r: torch.Tensor) -> torch.Tensor:
         """``sum over a group's rows of r^2`` in fp64, ``[G, K]`` (``rac.residual_norms`` per group; the
-        squares of fp32 values are exact in fp64, so only the fp64 summation order differs)."""
+        squares of fp32 values are exact in fp64, so only the fp64 summation order differs). A NaN or inf
+        square reaches its own group's norm only (in the GEMM, ``0 * inf`` would make every group's NaN)."""
         sq = r.double().square()
         if self.group is None:
             return sq.sum(dim=0, keepdim=True)
-        return self.members @ sq  # a GEMM: deterministic, no atomics
+        norms = self.members @ torch.where(sq.isfinite(), sq, 0.0)  # a GEMM: deterministic, no atomics
+        norms = torch.where(self.members @ sq.isinf().double() > 0, torch.inf, norms)
+        return torch.where(self.members @ sq.isnan().double() > 0, torch.nan, norms)
 
     def counts(self) -> torch.Tensor:
         """Rows per group ``[G]``."""
@@ -176,6 +181,7 @@ def operands(
     selection: str = "dynamic",
     static_order: torch.Tensor | None = None,
     observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    fused_rac: bool = True,
 ) -> Operands:
     """The factored W4A4 (+RAC with ``n`` = |S| channels) operands of ``x`` ``[M, K]`` (canonical NVFP4).
 
@@ -185,6 +191,9 @@ def operands(
     stable descending sort), or ``static_order[g, :n]``; ``R[:, S]`` in selection order is quantized
     with its own global scale (per group over the gathered residual, or per row). ``observe(r, norms)``:
     the residual ``[M, K]`` and its per-group norms ``[G, K]`` (static-order calibration).
+    On Triton, dynamic selection without ``observe`` runs the residual operand as the custom op
+    ``quads::rac_units`` (``quads.kernels.rac_select``: three kernels, the same bits as the steps below;
+    ``fused_rac=False`` runs the steps instead, for benchmarks and tests).
     """
     if selection not in ("dynamic", "static"):
         raise ValueError(f"unknown RAC selection {selection!r}; valid: dynamic, static")
@@ -194,6 +203,11 @@ def operands(
     gx, r = units(x, amax if per_token else segs.row_max(amax), buf, 0, residual=need_r)
     if not need_r:
         return Operands(buf, gx[:, None], None)
+    if n and fused_rac and selection == "dynamic" and observe is None and dispatch.use_triton(r):
+        from quads.kernels.factored_quant import rac_units_op  # the fused twin of the steps below
+
+        gr, s = rac_units_op(r, segs.group, segs.groups, buf, 1, n=n, per_token=per_token)
+        return Operands(buf, torch.stack([gx, gr], dim=1), s)
     norms = segs.sq_norms(r) if selection == "dynamic" or observe is not None else None
     if observe is not None:
         observe(r, norms)
