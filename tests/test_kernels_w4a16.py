@@ -245,6 +245,19 @@ def test_gemv_matches_reference(m, n, k, cfg):
     assert _rel(got, exact) < 2.0**-8, f"vs fp64: {_rel(got, exact):.2e}"
 
 
+def test_gemv_takes_activations_at_any_address():
+    """x one element past an aligned address (the kernel reads it in 8-byte words): the same result as
+    aligned."""
+    p = w4a16.pack(_weight((32, 128)))
+    x = _x(2, 128)
+    buf = torch.empty(2 * 128 + 1, dtype=torch.bfloat16, device=DEV)
+    shifted = buf[1:].view(2, 128)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 16 and shifted.is_contiguous()
+    want = w4a16.gemm(x, p, kernel="gemv")
+    assert torch.equal(w4a16.gemm(shifted, p, kernel="gemv").view(torch.int16), want.view(torch.int16))
+
+
 def test_gemm_dispatches_small_m_to_the_gemv_kernel(monkeypatch):
     """``gemm`` and the custom op ``quads::w4a16_gemm`` take the GEMV kernel at up to
     ``w4a16_dispatch.dense.gemv_max_m`` rows and the tiled kernel above; an unknown kernel is refused."""

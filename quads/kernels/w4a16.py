@@ -268,7 +268,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_pairs(w, sw, g, INTERP: tl.constexpr):
-        """Code words ``w`` [BLOCK_N, NS, 4, 2] and scale words ``sw`` [BLOCK_N, NS] (``_load_tile``) ->
+        """Code words ``w`` [.., BLOCK_N, NS, 4, 2] and scale words ``sw`` [.., BLOCK_N, NS] (``_load_tile``) ->
         the weights ``bf16(fp32(e2m1 * s) * g)`` as 4 int32 tensors of ``w``'s shape holding bf16 pairs:
         codes (0, 1), (2, 3), (4, 5), (6, 7) of each word (the first of a pair in bits 0-15).
 
@@ -279,8 +279,8 @@ if HAS_TRITON:
         bit XORed into bit 15 (negation commutes with both roundings, and IEEE products take the XOR of
         the signs: -0.0 and NaN blocks come out as in the reference). About 1.6 integer instructions per
         weight plus 1.5 per weight for the tables (sm_90 SASS: scripts/sass_w4a16.py)."""
-        # [BLOCK_N, NS, 4] scales: block j of tile t in byte j
-        s = e4m3_to_f32_hw((sw[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF, INTERP)
+        # [.., BLOCK_N, NS, 4] scales: block j of tile t in byte j
+        s = e4m3_to_f32_hw((tl.expand_dims(sw, -1) >> (8 * tl.arange(0, 4))) & 0xFF, INTERP)
         # the block's magnitudes as bf16 pairs (code 2i in the low half, 2i + 1 in the high half): the
         # products with the E2M1 values are exact, times g the reference's one fp32 rounding
         p01 = _bf16x2((s * 0.0) * g, (s * 0.5) * g, INTERP)
@@ -289,10 +289,10 @@ if HAS_TRITON:
         p67 = _bf16x2((s * 4.0) * g, (s * 6.0) * g, INTERP)
         # byte tables: byte c of (lo0, lo1) is the low byte of magnitude c, of (hi0, hi1) its high byte;
         # one per word of the block
-        lo0 = _prmt(p01, p23, 0x6420, INTERP)[:, :, :, None]
-        lo1 = _prmt(p45, p67, 0x6420, INTERP)[:, :, :, None]
-        hi0 = _prmt(p01, p23, 0x7531, INTERP)[:, :, :, None]
-        hi1 = _prmt(p45, p67, 0x7531, INTERP)[:, :, :, None]
+        lo0 = tl.expand_dims(_prmt(p01, p23, 0x6420, INTERP), -1)
+        lo1 = tl.expand_dims(_prmt(p45, p67, 0x6420, INTERP), -1)
+        hi0 = tl.expand_dims(_prmt(p01, p23, 0x7531, INTERP), -1)
+        hi1 = tl.expand_dims(_prmt(p45, p67, 0x7531, INTERP), -1)
         mag = w & 0x77777777  # selectors: magnitudes of codes 0-3 in bits 0-15, of codes 4-7 in 16-31
         mag_hi = mag >> 16
         # the signs (SIGN_BITS): bit 8q + 7 of w is the sign of code q, of w << 4 that of code 4 + q
@@ -363,6 +363,11 @@ if HAS_TRITON:
             tl.store(ws_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=om)
 
     @triton.jit
+    def _bf16_pair_f32(p):
+        """int32 ``p`` (two bf16 by bits) -> (fp32 of bits 0-15, fp32 of bits 16-31), exact (by bits)."""
+        return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr, c_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, M, N, K, KT, stride_xm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -370,38 +375,66 @@ if HAS_TRITON:
     ):  # fmt: skip
         """Grid (N tiles, SPLIT_K, M tiles): ``BLOCK_M`` rows of ``x`` against ``BLOCK_N`` output features
         over a contiguous range of the K tiles, by fp32 FMAs (no tensor cores, no shared-memory round trip
-        of the decoded tile): the next tile's code and scale words are loaded while this one is decoded
-        (``_load_tile``, ``_decode_words``), each weight is widened to fp32 and multiplied with the rows'
-        activations, and the products are summed in registers: per thread and row over its ``KC``
-        consecutive columns of a K tile, then those partial sums over the K tiles, then across the
-        threads at the end (a fixed order: the same call gives the same bits every time)."""
-        KC: tl.constexpr = 32  # columns of a K tile one thread decodes: 4 code words, one 16-byte load
+        of the decoded tile). The next K tile's code and scale words are loaded while this one is decoded
+        (``_load_tile``, ``_decode_pairs``); the weights stay in the code words' order (code i of word q of
+        block j of layout tile t, column ``64 t + 16 j + 8 q + i``), widened to fp32 by bits, and the
+        activations are split into the same order (8 columns per word: one 16-byte load per word and row).
+        Each (row, weight row, code word) has an fp32 accumulator that takes its 8 products in code order,
+        tile after tile; they are summed once at the end (a fixed order: the same call gives the same bits
+        every time)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        NS: tl.constexpr = BLOCK_K // 64
         g = tl.load(g_ptr)
         n_tiles = tl.cdiv(K, BLOCK_K)
         per = tl.cdiv(n_tiles, SPLIT_K)
         lo = pid_k * per
         hi = tl.minimum(lo + per, n_tiles)
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // KC), tl.float32)
-        w, sw = _load_tile(c_ptr, s_ptr, rn, tl.minimum(lo, n_tiles - 1) * BLOCK_K, N, KT, BLOCK_N, BLOCK_K, EVEN_K)
+        # the activations as int64 words of 4 bf16 (codes 0-3 and 4-7 of a code word: 2 per word), in the
+        # code words' order [BLOCK_M, NS, 4 (block), 2 (word), 2]; the launcher aligns x to 16 bytes
+        kx = tl.reshape(tl.arange(0, BLOCK_K // 4), (1, NS, 4, 2, 2))
+        xrow = x_ptr.to(tl.pointer_type(tl.int64)) + rm[:, None, None, None, None] * (stride_xm // 4)
+        w, sw = _load_tile(c_ptr, s_ptr, rn, tl.minimum(lo, n_tiles - 1) * BLOCK_K, N, KT, BLOCK_N, BLOCK_K,
+                           EVEN_K)  # fmt: skip
+        # the words with a leading unit dim (a reshape, not expand_dims, keeps their register layout), and
+        # zeros computed from them (K >> 31 is 0) for the accumulators: the products take the words'
+        # layout, so that the compiler moves the activations, not the decoded weights, between threads
+        w = tl.reshape(w, (1, BLOCK_N, NS, 4, 2))
+        sw = tl.reshape(sw, (1, BLOCK_N, NS))
+        acc = tl.broadcast_to((w & (K >> 31)).to(tl.float32), (BLOCK_M, BLOCK_N, NS, 4, 2))
         for kt in range(lo, hi):
             k0 = kt * BLOCK_K
             # the next K tile's words are in flight while this one is decoded (the last tile reloads itself)
             w_next, sw_next = _load_tile(c_ptr, s_ptr, rn, tl.minimum(kt + 1, hi - 1) * BLOCK_K, N, KT, BLOCK_N,
                                          BLOCK_K, EVEN_K)  # fmt: skip
-            rk = k0 + tl.arange(0, BLOCK_K)
-            xm = rm[:, None] < M
+            w_next = tl.reshape(w_next, (1, BLOCK_N, NS, 4, 2))
+            sw_next = tl.reshape(sw_next, (1, BLOCK_N, NS))
+            p01, p23, p45, p67 = _decode_pairs(w, sw, g, INTERP)
+            w0, w1 = _bf16_pair_f32(p01)
+            w2, w3 = _bf16_pair_f32(p23)
+            w4, w5 = _bf16_pair_f32(p45)
+            w6, w7 = _bf16_pair_f32(p67)
+            xm = rm[:, None, None, None, None] < M
             if not EVEN_K:
-                xm = xm & (rk[None, :] < K)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0).to(tl.float32)
-            v = _decode_words(w, sw, g, k0, K, BLOCK_N, BLOCK_K, EVEN_K, INTERP).to(tl.float32)
-            prod = tl.reshape(x[:, None, :] * v[None, :, :], (BLOCK_M, BLOCK_N, BLOCK_K // KC, KC))
-            acc += tl.sum(prod, axis=3)
+                xm = xm & (k0 + 4 * kx < K)
+            x03, x47 = tl.split(tl.load(xrow + k0 // 4 + kx, mask=xm, other=0))  # [BLOCK_M, NS, 4, 2] int64
+            # x{i}: column i of each code word, in fp32 (by bits)
+            x0, x1 = _bf16_pair_f32(x03.to(tl.int32))  # truncation: the low word
+            x2, x3 = _bf16_pair_f32((x03 >> 32).to(tl.int32))
+            x4, x5 = _bf16_pair_f32(x47.to(tl.int32))
+            x6, x7 = _bf16_pair_f32((x47 >> 32).to(tl.int32))
+            acc += tl.reshape(x0, (BLOCK_M, 1, NS, 4, 2)) * w0
+            acc += tl.reshape(x1, (BLOCK_M, 1, NS, 4, 2)) * w1
+            acc += tl.reshape(x2, (BLOCK_M, 1, NS, 4, 2)) * w2
+            acc += tl.reshape(x3, (BLOCK_M, 1, NS, 4, 2)) * w3
+            acc += tl.reshape(x4, (BLOCK_M, 1, NS, 4, 2)) * w4
+            acc += tl.reshape(x5, (BLOCK_M, 1, NS, 4, 2)) * w5
+            acc += tl.reshape(x6, (BLOCK_M, 1, NS, 4, 2)) * w6
+            acc += tl.reshape(x7, (BLOCK_M, 1, NS, 4, 2)) * w7
             w, sw = w_next, sw_next
-        y = tl.sum(acc, axis=2)
+        y = tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
         om = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT_K == 1:
             tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(y, out_ptr), mask=om)
@@ -615,6 +648,8 @@ def _gemv(x: torch.Tensor, w: W4A16Weight, **explicit) -> torch.Tensor:
     """``gemm`` by ``_gemv_kernel`` (launch config ``w4a16_gemv.small`` with ``explicit`` on top): up to 16
     rows per program (``BLOCK_M``, the next power of two of M)."""
     m, k, n = x.shape[0], w.k, w.n
+    if x.data_ptr() % 16:
+        x = x.clone()  # the kernel reads x in 8-byte words
     d = _cfg("w4a16_gemv", "small", **{a: v for a, v in explicit.items() if a != "split_k"})
     bn, bk = d["block_n"], min(d["block_k"], _padded_k(k))
     bm = min(16, triton.next_power_of_2(max(m, 1)))
