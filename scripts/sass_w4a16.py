@@ -46,14 +46,15 @@ CASES = [  # (kernel, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
     ("grouped", 16, 64, 256, 1, 8, 3),
     ("grouped", 32, 64, 256, 1, 4, 3),
     # the GEMV kernel (tuning.json w4a16_gemv.small) at M = 1, 2, 4, 8, 16, then neighbours
-    ("gemv", 1, 256, 64, 16, 4, 1),
-    ("gemv", 2, 256, 64, 16, 4, 1),
-    ("gemv", 4, 256, 64, 16, 4, 1),
-    ("gemv", 8, 256, 64, 16, 4, 1),
-    ("gemv", 16, 256, 64, 16, 4, 1),
-    ("gemv", 1, 128, 64, 16, 4, 1),
-    ("gemv", 1, 256, 128, 16, 4, 1),
-    ("gemv", 1, 512, 64, 16, 8, 1),
+    ("gemv", 1, 128, 64, 8, 4, 1),
+    ("gemv", 2, 128, 64, 8, 4, 1),
+    ("gemv", 4, 128, 64, 8, 4, 1),
+    ("gemv", 8, 128, 64, 8, 4, 1),
+    ("gemv", 16, 128, 64, 8, 4, 1),
+    ("gemv", 1, 256, 64, 8, 4, 1),
+    ("gemv", 4, 256, 64, 8, 4, 1),
+    ("gemv", 1, 128, 128, 8, 4, 1),
+    ("gemv", 1, 256, 64, 8, 8, 1),
 ]
 
 
@@ -65,11 +66,32 @@ def sass_of(kernel: str, bm: int, bn: int, bk: int, split: int, warps: int, stag
     src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                     attrs={(i,): [["tt.divisibility", 16]] for i in div})  # fmt: skip
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    REGISTERS[(kernel, bm, bn, bk, split, warps, stages)] = registers_of(k.asm["cubin"])
     if "sass" in k.asm:
         return k.asm["sass"]
     from triton.tools.disasm import get_sass
 
     return get_sass(k.asm["cubin"])
+
+
+REGISTERS: dict[tuple, int | None] = {}  # registers per thread of each compiled case (cuobjdump -res-usage)
+
+
+def registers_of(cubin: bytes) -> int | None:
+    """Registers per thread of a cubin, from the ``cuobjdump`` bundled with Triton (None if absent)."""
+    import os
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+)", out)
+    return int(m.group(1)) if m else None
 
 
 def inner_loop(sass: str) -> list[str]:
@@ -122,12 +144,14 @@ def main(argv: list[str] | None = None) -> int:
                "instructions_per_element": round(len(body) / per_thread, 2), "k_loop_instructions": len(kbody),
                "k_loop_instructions_per_element": round(len(kbody) / per_thread, 2),
                "k_loop_global_loads": dict(loads.most_common()), "local_memory_instructions": spills,
+               "registers": REGISTERS.get(case),
                "opcodes": dict(ops.most_common())}  # fmt: skip
         rows.append(row)
         print(f"{kernel:8s} BM={bm} BN={bn} BK={bk} split={split} warps={warps}: {len(body)} instructions in the longest loop, "
               f"{per_thread} weights per thread per K step, {len(body) / per_thread:.2f} per weight; K loop alone "
               f"{len(kbody)}, {len(kbody) / per_thread:.2f} per weight; its global loads "
-              f"{dict(loads.most_common())}; {spills} local-memory (spill) instructions")  # fmt: skip
+              f"{dict(loads.most_common())}; {spills} local-memory (spill) instructions; "
+              f"{REGISTERS.get(case)} registers")  # fmt: skip
         print("   ", ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
     print("triton", triton.__version__)
     if args.out:

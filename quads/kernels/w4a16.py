@@ -375,7 +375,7 @@ if HAS_TRITON:
     ):  # fmt: skip
         """Grid (N tiles, SPLIT_K, M tiles): ``BLOCK_M`` rows of ``x`` against ``BLOCK_N`` output features
         over a contiguous range of the K tiles, by fp32 FMAs (no tensor cores, no shared-memory round trip
-        of the decoded tile). The next K tile's code and scale words are loaded while this one is decoded
+        of the decoded tile). The next two K tiles' code and scale words are loaded while one is decoded
         (``_load_tile``, ``_decode_pairs``); the weights stay in the code words' order (code i of word q of
         block j of layout tile t, column ``64 t + 16 j + 8 q + i``), widened to fp32 by bits, and the
         activations are split into the same order (8 columns per word: one 16-byte load per word and row).
@@ -404,13 +404,18 @@ if HAS_TRITON:
         w = tl.reshape(w, (1, BLOCK_N, NS, 4, 2))
         sw = tl.reshape(sw, (1, BLOCK_N, NS))
         acc = tl.broadcast_to((w & (K >> 31)).to(tl.float32), (BLOCK_M, BLOCK_N, NS, 4, 2))
+        wa, swa = _load_tile(c_ptr, s_ptr, rn, tl.minimum(lo + 1, hi - 1) * BLOCK_K, N, KT, BLOCK_N, BLOCK_K,
+                             EVEN_K)  # fmt: skip
+        wa = tl.reshape(wa, (1, BLOCK_N, NS, 4, 2))
+        swa = tl.reshape(swa, (1, BLOCK_N, NS))
         for kt in range(lo, hi):
             k0 = kt * BLOCK_K
-            # the next K tile's words are in flight while this one is decoded (the last tile reloads itself)
-            w_next, sw_next = _load_tile(c_ptr, s_ptr, rn, tl.minimum(kt + 1, hi - 1) * BLOCK_K, N, KT, BLOCK_N,
-                                         BLOCK_K, EVEN_K)  # fmt: skip
-            w_next = tl.reshape(w_next, (1, BLOCK_N, NS, 4, 2))
-            sw_next = tl.reshape(sw_next, (1, BLOCK_N, NS))
+            # the words of the next two K tiles are in flight while this one is decoded (the last tiles
+            # reload the split's last one, from the cache)
+            wb, swb = _load_tile(c_ptr, s_ptr, rn, tl.minimum(kt + 2, hi - 1) * BLOCK_K, N, KT, BLOCK_N, BLOCK_K,
+                                 EVEN_K)  # fmt: skip
+            wb = tl.reshape(wb, (1, BLOCK_N, NS, 4, 2))
+            swb = tl.reshape(swb, (1, BLOCK_N, NS))
             p01, p23, p45, p67 = _decode_pairs(w, sw, g, INTERP)
             w0, w1 = _bf16_pair_f32(p01)
             w2, w3 = _bf16_pair_f32(p23)
@@ -433,7 +438,7 @@ if HAS_TRITON:
             acc += tl.reshape(x5, (BLOCK_M, 1, NS, 4, 2)) * w5
             acc += tl.reshape(x6, (BLOCK_M, 1, NS, 4, 2)) * w6
             acc += tl.reshape(x7, (BLOCK_M, 1, NS, 4, 2)) * w7
-            w, sw = w_next, sw_next
+            w, sw, wa, swa = wa, swa, wb, swb
         y = tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
         om = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT_K == 1:
