@@ -18,12 +18,18 @@ padded to ``Kp``, a multiple of ``LAYOUT_K`` = 64 (zero codes and scales):
 The weight the kernels multiply is ``bf16(fp32(e2m1 * s) * S_dec)``, the value of
 ``quads.formats.nvfp4.dequantize(q, torch.bfloat16)`` bit for bit: ``e2m1 * s`` is exact in fp32, the
 product with S_dec is the reference's one fp32 rounding, and the cast to BF16 rounds to nearest even.
-``_decode`` computes these once per 16-element block for the 8 E2M1 magnitudes and picks each weight
-from that table with byte permutes (4 weights per ``prmt``; the sign by XOR). Products with the BF16 activations are
-accumulated in fp32 on the tensor cores (``tl.dot``), so a GEMM equals ``x @ dequantize(q, bf16).T`` up
-to fp32 summation order; the output is cast (RNE) to ``x.dtype``.
+``_decode_pairs`` computes these once per 16-element block for the 8 E2M1 magnitudes and picks each
+weight from that table with byte permutes (4 weights per ``prmt``; the sign by XOR). Products with the
+BF16 activations are accumulated in fp32, on the tensor cores (``tl.dot``) or by fp32 FMAs (the GEMV
+kernel); a product of two BF16 values is exact in fp32 (8 + 8 significant bits fit in 24, barring fp32
+under- or overflow), so a GEMM equals ``x @ dequantize(q, bf16).T`` up to fp32 summation order; the
+output is cast (RNE) to ``x.dtype``.
 
-- ``gemm(x [M, K], w) -> [M, N]``: tiles of ``BLOCK_N`` output features, split-K over the K tiles at
+- ``gemm(x [M, K], w) -> [M, N]``: at most ``tuning.json`` ``w4a16_dispatch.dense.gemv_max_m`` rows
+  the GEMV kernel (``_gemv_kernel``: each program owns ``BLOCK_N`` output features and a K range, the
+  next two K tiles' words in flight, the decoded weights widened to fp32 in registers and multiplied
+  with every row: no tensor cores and no shared-memory round trip of the decoded tile), above it the
+  tiled kernel (``_gemm_kernel``: tiles of ``BLOCK_N`` output features, ``tl.dot``). Both split K at
   small M so that every SM streams weights; split partials go to an fp32 workspace and are summed in
   a fixed order by a second kernel (deterministic: the same call gives the same bits every time).
 - ``grouped_gemm(x [T, K], w [E, N, K], ends [E] int32) -> [T, N]``: rows sorted by expert, rows
@@ -35,8 +41,8 @@ to fp32 summation order; the output is cast (RNE) to ``x.dtype``.
   weight decoded by the same decode (``dequantize_bf16``), where decoding once beats decoding per row
   tile.
 
-Launch configs come from ``tuning.json`` (``w4a16_gemm``, ``w4a16_grouped_gemm``); explicit arguments
-override them. ``dequantize``, ``gemm_reference`` and ``grouped_gemm_reference`` are the pure-PyTorch
+Launch configs come from ``tuning.json`` (``w4a16_gemm``, ``w4a16_gemv``, ``w4a16_grouped_gemm``);
+explicit arguments override them. ``dequantize``, ``gemm_reference`` and ``grouped_gemm_reference`` are the pure-PyTorch
 twins the kernels are tested against.
 """
 
