@@ -578,11 +578,12 @@ def split_for(m: int, n: int, k: int, block_n: int, block_k: int) -> int:
 
 
 def gemv_split_for(n: int, k: int, block_n: int, block_k: int) -> int:
-    """A split-K for the GEMV kernel: powers of two while its programs are fewer than 4 per SM (so that
-    enough warps stream weights to cover the memory latency) and each split keeps at least 8 K tiles."""
+    """A split-K for the GEMV kernel: the largest power of two that keeps its programs at most 4 per SM
+    (about what fits at once at its default config: one wave, enough warps streaming weights to cover
+    the memory latency) and at least 8 K tiles per split."""
     tiles = -(-n // block_n)
     split = 1
-    while tiles * split < 4 * SMS and -(-k // block_k) // (split * 2) >= 8:
+    while tiles * split * 2 <= 4 * SMS and -(-k // block_k) // (split * 2) >= 8:
         split *= 2
     return split
 
