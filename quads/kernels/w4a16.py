@@ -384,7 +384,7 @@ if HAS_TRITON:
         of the decoded tile). The next two K tiles' code and scale words are loaded while one is decoded
         (``_load_tile``, ``_decode_pairs``); the weights stay in the code words' order (code i of word q of
         block j of layout tile t, column ``64 t + 16 j + 8 q + i``), widened to fp32 by bits, and the
-        activations are split into the same order (8 columns per word: one 16-byte load per word and row).
+        activations are split into the same order (8 columns per word: two 8-byte loads per word and row).
         Each (row, weight row, code word) has an fp32 accumulator that takes its 8 products in code order,
         tile after tile; they are summed once at the end (a fixed order: the same call gives the same bits
         every time)."""
