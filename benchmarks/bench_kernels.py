@@ -140,11 +140,13 @@ def _weight_sets(n: int, k: int, nsets: int):
 
 
 def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
-    """``quads.kernels.w4a16.gemm`` (packed weights; the fused kernel at every M, and the launcher's
-    choice above 64 rows) against cuBLAS BF16 ``torch.mm`` and FP8 ``_scaled_mm``; weight bytes read per
-    second and as a fraction of the copy."""
-    from quads.kernels import w4a16
+    """``quads.kernels.w4a16.gemm`` (packed weights) against cuBLAS BF16 ``torch.mm`` and FP8
+    ``_scaled_mm``: the launcher's choice (``us``; ``tuning.json`` ``w4a16_dispatch.dense``), the tiled
+    ``tl.dot`` kernel at every M (``fused_us``) and the GEMV kernel at M <= 16 (``gemv_us``), side by
+    side; weight bytes read per second and as a fraction of the copy (of the launcher's choice)."""
+    from quads.kernels import tuning, w4a16
 
+    nan = float("nan")
     shapes = [(8192, 8192), (28672, 4096)]
     ms = [1, 4, 16, 64, 256, 1024, 4096] if not quick else [1, 16, 64, 1024]
     if MS:
@@ -161,12 +163,21 @@ def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
             t_bf = time_graph([lambda w=w: torch.mm(x, w.T) for w in bf])
             t_f8 = time_graph([lambda w=w: torch._scaled_mm(x8, w[0].T, one, w[1], out_dtype=torch.bfloat16)
                                for w in fp8w])  # fmt: skip
-            t_fused = time_graph([lambda p=p: w4a16.gemm(x, p, fused_max_m=1 << 30) for p in packed])
-            # the launcher's own choice (above w4a16_dispatch.dense: dequantize_bf16 + cuBLAS)
-            t = time_graph([lambda p=p: w4a16.gemm(x, p) for p in packed]) if m > 64 else t_fused
+            t_fused = time_graph([lambda p=p: w4a16.gemm(x, p, kernel="tiled") for p in packed])
+            t_gemv = time_graph([lambda p=p: w4a16.gemm(x, p, kernel="gemv") for p in packed]) if m <= 16 else nan
+            # the launcher's own choice (w4a16_dispatch.dense: GEMV, tiled, or dequantize_bf16 + cuBLAS)
+            dense = tuning.config("w4a16_dispatch", "dense")
+            if m <= dense["gemv_max_m"]:
+                t = t_gemv
+            elif m <= dense["fused_max_m"]:
+                t = t_fused
+            else:
+                t = time_graph([lambda p=p: w4a16.gemm(x, p) for p in packed])
             wbytes = n * k // 2 + n * k // 16
             rows.append({"bench": "W4A16 GEMM", "shape": f"M={m} N={n} K={k}", "us": t * 1e6,
-                         "fused_us": t_fused * 1e6, "dequant_mm_us": t * 1e6 if m > 64 else float("nan"),
+                         "fused_us": t_fused * 1e6, "gemv_us": t_gemv * 1e6, "gemv_x_vs_bf16": t_bf / t_gemv,
+                         "fused_x_vs_bf16": t_bf / t_fused,
+                         "dequant_mm_us": t * 1e6 if m > dense["fused_max_m"] else nan,
                          "bf16_us": t_bf * 1e6, "fp8_us": t_f8 * 1e6, "x_vs_bf16": t_bf / t, "x_vs_fp8": t_f8 / t,
                          "w_TBps": wbytes / t / 1e12, "frac_copy": wbytes / t / copy_bw,
                          "bf16_w_TBps": 2 * n * k / t_bf / 1e12, "TFLOPs": 2 * m * n * k / t / 1e12})  # fmt: skip
@@ -318,7 +329,7 @@ def _tune_call(kind: str, key, cfg, data: dict):
     if kind == "w4a16":
         bn, bk, sk, nw, ns = cfg
         x = data["x"][key]
-        return [lambda q=q: w4a16.gemm(x, q, block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
+        return [lambda q=q: w4a16.gemm(x, q, kernel="tiled", block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
                                        num_stages=ns) for q in data["fp4"]]  # fmt: skip
     if kind == "moe":
         bn, bk, nw, ns, sk, bm = cfg
@@ -610,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
         "unfused_us",
         "x_vs_unfused",
         "fused_us",
+        "gemv_us",
+        "gemv_x_vs_bf16",
         "dequant_mm_us",
     ]
     print()

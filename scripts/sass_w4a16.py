@@ -1,17 +1,18 @@
 """Instruction counts of the W4A16 GEMM kernels' K loop, from their sm_90 SASS, compiled offline (no GPU).
 
-    TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=. python scripts/sass_w4a16.py [--out FILE [--append]] [--label TEXT]
+    TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=. python scripts/sass_w4a16.py [--out FILE [--append]] [--label TEXT] [--kernels gemm,grouped,gemv]
 
 (``PYTHONPATH`` may point at another checkout's tree, e.g. ``git archive REV quads | tar -x -C DIR``, to
 compile an older version of the kernels with this script.)
 
-Compiles ``quads.kernels.w4a16._gemm_kernel`` and ``_grouped_kernel`` with ``triton.compile`` for
+Compiles ``quads.kernels.w4a16._gemm_kernel``, ``_gemv_kernel`` and ``_grouped_kernel`` with ``triton.compile`` for
 ``GPUTarget("cuda", 90, 32)`` (Triton's bundled ptxas; the pointer, N, K, KT and row-stride arguments
 marked divisible by 16, as Triton's launcher specializes them for the benchmark's shapes), finds the
 longest loop (the body of the longest backward branch) and the K loop (the shortest one that holds the
-MMAs; the same loop in the dense kernel, in the grouped kernel the longest one is the loop over an
+MMAs, in the GEMV kernel the FFMAs; the same loop in the dense kernels, in the grouped kernel the longest one is the loop over an
 expert's M tiles, which also holds the K loop's prologue and the tile's epilogue), and prints per config:
-the loops' instructions, the weight elements each thread decodes per K step, their ratio, and the
+the loops' instructions, the weight elements each thread decodes per K step, their ratio, the K loop's
+global loads (per thread and K step: the loads one thread has in flight at once, by width) and the
 longest loop's opcode histogram.
 """
 
@@ -44,21 +45,53 @@ CASES = [  # (kernel, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
     ("gemm", 16, 128, 128, 1, 4, 3),
     ("grouped", 16, 64, 256, 1, 8, 3),
     ("grouped", 32, 64, 256, 1, 4, 3),
+    # the GEMV kernel (tuning.json w4a16_gemv.small) at M = 1, 2, 4, 8, 16, then neighbours
+    ("gemv", 1, 128, 64, 8, 4, 1),
+    ("gemv", 2, 128, 64, 8, 4, 1),
+    ("gemv", 4, 128, 64, 8, 4, 1),
+    ("gemv", 8, 128, 64, 8, 4, 1),
+    ("gemv", 16, 128, 64, 8, 4, 1),
+    ("gemv", 1, 256, 64, 8, 4, 1),
+    ("gemv", 4, 256, 64, 8, 4, 1),
+    ("gemv", 1, 128, 128, 8, 4, 1),
+    ("gemv", 1, 256, 64, 8, 8, 1),
 ]
 
 
 def sass_of(kernel: str, bm: int, bn: int, bk: int, split: int, warps: int, stages: int) -> str:
-    fn, sig = (w4a16._gemm_kernel, GEMM_SIG) if kernel == "gemm" else (w4a16._grouped_kernel, GROUPED_SIG)
+    fn, sig = {"gemm": (w4a16._gemm_kernel, GEMM_SIG), "gemv": (w4a16._gemv_kernel, GEMM_SIG),
+               "grouped": (w4a16._grouped_kernel, GROUPED_SIG)}[kernel]  # fmt: skip
     div = [i for i, (n, t) in enumerate(sig.items()) if t.startswith("*") or n in ("N", "K", "KT", "stride_xm")]
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "EVEN_K": True, "INTERP": False}
     src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                     attrs={(i,): [["tt.divisibility", 16]] for i in div})  # fmt: skip
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    REGISTERS[(kernel, bm, bn, bk, split, warps, stages)] = registers_of(k.asm["cubin"])
     if "sass" in k.asm:
         return k.asm["sass"]
     from triton.tools.disasm import get_sass
 
     return get_sass(k.asm["cubin"])
+
+
+REGISTERS: dict[tuple, int | None] = {}  # registers per thread of each compiled case (cuobjdump -res-usage)
+
+
+def registers_of(cubin: bytes) -> int | None:
+    """Registers per thread of a cubin, from the ``cuobjdump`` bundled with Triton (None if absent)."""
+    import os
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+)", out)
+    return int(m.group(1)) if m else None
 
 
 def inner_loop(sass: str) -> list[str]:
@@ -74,8 +107,9 @@ def inner_loop(sass: str) -> list[str]:
     return [line.split("\t", 1)[1].strip() for line in body if "\t" in line]
 
 
-def k_loop(sass: str) -> list[str]:
-    """The instructions of the shortest backward branch's body that holds MMA instructions (the K loop)."""
+def k_loop(sass: str, marker: str = "MMA") -> list[str]:
+    """The instructions of the shortest backward branch's body that holds ``marker`` instructions (the K
+    loop: MMAs, or the GEMV's FFMAs)."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\.?(L\w+):", line))}
     body: list[str] | None = None
@@ -83,7 +117,7 @@ def k_loop(sass: str) -> list[str]:
         m = re.search(r"BRA \.?(L\w+)", line)
         if m and labels.get(m.group(1), i) < i:
             cand = lines[labels[m.group(1)] : i + 1]
-            if any("MMA" in c for c in cand) and (body is None or len(cand) < len(body)):
+            if any(marker in c for c in cand) and (body is None or len(cand) < len(body)):
                 body = cand
     return [line.split("\t", 1)[1].strip() for line in body or [] if "\t" in line]
 
@@ -93,23 +127,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="also write the rows as JSON lines here")
     ap.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     ap.add_argument("--label", default=None, help="a 'code' field for every row (which version was compiled)")
+    ap.add_argument("--kernels", default="gemm,grouped,gemv", help="comma list of the kernels to compile")
     args = ap.parse_args(argv)
     rows = []
-    for case in CASES:
+    for case in [c for c in CASES if c[0] in args.kernels.split(",")]:
         kernel, bm, bn, bk, split, warps, stages = case
         sass = sass_of(*case)
-        body, kbody = inner_loop(sass), k_loop(sass)
+        body, kbody = inner_loop(sass), k_loop(sass, "FFMA" if kernel == "gemv" else "MMA")
+        loads = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split(" ")[0] for i in kbody
+                                    if re.search(r"\b(LDG|LDGSTS)", i))  # fmt: skip
+        spills = len(re.findall(r"\b(STL|LDL)\b", sass))
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split(" ")[0] for i in body)
         per_thread = bn * bk // (32 * warps)  # weight elements decoded per thread per K step
         row = {**({"code": args.label} if args.label else {}), "kernel": kernel, "block_m": bm, "block_n": bn,
                "block_k": bk, "split_k": split, "warps": warps, "stages": stages, "loop_instructions": len(body), "elements_per_thread": per_thread,
                "instructions_per_element": round(len(body) / per_thread, 2), "k_loop_instructions": len(kbody),
                "k_loop_instructions_per_element": round(len(kbody) / per_thread, 2),
+               "k_loop_global_loads": dict(loads.most_common()), "local_memory_instructions": spills,
+               "registers": REGISTERS.get(case),
                "opcodes": dict(ops.most_common())}  # fmt: skip
         rows.append(row)
         print(f"{kernel:8s} BM={bm} BN={bn} BK={bk} split={split} warps={warps}: {len(body)} instructions in the longest loop, "
               f"{per_thread} weights per thread per K step, {len(body) / per_thread:.2f} per weight; K loop alone "
-              f"{len(kbody)}, {len(kbody) / per_thread:.2f} per weight")  # fmt: skip
+              f"{len(kbody)}, {len(kbody) / per_thread:.2f} per weight; its global loads "
+              f"{dict(loads.most_common())}; {spills} local-memory (spill) instructions; "
+              f"{REGISTERS.get(case)} registers")  # fmt: skip
         print("   ", ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
     print("triton", triton.__version__)
     if args.out:

@@ -114,11 +114,13 @@ def test_pack_refuses_what_it_cannot_hold():
         w4a16.pack(q)
 
 
-def test_kernel_decode_bit_exact():
+@pytest.mark.parametrize("kernel", [None, "gemv"])
+def test_kernel_decode_bit_exact(kernel):
     """The kernel's decode, isolated: x = identity rows, so y = the decoded weight's columns exactly
-    (each output is one product x_k * w_k plus exact zeros; a -0.0 weight sums to +0.0)."""
+    (each output is one product x_k * w_k plus exact zeros; a -0.0 weight sums to +0.0). 192 rows:
+    cuBLAS over ``dequantize_bf16`` by default, the GEMV kernel's FMAs in 12 M tiles when asked."""
     q = _weight((32, 192))
-    y = w4a16.gemm(torch.eye(192, dtype=torch.bfloat16, device=DEV), w4a16.pack(q))
+    y = w4a16.gemm(torch.eye(192, dtype=torch.bfloat16, device=DEV), w4a16.pack(q), kernel=kernel)
     want = nvfp4.dequantize(q, torch.bfloat16).T + 0.0
     assert torch.equal(y.view(torch.int16), want.contiguous().view(torch.int16))
 
@@ -151,8 +153,9 @@ def test_kernel_decode_every_code_and_scale(gbits):
     assert torch.equal(w4a16.dequantize_bf16(p).view(torch.int16), want.view(torch.int16))
     if want.isinf().any() or ((want != 0) & (want.abs() < 2.0**-126)).any():
         return  # no GEMM check here: the identity's zeros times inf are NaN, matmuls may flush subnormals
-    y = w4a16.gemm(torch.eye(16, dtype=torch.bfloat16, device=DEV), p)
-    assert torch.equal(y.view(torch.int16), (want.T.contiguous() + 0.0).view(torch.int16))
+    for kernel in ("tiled", "gemv"):
+        y = w4a16.gemm(torch.eye(16, dtype=torch.bfloat16, device=DEV), p, kernel=kernel)
+        assert torch.equal(y.view(torch.int16), (want.T.contiguous() + 0.0).view(torch.int16)), kernel
 
 
 def _prmt_reference(a: int, b: int, sel: int) -> int:
@@ -218,13 +221,66 @@ def test_gemm_matches_reference(m, n, k, cfg):
     assert _rel(got, exact) < 2.0**-8, f"vs fp64: {_rel(got, exact):.2e}"
 
 
-def test_gemm_split_k_is_deterministic_and_nan_reaches_its_column():
+@pytest.mark.parametrize(
+    "m,n,k,cfg",
+    [
+        (1, 64, 256, {}),
+        (3, 80, 160, {"block_k": 64, "split_k": 2}),  # N, K not multiples of the tiles; split-K
+        (8, 48, 208, {"block_n": 32, "block_k": 128, "split_k": 3}),  # uneven split, K past the last tile
+        (16, 32, 144, {"block_n": 16}),
+        (19, 32, 64, {"block_n": 32}),  # two M tiles of 16
+    ],
+    ids=str,
+)
+def test_gemv_matches_reference(m, n, k, cfg):
+    """The GEMV kernel (fp32 FMAs over the same decoded weights): within fp32 summation order of
+    ``gemm_reference``, the bound of the tiled kernel's test."""
+    q = _weight((n, k))
+    p = w4a16.pack(q)
+    x = _x(m, k)
+    got = w4a16.gemm(x, p, kernel="gemv", **cfg)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    _bf16_close(got, w4a16.gemm_reference(x, p), f"W4A16 GEMV M={m} N={n} K={k} {cfg}")
+    exact = x.double() @ nvfp4.dequantize(q, torch.bfloat16).double().T
+    assert _rel(got, exact) < 2.0**-8, f"vs fp64: {_rel(got, exact):.2e}"
+
+
+def test_gemv_takes_activations_at_any_address():
+    """x one element past an aligned address (the kernel reads it in 8-byte words): the same result as
+    aligned."""
+    p = w4a16.pack(_weight((32, 128)))
+    x = _x(2, 128)
+    buf = torch.empty(2 * 128 + 1, dtype=torch.bfloat16, device=DEV)
+    shifted = buf[1:].view(2, 128)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 16 and shifted.is_contiguous()
+    want = w4a16.gemm(x, p, kernel="gemv")
+    assert torch.equal(w4a16.gemm(shifted, p, kernel="gemv").view(torch.int16), want.view(torch.int16))
+
+
+def test_gemm_dispatches_small_m_to_the_gemv_kernel(monkeypatch):
+    """``gemm`` and the custom op ``quads::w4a16_gemm`` take the GEMV kernel at up to
+    ``w4a16_dispatch.dense.gemv_max_m`` rows and the tiled kernel above; an unknown kernel is refused."""
+    limit = tuning.config("w4a16_dispatch", "dense")["gemv_max_m"]
+    calls = []
+    gemv = w4a16._gemv
+    monkeypatch.setattr(w4a16, "_gemv", lambda x, w, **kw: calls.append(x.shape[0]) or gemv(x, w, **kw))
+    p = w4a16.pack(_weight((32, 64)))
+    for m in (1, limit, limit + 1):
+        w4a16.linear_op(_x(m, 64), p)
+    assert calls == [1, limit]
+    with pytest.raises(ValueError, match="kernel must be"):
+        w4a16.gemm(_x(1, 64), p, kernel="mma")
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "tiled"])
+def test_gemm_split_k_is_deterministic_and_nan_reaches_its_column(kernel):
     q = _weight((64, 512))
     q.scales.view(torch.uint8)[3, 2] = 0x7F
     p = w4a16.pack(q)
     x = _x(3, 512)
-    a = w4a16.gemm(x, p, split_k=4, block_k=64)
-    b = w4a16.gemm(x, p, split_k=4, block_k=64)
+    a = w4a16.gemm(x, p, split_k=4, block_k=64, kernel=kernel)
+    b = w4a16.gemm(x, p, split_k=4, block_k=64, kernel=kernel)
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     assert a[:, 3].isnan().all() and not a[:, :3].isnan().any() and not a[:, 4:].isnan().any()
 
@@ -299,7 +355,8 @@ def test_tuning_table_has_the_w4a16_cases():
     for case in ("decode", "prefill"):
         assert set(tuning.config("w4a16_grouped_gemm", case)) == {"block_m", "block_n", "block_k", "split_k",
                                                                   "num_warps", "num_stages"}  # fmt: skip
-    assert set(tuning.config("w4a16_dispatch", "dense")) == {"fused_max_m"}
+    assert set(tuning.config("w4a16_gemv", "small")) == {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
+    assert set(tuning.config("w4a16_dispatch", "dense")) == {"gemv_max_m", "fused_max_m"}
     assert set(tuning.config("w4a16_dispatch", "grouped")) == {"fused_max_rows_per_expert"}
     assert [w4a16.m_bucket(m) for m in (1, 2, 16, 33, 64, 65)] == ["m1", "m4", "m16", "m64", "m64", "large"]
 
@@ -472,6 +529,19 @@ def test_gpu_gemm_real_size(m, n, k):
     _bf16_close(w4a16.gemm(x, p), w4a16.gemm_reference(x, p), f"W4A16 M={m} N={n} K={k}")
     ref = x @ nvfp4.dequantize(q, torch.bfloat16).T  # cuBLAS BF16 over the dequantized weight
     assert _rel(w4a16.gemm(x, p), ref) < 2.0**-8
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("n,k", [(8192, 8192), (28672, 4096), (3072, 1008)], ids=str)
+def test_gpu_gemv_real_size(m, n, k):
+    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).bfloat16())
+    p = w4a16.pack(q)
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    got = w4a16.gemm(x, p, kernel="gemv")
+    _bf16_close(got, w4a16.gemm_reference(x, p), f"W4A16 GEMV M={m} N={n} K={k}")
+    assert torch.equal(got.view(torch.int16), w4a16.gemm(x, p, kernel="gemv").view(torch.int16))  # deterministic
+    assert _rel(got, x @ nvfp4.dequantize(q, torch.bfloat16).T) < 2.0**-8
 
 
 @gpu

@@ -18,12 +18,18 @@ padded to ``Kp``, a multiple of ``LAYOUT_K`` = 64 (zero codes and scales):
 The weight the kernels multiply is ``bf16(fp32(e2m1 * s) * S_dec)``, the value of
 ``quads.formats.nvfp4.dequantize(q, torch.bfloat16)`` bit for bit: ``e2m1 * s`` is exact in fp32, the
 product with S_dec is the reference's one fp32 rounding, and the cast to BF16 rounds to nearest even.
-``_decode`` computes these once per 16-element block for the 8 E2M1 magnitudes and picks each weight
-from that table with byte permutes (4 weights per ``prmt``; the sign by XOR). Products with the BF16 activations are
-accumulated in fp32 on the tensor cores (``tl.dot``), so a GEMM equals ``x @ dequantize(q, bf16).T`` up
-to fp32 summation order; the output is cast (RNE) to ``x.dtype``.
+``_decode_pairs`` computes these once per 16-element block for the 8 E2M1 magnitudes and picks each
+weight from that table with byte permutes (4 weights per ``prmt``; the sign by XOR). Products with the
+BF16 activations are accumulated in fp32, on the tensor cores (``tl.dot``) or by fp32 FMAs (the GEMV
+kernel); a product of two BF16 values is exact in fp32 (8 + 8 significant bits fit in 24, barring fp32
+under- or overflow), so a GEMM equals ``x @ dequantize(q, bf16).T`` up to fp32 summation order; the
+output is cast (RNE) to ``x.dtype``.
 
-- ``gemm(x [M, K], w) -> [M, N]``: tiles of ``BLOCK_N`` output features, split-K over the K tiles at
+- ``gemm(x [M, K], w) -> [M, N]``: at most ``tuning.json`` ``w4a16_dispatch.dense.gemv_max_m`` rows
+  the GEMV kernel (``_gemv_kernel``: each program owns ``BLOCK_N`` output features and a K range, the
+  next two K tiles' words in flight, the decoded weights widened to fp32 in registers and multiplied
+  with every row: no tensor cores and no shared-memory round trip of the decoded tile), above it the
+  tiled kernel (``_gemm_kernel``: tiles of ``BLOCK_N`` output features, ``tl.dot``). Both split K at
   small M so that every SM streams weights; split partials go to an fp32 workspace and are summed in
   a fixed order by a second kernel (deterministic: the same call gives the same bits every time).
 - ``grouped_gemm(x [T, K], w [E, N, K], ends [E] int32) -> [T, N]``: rows sorted by expert, rows
@@ -35,8 +41,8 @@ to fp32 summation order; the output is cast (RNE) to ``x.dtype``.
   weight decoded by the same decode (``dequantize_bf16``), where decoding once beats decoding per row
   tile.
 
-Launch configs come from ``tuning.json`` (``w4a16_gemm``, ``w4a16_grouped_gemm``); explicit arguments
-override them. ``dequantize``, ``gemm_reference`` and ``grouped_gemm_reference`` are the pure-PyTorch
+Launch configs come from ``tuning.json`` (``w4a16_gemm``, ``w4a16_gemv``, ``w4a16_grouped_gemm``);
+explicit arguments override them. ``dequantize``, ``gemm_reference`` and ``grouped_gemm_reference`` are the pure-PyTorch
 twins the kernels are tested against.
 """
 
@@ -245,18 +251,11 @@ if HAS_TRITON:
         return p.to(tl.int16).to(tl.bfloat16, bitcast=True), (p >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
-    def _decode(c_ptr, s_ptr, g, rn, k0, N, K, KT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-        """Rows ``rn`` x columns [k0, k0 + BLOCK_K) of the weight -> BF16 [BLOCK_N, BLOCK_K] =
-        bf16(fp32(e2m1 * s) * g). ``KT`` = Kp / 64 layout tiles; ``k0`` a multiple of 64.
-
-        By table lookup: the 8 magnitudes of a 16-element block, ``bf16(fp32(e2m1 * s) * g)`` for the E2M1
-        values 0, 0.5, .., 6, are computed once per block the reference's way (exact products, one fp32
-        rounding, RNE to BF16) and held as two 8-byte tables (low bytes, high bytes); each weight is then
-        picked by its 3 magnitude bits with byte permutes (``prmt``: 4 weights per lookup) and its sign
-        bit XORed into bit 15 (negation commutes with both roundings, and IEEE products take the XOR of
-        the signs: -0.0 and NaN blocks come out as in the reference). About 1.6 integer instructions per
-        weight plus 1.5 per weight for the tables (sm_90 SASS: scripts/sass_w4a16.py)."""
+    def _load_tile(c_ptr, s_ptr, rn, k0, N, KT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr):  # fmt: skip
+        """The packed words of rows ``rn`` x columns [k0, k0 + BLOCK_K) (``k0`` a multiple of 64; ``KT`` =
+        Kp / 64 layout tiles): code words int32 [BLOCK_N, BLOCK_K / 64, 4 (block), 2 (word)] and scale
+        words int32 [BLOCK_N, BLOCK_K / 64] (zeros past the last layout tile)."""
         NW: tl.constexpr = BLOCK_K // 8  # code words per row
         NS: tl.constexpr = BLOCK_K // 64  # scale words per row
         nmask = rn < N
@@ -271,9 +270,23 @@ if HAS_TRITON:
         if not EVEN_K:
             smask = smask & (ts < KT)[None, :]
         sw = tl.load(s_ptr + ts[None, :] * N + rn[:, None], mask=smask, other=0)
-        # [BLOCK_N, NS, 4 (block), 2 (word)] codes and [BLOCK_N, NS, 4] scales: block j of tile t in byte j
-        w = tl.reshape(words, (BLOCK_N, NS, 4, 2))
-        s = e4m3_to_f32_hw((sw[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF, INTERP)
+        return tl.reshape(words, (BLOCK_N, NS, 4, 2)), sw
+
+    @triton.jit
+    def _decode_pairs(w, sw, g, INTERP: tl.constexpr):
+        """Code words ``w`` [.., BLOCK_N, NS, 4, 2] and scale words ``sw`` [.., BLOCK_N, NS] (``_load_tile``) ->
+        the weights ``bf16(fp32(e2m1 * s) * g)`` as 4 int32 tensors of ``w``'s shape holding bf16 pairs:
+        codes (0, 1), (2, 3), (4, 5), (6, 7) of each word (the first of a pair in bits 0-15).
+
+        By table lookup: the 8 magnitudes of a 16-element block, ``bf16(fp32(e2m1 * s) * g)`` for the E2M1
+        values 0, 0.5, .., 6, are computed once per block the reference's way (exact products, one fp32
+        rounding, RNE to BF16) and held as two 8-byte tables (low bytes, high bytes); each weight is then
+        picked by its 3 magnitude bits with byte permutes (``prmt``: 4 weights per lookup) and its sign
+        bit XORed into bit 15 (negation commutes with both roundings, and IEEE products take the XOR of
+        the signs: -0.0 and NaN blocks come out as in the reference). About 1.6 integer instructions per
+        weight plus 1.5 per weight for the tables (sm_90 SASS: scripts/sass_w4a16.py)."""
+        # [.., BLOCK_N, NS, 4] scales: block j of tile t in byte j
+        s = e4m3_to_f32_hw((tl.expand_dims(sw, -1) >> (8 * tl.arange(0, 4))) & 0xFF, INTERP)
         # the block's magnitudes as bf16 pairs (code 2i in the low half, 2i + 1 in the high half): the
         # products with the E2M1 values are exact, times g the reference's one fp32 rounding
         p01 = _bf16x2((s * 0.0) * g, (s * 0.5) * g, INTERP)
@@ -282,10 +295,10 @@ if HAS_TRITON:
         p67 = _bf16x2((s * 4.0) * g, (s * 6.0) * g, INTERP)
         # byte tables: byte c of (lo0, lo1) is the low byte of magnitude c, of (hi0, hi1) its high byte;
         # one per word of the block
-        lo0 = _prmt(p01, p23, 0x6420, INTERP)[:, :, :, None]
-        lo1 = _prmt(p45, p67, 0x6420, INTERP)[:, :, :, None]
-        hi0 = _prmt(p01, p23, 0x7531, INTERP)[:, :, :, None]
-        hi1 = _prmt(p45, p67, 0x7531, INTERP)[:, :, :, None]
+        lo0 = tl.expand_dims(_prmt(p01, p23, 0x6420, INTERP), -1)
+        lo1 = tl.expand_dims(_prmt(p45, p67, 0x6420, INTERP), -1)
+        hi0 = tl.expand_dims(_prmt(p01, p23, 0x7531, INTERP), -1)
+        hi1 = tl.expand_dims(_prmt(p45, p67, 0x7531, INTERP), -1)
         mag = w & 0x77777777  # selectors: magnitudes of codes 0-3 in bits 0-15, of codes 4-7 in 16-31
         mag_hi = mag >> 16
         # the signs (SIGN_BITS): bit 8q + 7 of w is the sign of code q, of w << 4 that of code 4 + q
@@ -293,12 +306,29 @@ if HAS_TRITON:
         hi_a = _prmt(hi0, hi1, mag, INTERP) ^ (w & -0x7F7F7F80)  # high bytes, signed (mask 0x80808080)
         lo_b = _prmt(lo0, lo1, mag_hi, INTERP)
         hi_b = _prmt(hi0, hi1, mag_hi, INTERP) ^ ((w << 4) & -0x7F7F7F80)
-        # interleave into bf16 pairs (codes 0 1, 2 3, 4 5, 6 7); the nested joins put code i of word q of
-        # block j of tile t at position 64 t + 16 j + 8 q + i
-        c0, c1 = _bf16_halves(_prmt(lo_a, hi_a, 0x5140, INTERP))
-        c2, c3 = _bf16_halves(_prmt(lo_a, hi_a, 0x7362, INTERP))
-        c4, c5 = _bf16_halves(_prmt(lo_b, hi_b, 0x5140, INTERP))
-        c6, c7 = _bf16_halves(_prmt(lo_b, hi_b, 0x7362, INTERP))
+        # interleave into bf16 pairs (codes 0 1, 2 3, 4 5, 6 7)
+        return (_prmt(lo_a, hi_a, 0x5140, INTERP), _prmt(lo_a, hi_a, 0x7362, INTERP),
+                _prmt(lo_b, hi_b, 0x5140, INTERP), _prmt(lo_b, hi_b, 0x7362, INTERP))  # fmt: skip
+
+    @triton.jit
+    def _decode(c_ptr, s_ptr, g, rn, k0, N, K, KT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+        """Rows ``rn`` x columns [k0, k0 + BLOCK_K) of the weight -> BF16 [BLOCK_N, BLOCK_K] =
+        bf16(fp32(e2m1 * s) * g) (``_load_tile``, ``_decode_pairs``). ``KT`` = Kp / 64 layout tiles; ``k0``
+        a multiple of 64."""
+        w, sw = _load_tile(c_ptr, s_ptr, rn, k0, N, KT, BLOCK_N, BLOCK_K, EVEN_K)
+        return _decode_words(w, sw, g, k0, K, BLOCK_N, BLOCK_K, EVEN_K, INTERP)
+
+    @triton.jit
+    def _decode_words(w, sw, g, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      INTERP: tl.constexpr):  # fmt: skip
+        """``_decode`` of loaded words (``_load_tile``): BF16 [BLOCK_N, BLOCK_K], zeros from column K on."""
+        p01, p23, p45, p67 = _decode_pairs(w, sw, g, INTERP)
+        # the nested joins put code i of word q of block j of tile t at position 64 t + 16 j + 8 q + i
+        c0, c1 = _bf16_halves(p01)
+        c2, c3 = _bf16_halves(p23)
+        c4, c5 = _bf16_halves(p45)
+        c6, c7 = _bf16_halves(p67)
         v = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
         v = tl.reshape(v, (BLOCK_N, BLOCK_K))
         if not EVEN_K:
@@ -337,6 +367,90 @@ if HAS_TRITON:
             tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(acc, out_ptr), mask=om)
         else:
             tl.store(ws_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=om)
+
+    @triton.jit
+    def _bf16_pair_f32(p):
+        """int32 ``p`` (two bf16 by bits) -> (fp32 of bits 0-15, fp32 of bits 16-31), exact (by bits)."""
+        return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr, c_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, M, N, K, KT, stride_xm,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        EVEN_K: tl.constexpr, INTERP: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (N tiles, SPLIT_K, M tiles): ``BLOCK_M`` rows of ``x`` against ``BLOCK_N`` output features
+        over a contiguous range of the K tiles, by fp32 FMAs (no tensor cores, no shared-memory round trip
+        of the decoded tile). The next two K tiles' code and scale words are loaded while one is decoded
+        (``_load_tile``, ``_decode_pairs``); the weights stay in the code words' order (code i of word q of
+        block j of layout tile t, column ``64 t + 16 j + 8 q + i``), widened to fp32 by bits, and the
+        activations are split into the same order (8 columns per word: two 8-byte loads per word and row).
+        Each (row, weight row, code word) has an fp32 accumulator that takes its 8 products in code order,
+        tile after tile; they are summed once at the end (a fixed order: the same call gives the same bits
+        every time)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        NS: tl.constexpr = BLOCK_K // 64
+        g = tl.load(g_ptr)
+        n_tiles = tl.cdiv(K, BLOCK_K)
+        per = tl.cdiv(n_tiles, SPLIT_K)
+        lo = pid_k * per
+        hi = tl.minimum(lo + per, n_tiles)
+        # the activations as int64 words of 4 bf16 (codes 0-3 and 4-7 of a code word: 2 per word), in the
+        # code words' order [BLOCK_M, NS, 4 (block), 2 (word), 2]; the launcher aligns x to 16 bytes
+        kx = tl.reshape(tl.arange(0, BLOCK_K // 4), (1, NS, 4, 2, 2))
+        xrow = x_ptr.to(tl.pointer_type(tl.int64)) + rm[:, None, None, None, None] * (stride_xm // 4)
+        w, sw = _load_tile(c_ptr, s_ptr, rn, tl.minimum(lo, n_tiles - 1) * BLOCK_K, N, KT, BLOCK_N, BLOCK_K,
+                           EVEN_K)  # fmt: skip
+        # the words with a leading unit dim (a reshape, not expand_dims, keeps their register layout), and
+        # zeros computed from them (K >> 31 is 0) for the accumulators: the products take the words'
+        # layout, so that the compiler moves the activations, not the decoded weights, between threads
+        w = tl.reshape(w, (1, BLOCK_N, NS, 4, 2))
+        sw = tl.reshape(sw, (1, BLOCK_N, NS))
+        acc = tl.broadcast_to((w & (K >> 31)).to(tl.float32), (BLOCK_M, BLOCK_N, NS, 4, 2))
+        wa, swa = _load_tile(c_ptr, s_ptr, rn, tl.minimum(lo + 1, hi - 1) * BLOCK_K, N, KT, BLOCK_N, BLOCK_K,
+                             EVEN_K)  # fmt: skip
+        wa = tl.reshape(wa, (1, BLOCK_N, NS, 4, 2))
+        swa = tl.reshape(swa, (1, BLOCK_N, NS))
+        for kt in range(lo, hi):
+            k0 = kt * BLOCK_K
+            # the words of the next two K tiles are in flight while this one is decoded (the last tiles
+            # reload the split's last one, from the cache)
+            wb, swb = _load_tile(c_ptr, s_ptr, rn, tl.minimum(kt + 2, hi - 1) * BLOCK_K, N, KT, BLOCK_N, BLOCK_K,
+                                 EVEN_K)  # fmt: skip
+            wb = tl.reshape(wb, (1, BLOCK_N, NS, 4, 2))
+            swb = tl.reshape(swb, (1, BLOCK_N, NS))
+            p01, p23, p45, p67 = _decode_pairs(w, sw, g, INTERP)
+            w0, w1 = _bf16_pair_f32(p01)
+            w2, w3 = _bf16_pair_f32(p23)
+            w4, w5 = _bf16_pair_f32(p45)
+            w6, w7 = _bf16_pair_f32(p67)
+            xm = rm[:, None, None, None, None] < M
+            if not EVEN_K:
+                xm = xm & (k0 + 4 * kx < K)
+            x03, x47 = tl.split(tl.load(xrow + k0 // 4 + kx, mask=xm, other=0))  # [BLOCK_M, NS, 4, 2] int64
+            # x{i}: column i of each code word, in fp32 (by bits)
+            x0, x1 = _bf16_pair_f32(x03.to(tl.int32))  # truncation: the low word
+            x2, x3 = _bf16_pair_f32((x03 >> 32).to(tl.int32))
+            x4, x5 = _bf16_pair_f32(x47.to(tl.int32))
+            x6, x7 = _bf16_pair_f32((x47 >> 32).to(tl.int32))
+            acc += tl.reshape(x0, (BLOCK_M, 1, NS, 4, 2)) * w0
+            acc += tl.reshape(x1, (BLOCK_M, 1, NS, 4, 2)) * w1
+            acc += tl.reshape(x2, (BLOCK_M, 1, NS, 4, 2)) * w2
+            acc += tl.reshape(x3, (BLOCK_M, 1, NS, 4, 2)) * w3
+            acc += tl.reshape(x4, (BLOCK_M, 1, NS, 4, 2)) * w4
+            acc += tl.reshape(x5, (BLOCK_M, 1, NS, 4, 2)) * w5
+            acc += tl.reshape(x6, (BLOCK_M, 1, NS, 4, 2)) * w6
+            acc += tl.reshape(x7, (BLOCK_M, 1, NS, 4, 2)) * w7
+            w, sw, wa, swa = wa, swa, wb, swb
+        y = tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
+        om = (rm[:, None] < M) & (rn[None, :] < N)
+        if SPLIT_K == 1:
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(y, out_ptr), mask=om)
+        else:
+            tl.store(ws_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], y, mask=om)
 
     @triton.jit
     def _split_sum_kernel(ws_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
@@ -463,10 +577,25 @@ def split_for(m: int, n: int, k: int, block_n: int, block_k: int) -> int:
     return split
 
 
+def gemv_split_for(n: int, k: int, block_n: int, block_k: int) -> int:
+    """A split-K for the GEMV kernel: the largest power of two that keeps its programs at most 4 per SM
+    (about what fits at once at its default config: one wave, enough warps streaming weights to cover
+    the memory latency) and at least 8 K tiles per split."""
+    tiles = -(-n // block_n)
+    split = 1
+    while tiles * split * 2 <= 4 * SMS and -(-k // block_k) // (split * 2) >= 8:
+        split *= 2
+    return split
+
+
+GEMM_KERNELS = ("gemv", "tiled")
+
+
 def gemm(
     x: torch.Tensor,
     w: W4A16Weight,
     *,
+    kernel: str | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
     split_k: int | None = None,
@@ -476,17 +605,34 @@ def gemm(
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` BF16 x packed weight ``[N, K]`` -> ``[M, N]`` BF16 (module docstring).
 
-    Above ``fused_max_m`` rows (``tuning.json`` ``w4a16_dispatch.dense``) the product is cuBLAS over
-    the BF16 weight decoded by ``dequantize_bf16`` (many rows: compute bound, where decoding each weight
-    tile once per row tile costs more than one decode pass). Launch config of the fused kernel:
-    ``w4a16_gemm.n{N}_k{K}_{bucket}`` if present, else ``w4a16_gemm.{bucket}`` (``m_bucket``); explicit
-    arguments override it. ``split_k`` None or 0 (in the call or the table) picks one with ``split_for``."""
+    ``kernel`` None dispatches on M (``tuning.json`` ``w4a16_dispatch.dense``): at most ``gemv_max_m``
+    rows the GEMV kernel (``_gemv_kernel``: fp32 FMAs, no tensor cores; launch config
+    ``w4a16_gemv.small``), then up to ``fused_max_m`` rows the tiled kernel (``_gemm_kernel``:
+    ``tl.dot``), above it cuBLAS over the BF16 weight decoded by ``dequantize_bf16`` (many rows: compute
+    bound, where decoding each weight tile once per row tile costs more than one decode pass).
+    ``kernel`` "gemv" or "tiled" runs that kernel at any M (the benchmark's side-by-side timing).
+    Launch config of the tiled kernel: ``w4a16_gemm.n{N}_k{K}_{bucket}`` if present, else
+    ``w4a16_gemm.{bucket}`` (``m_bucket``); explicit arguments override either table. ``split_k`` None
+    or 0 (in the call or the table) picks one with ``split_for`` (tiled) or ``gemv_split_for`` (GEMV).
+
+    Both kernels multiply the same BF16 weights (``dequantize``, bit for bit) with the BF16 activations:
+    each product of two BF16 values is exact in fp32 (8 + 8 significant bits fit in 24; barring fp32
+    under- or overflow), so the kernels differ from ``gemm_reference`` and from each other only in the
+    order of the fp32 sums; the output is rounded once (RNE) to BF16."""
     _require_triton()
     _check_x(x, w, "w4a16.gemm", experts=False)
+    if kernel not in (None, *GEMM_KERNELS):
+        raise ValueError(f"w4a16.gemm: kernel must be None (dispatch on M) or one of {GEMM_KERNELS}, got {kernel!r}")
     x = x.contiguous()
     m, k, n = x.shape[0], w.k, w.n
-    if m > (fused_max_m if fused_max_m is not None else tuning.config("w4a16_dispatch", "dense")["fused_max_m"]):
-        return x @ dequantize_bf16(w).T
+    dispatch = tuning.config("w4a16_dispatch", "dense")
+    if kernel is None:
+        if m > (fused_max_m if fused_max_m is not None else dispatch["fused_max_m"]):
+            return x @ dequantize_bf16(w).T
+        kernel = "gemv" if m <= dispatch["gemv_max_m"] else "tiled"
+    if kernel == "gemv":
+        return _gemv(x, w, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
+                     num_stages=num_stages)  # fmt: skip
     mb = m_bucket(m)
     case = f"n{n}_k{k}_{mb}" if f"n{n}_k{k}_{mb}" in tuning.table()["w4a16_gemm"] else mb
     d = _cfg("w4a16_gemm", case, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
@@ -500,6 +646,32 @@ def gemm(
         return out
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     _gemm_kernel[grid](
+        x, w.codes, w.scales, w.global_scale, out, ws, m, n, k, w.codes.shape[-3], x.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=k % bk == 0, INTERP=interpreted(x),
+        num_warps=d["num_warps"], num_stages=d["num_stages"],
+    )  # fmt: skip
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](ws, out, m * n, SPLIT_K=split, BLOCK=block, num_warps=4)
+    return out
+
+
+def _gemv(x: torch.Tensor, w: W4A16Weight, **explicit) -> torch.Tensor:
+    """``gemm`` by ``_gemv_kernel`` (launch config ``w4a16_gemv.small`` with ``explicit`` on top): up to 16
+    rows per program (``BLOCK_M``, the next power of two of M)."""
+    m, k, n = x.shape[0], w.k, w.n
+    if x.data_ptr() % 16:
+        x = x.clone()  # the kernel reads x in 8-byte words
+    d = _cfg("w4a16_gemv", "small", **{a: v for a, v in explicit.items() if a != "split_k"})
+    bn, bk = d["block_n"], min(d["block_k"], _padded_k(k))
+    bm = min(16, triton.next_power_of_2(max(m, 1)))
+    split = explicit.get("split_k") or d["split_k"] or gemv_split_for(n, k, bn, bk)
+    split = max(1, min(split, -(-k // bk)))
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    _gemv_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, bm))](
         x, w.codes, w.scales, w.global_scale, out, ws, m, n, k, w.codes.shape[-3], x.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=k % bk == 0, INTERP=interpreted(x),
         num_warps=d["num_warps"], num_stages=d["num_stages"],
