@@ -650,9 +650,16 @@ def gemm(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=k % bk == 0, INTERP=interpreted(x),
         num_warps=d["num_warps"], num_stages=d["num_stages"],
     )  # fmt: skip
+    return _sum_splits(ws, out, split)
+
+
+def _sum_splits(ws: torch.Tensor, out: torch.Tensor, split: int) -> torch.Tensor:
+    """``out`` = the sum of the ``split`` fp32 partials ``ws`` ``[split, M, N]`` in split order (BF16 once);
+    ``out`` itself when there was one split (the kernel wrote it)."""
     if split > 1:
         block = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, block),)](ws, out, m * n, SPLIT_K=split, BLOCK=block, num_warps=4)
+        _split_sum_kernel[(triton.cdiv(out.numel(), block),)](ws, out, out.numel(), SPLIT_K=split, BLOCK=block,
+                                                               num_warps=4)
     return out
 
 
@@ -676,10 +683,7 @@ def _gemv(x: torch.Tensor, w: W4A16Weight, **explicit) -> torch.Tensor:
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=k % bk == 0, INTERP=interpreted(x),
         num_warps=d["num_warps"], num_stages=d["num_stages"],
     )  # fmt: skip
-    if split > 1:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, block),)](ws, out, m * n, SPLIT_K=split, BLOCK=block, num_warps=4)
-    return out
+    return _sum_splits(ws, out, split)
 
 
 def grouped_block_m(rows: int, experts: int) -> int:
@@ -755,10 +759,7 @@ def grouped_gemm(
         BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, BLOCK_K=bk, EVEN_K=k % bk == 0, INTERP=interpreted(x),
         num_warps=d["num_warps"], num_stages=d["num_stages"],
     )  # fmt: skip
-    if split > 1:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(t * n, block),)](ws, out, t * n, SPLIT_K=split, BLOCK=block, num_warps=4)
-    return out
+    return _sum_splits(ws, out, split)
 
 
 def dequantize_bf16(w: W4A16Weight, *, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
