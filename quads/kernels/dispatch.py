@@ -16,7 +16,6 @@ W4A4 GEMM and fused-RAC kernels that only tests and benchmarks call live in ``qu
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 
 import torch
@@ -28,11 +27,10 @@ from quads.kernels._common import HAS_TRITON, interpreter_on
 BACKENDS = ("auto", "triton", "reference")
 
 _default = ["auto"]  # the process's backend (set_backend, from the run's config)
-_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("quads_kernels", default=None)
-# The innermost open ``kernels()`` block of the process, as a plain list that torch.compile can read:
-# Dynamo cannot trace ``ContextVar.get`` (it would skip the whole compiled decode step), but it reads
-# a list item as a constant and guards on it, so a compiled function recompiles when the backend changes.
-_compiled_view: list[str | None] = [None]
+# The innermost open ``kernels()`` block of the process. Plain lists, not a ContextVar: torch.compile
+# reads a list item as a constant and guards on it (a compiled function recompiles when the backend
+# changes), where a ``ContextVar.get`` is untraceable (Dynamo would skip the whole compiled decode step).
+_block: list[str | None] = [None]
 
 
 def _check(name: str) -> str:
@@ -42,11 +40,8 @@ def _check(name: str) -> str:
 
 
 def backend() -> str:
-    """The active backend name (the innermost ``kernels()`` block, else the process's ``set_backend``).
-    Under ``torch.compile`` the block is read from the process-wide view of it (one thread compiles)."""
-    if torch.compiler.is_compiling():
-        return _compiled_view[0] or _default[0]
-    return _override.get() or _default[0]
+    """The active backend name (the innermost ``kernels()`` block, else the process's ``set_backend``)."""
+    return _block[0] or _default[0]
 
 
 def set_backend(name: str) -> None:
@@ -57,13 +52,11 @@ def set_backend(name: str) -> None:
 @contextlib.contextmanager
 def kernels(name: str) -> Iterator[None]:
     """``with kernels("reference"):`` forces a backend inside the block."""
-    tok = _override.set(_check(name))
-    outer, _compiled_view[0] = _compiled_view[0], name
+    outer, _block[0] = _block[0], _check(name)
     try:
         yield
     finally:
-        _override.reset(tok)
-        _compiled_view[0] = outer
+        _block[0] = outer
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
