@@ -26,7 +26,8 @@
 #   MAX_NEW_TOKENS (400), PRESET (100m), SFT_STEPS, SFT_LR, SFT_BATCH, SFT_TRAIN_SIZE (default: CONFIG's
 #   warm_start.steps / lr / batch_size / train_size), SFT_EVAL (200: held-out prompts of the SFT's pass@1),
 #   EVAL_AT (empty: SFT steps at which pass@1 is also measured, e.g. 100,200,300), COMPUTE_DTYPE (auto),
-#   CKPT (skip the SFT: use this checkpoint), RECIPES (bf16,nvfp4,quads), SEEDS (0,1,2), STEPS (150: the
+#   CKPT (skip the SFT: use this checkpoint), PICK (a chain_warm_start.jsonl of scripts/chain_warm_start.sh: skip
+#   the SFT and take the swept warm start whose held-out pass@1 is in PICK_LO-PICK_HI (0.3-0.6), nearest the middle), RECIPES (bf16,nvfp4,quads), SEEDS (0,1,2), STEPS (150: the
 #   cap), EVAL_EVERY (10; 0: held-out evals at the start and the end only), EVAL_N (100: held-out prompts of the RL evals),
 #   CORRECTION (none), MINI_BATCHES (2), MARGIN_S (120: seconds kept after a run's time limit for the step in
 #   flight, its final held-out eval and checkpoint, and the report), EXTRA_SET (more TrainConfig overrides
@@ -83,6 +84,26 @@ S=$OUT/stage  # everything that comes back is packed from here into $OUT/results
   echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
 } | tee "$S/env.txt"
 
+if [ -z "${CKPT:-}" ] && [ -n "${PICK:-}" ]; then
+  # the warm start of a scripts/chain_warm_start.sh sweep whose held-out pass@1 is in [PICK_LO, PICK_HI],
+  # closest to their middle (else the one closest to the band), written to $S/pick.txt
+  CKPT=$($PY - "$PICK" "${PICK_LO:-0.3}" "${PICK_HI:-0.6}" <<'PY' | tee "$S/pick.txt" | sed -n 's/^checkpoint: //p'
+import json, sys
+lo, hi = float(sys.argv[2]), float(sys.argv[3])
+runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+runs = [r for r in runs if r.get("heldout_pass@1") is not None and r.get("outliers", {}).get("mode", "none") == "none"]
+if not runs:
+    raise SystemExit("no evaluated warm start in " + sys.argv[1])
+dist = lambda p: 0.0 if lo <= p <= hi else min(abs(p - lo), abs(p - hi))
+best = min(runs, key=lambda r: (dist(r["heldout_pass@1"]), abs(r["heldout_pass@1"] - (lo + hi) / 2)))
+for r in runs:
+    print(f"sweep: {r['steps']} SFT steps -> held-out pass@1 {r['heldout_pass@1']}")
+print(f"picked: {best['steps']} SFT steps, held-out pass@1 {best['heldout_pass@1']} (band {lo}-{hi})")
+print(f"checkpoint: {best['checkpoint']}")
+PY
+)
+  cat "$S/pick.txt"
+fi
 if [ -z "${CKPT:-}" ]; then
   echo "== 1. warm start: $PRESET on $TASK level $LEVEL, $SFT_STEPS SFT steps (lr $SFT_LR, batch $SFT_BATCH, compute $COMPUTE_DTYPE) at $(elapsed)s"
   $PY -m quads.cli pretrain --task "$TASK" --difficulty "$LEVEL" --preset "$PRESET" --steps "$SFT_STEPS" --lr "$SFT_LR" \
