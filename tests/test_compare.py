@@ -96,8 +96,8 @@ def test_compare_called_again_continues_time_limited_runs_exactly(checkpoint, tm
     """A compare whose runs stop at train.time_limit_s (here after every step), called again until done,
     ends with the metrics and weights of an uninterrupted compare: each call resumes from the checkpoint."""
     from quads.experiments.compare import compare
+    from quads.metrics.report import NONDETERMINISTIC
     from quads.model.checkpoint import load_checkpoint
-    from quads.rl.trainer import NONDETERMINISTIC
 
     s = _set(checkpoint).replace("steps=2", "steps=3") + ",log.save_every=0"
     straight = CompareConfig(recipes="quads", seeds="0", set=s, out_dir=str(tmp_path / "a"))

@@ -10,6 +10,7 @@ import torch
 from conftest import save_tiny_checkpoint
 
 from quads import tasks
+from quads.metrics.report import NONDETERMINISTIC
 from quads.model.checkpoint import load_checkpoint
 from quads.rl import checkpoint as ckpt_mod
 from quads.rl.config import (
@@ -21,7 +22,7 @@ from quads.rl.config import (
     TaskSection,
     TrainConfig,
 )
-from quads.rl.trainer import NONDETERMINISTIC, GRPOTrainer
+from quads.rl.trainer import GRPOTrainer
 from quads.tasks.base import Example, Score
 
 

@@ -4,15 +4,18 @@ markdown summary and PNG plots from ``metrics.jsonl``.
 
 Shared helpers: ``cell`` (a number in a table: ``n/a`` for NaN/None, ``yes``/``no`` for booleans),
 ``markdown_table``, ``write_markdown`` (sections joined by blank lines, atomic), ``json_safe`` (NaN ->
-null), ``finite_mean``, ``smooth``, ``series``; figures: ``pyplot`` (the Agg backend) and
-``save_figure`` (atomic PNG), with one drawing function per report figure (``plot_run_metrics``,
-``plot_compare``, ``plot_rac_gap``, ``plot_decomposition``, ``plot_layer_errors``).
+null), ``finite_mean``, ``smooth``, ``series``, ``nonfinite_keys``; figures: ``pyplot`` (the Agg backend)
+and ``save_figure`` (atomic PNG), with one drawing function per report figure (``plot_run_metrics``,
+``plot_compare``, ``plot_seed_bands``, ``plot_rac_gap``, ``plot_decomposition``, ``plot_layer_errors``).
 
 Run report (``write_report`` / ``write_compare_report``):
 
 ``metrics.jsonl`` holds one JSON object per line with an integer ``step`` and namespaced float metrics
 (``reward/mean``, ``eval/pass@1``, ``mismatch/...``, ``loss/...``); several lines may share a step (the
-trainer writes eval results in the same line as the step, but the loader merges by step anyway).
+trainer writes eval results in the same line as the step, but the loader merges by step anyway); a landed
+copy may be gzipped (``metrics.jsonl.gz``). The keys under ``NONDETERMINISTIC`` (wall-clock times and
+throughputs) differ between two identical runs; every other key of a resumed run equals the uninterrupted
+run's.
 
 Summary definitions (``summarize``):
 - rewards are smoothed with a trailing moving average over ``w = max(1, steps // 10)`` steps;
@@ -34,6 +37,7 @@ Summary definitions (``summarize``):
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -56,6 +60,7 @@ PLOTS: dict[str, tuple[tuple[str, ...], str]] = {
 COMPARE_PANELS = (("reward/mean", "reward (mean over samples)"), ("eval/pass@1", "held-out pass@1 (greedy)"),
                   ("mismatch/logp_gap_max", "gap max |logp_rollout - logp_train|"), ("mismatch/k3", "k3 KL"))
 _COLLAPSE_DROP = 0.1
+NONDETERMINISTIC = ("time/", "perf/")  # metric prefixes that differ between identical runs
 
 
 # ---------------------------------------------------------------------- numbers and tables
@@ -97,6 +102,14 @@ def finite_mean(xs: Iterable[Any]) -> float:
     """Mean of the finite numbers in ``xs``; NaN when there are none."""
     f = [x for x in xs if isinstance(x, int | float) and math.isfinite(x)]
     return sum(f) / len(f) if f else math.nan
+
+
+def nonfinite_keys(records: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The ``loss/*`` and ``mismatch/logp_gap*`` keys (not the ``_probe`` ones) that some record logged as
+    NaN or Inf, sorted: a diverged run."""
+    return sorted({k for r in records for k, v in r.items()
+                   if (k.startswith("loss/") or k.startswith("mismatch/logp_gap")) and isinstance(v, float)
+                   and not math.isfinite(v) and not k.endswith("_probe")})
 
 
 def cell(v: Any, fmt: str = "{}") -> str:
@@ -210,6 +223,52 @@ def plot_compare(curves: Mapping[str, Mapping[str, tuple[list[int], list[float]]
     return save_figure(fig, path)
 
 
+def seed_band(seeds: Sequence[tuple[list[int], list[float]]]) -> tuple[list[int], list[float], list[float],
+                                                                       list[float]]:
+    """(steps, mean, min, max) over ``seeds`` (each a ``(steps, values)`` curve) at the steps where every
+    seed has a finite value."""
+    vals = [{x: y for x, y in zip(xs, ys) if math.isfinite(y)} for xs, ys in seeds]
+    common = sorted(set.intersection(*(set(v) for v in vals))) if vals else []
+    cols = [[v[x] for v in vals] for x in common]
+    return common, [sum(c) / len(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols]
+
+
+def plot_seed_bands(curves: Mapping[str, Mapping[str, Sequence[tuple[list[int], list[float]]]]],
+                    panels: Sequence[tuple[str, str, str]], path: Path,
+                    marks: Mapping[str, Sequence[tuple[int, float]]] | None = None) -> Path:
+    """One panel per ``(key, title, y scale)`` in ``panels`` (scale ``linear``: from 0; ``log``: when every
+    value is positive), side by side; per recipe a line of the mean over its seeds with the min-max band
+    shaded (``seed_band``: the steps every seed logged) and each seed's own curve thin (so a seed that ran
+    longer still shows); ``curves[recipe][key]`` = the seeds' ``(steps, values)``. ``marks[recipe]`` =
+    ``(step, value)`` points drawn as crosses on the first panel (e.g. collapse onsets)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
+    for recipe, by_key in curves.items():
+        color = None
+        for ax, (key, title, _) in zip(axes[0], panels):
+            seeds = by_key.get(key, [])
+            xs, mean, lo, hi = seed_band(seeds)
+            line = ax.plot(xs, mean, color=color, lw=2, label=f"{recipe} (mean of {len(seeds)})")[0]
+            color = line.get_color()
+            ax.fill_between(xs, lo, hi, color=color, alpha=0.2, lw=0)
+            for sx, sy in seeds:
+                ax.plot(sx, sy, color=color, lw=0.6, alpha=0.5)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        for step, value in (marks or {}).get(recipe, []):
+            axes[0][0].plot([step], [value], marker="x", ms=9, mew=2, color=color, ls="none")
+    for ax, (key, _, scale) in zip(axes[0], panels):
+        ys = [y for by_key in curves.values() for _, sy in by_key.get(key, []) for y in sy if math.isfinite(y)]
+        if scale == "log" and ys and min(ys) > 0:
+            ax.set_yscale("log")
+        elif ys and min(ys) >= 0:
+            ax.set_ylim(bottom=0)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
 def plot_rac_gap(by_trainer: Mapping[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]], path: Path) -> Path:
     """Gap max and mean against the RAC ratio, a line per trainer, its same-spec floor rows dashed;
     ``by_trainer[trainer] = (RAC rows sorted by ratio, floor rows)`` (rows of ``quads diagnose``)."""
@@ -272,14 +331,17 @@ def plot_layer_errors(errors: Mapping[str, Mapping[str, float]], trainer: str, p
 
 
 def load_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Records of ``metrics.jsonl`` merged by step, sorted by step; a torn last line is skipped."""
+    """Records of ``metrics.jsonl`` (or a gzipped ``metrics.jsonl.gz``) merged by step, sorted by step; a
+    torn last line is skipped. ``path``: the file or its run folder."""
     path = Path(path)
     if path.is_dir():
-        path = path / "metrics.jsonl"
+        path = path / "metrics.jsonl" if (path / "metrics.jsonl").is_file() or not (
+            path / "metrics.jsonl.gz").is_file() else path / "metrics.jsonl.gz"
     if not path.is_file():
         raise ValueError(f"no metrics file at {str(path)!r}; pass a run folder that has metrics.jsonl")
     by_step: dict[int, dict[str, Any]] = {}
-    lines = path.read_text().splitlines()
+    raw = path.read_bytes()
+    lines = (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode().splitlines()
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -329,11 +391,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         reasons.append(f"reward fell from {s['reward_best']:.3f} (best) to {s['reward_final']:.3f}")
     if len(ev) >= 2 and s["eval_end"] <= s["eval_start"] - _COLLAPSE_DROP:
         reasons.append(f"held-out pass@1 fell from {s['eval_start']:.3f} to {s['eval_end']:.3f}")
-    bad = [k for r in records for k, v in r.items()
-           if (k.startswith("loss/") or k.startswith("mismatch/logp_gap")) and isinstance(v, float)
-           and not math.isfinite(v) and not k.endswith("_probe")]
+    bad = nonfinite_keys(records)
     if bad:
-        reasons.append(f"non-finite values in {sorted(set(bad))}")
+        reasons.append(f"non-finite values in {bad}")
     s["collapse"] = bool(reasons)
     s["collapse_reason"] = "; ".join(reasons) if reasons else "none"
     return s

@@ -64,7 +64,6 @@ from quads.tasks import examples_up_to
 # config fields that may differ when resuming (they do not change what the next steps compute)
 RESUMABLE_CHANGES = ("resume", "steps", "log", "guard", "device", "threads", "out_dir", "eval_every", "eval_n",
                      "time_limit_s", "kernels", "dist_timeout_s")
-NONDETERMINISTIC = ("time/", "perf/")  # metric prefixes that differ between identical runs
 
 
 class GuardError(RuntimeError):
