@@ -36,12 +36,15 @@ PY=${PY:-python3}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+# the GPUs this script may use: CUDA_VISIBLE_DEVICES's entries when it is set (a caller keeping other GPUs
+# free), else 0..NGPU-1
+IFS=, read -r -a GPUS <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $(( NGPU > 0 ? NGPU - 1 : 0 )))}"
 common=(--task arithmetic --difficulty 8 --preset "$PRESET" --lr "$LR" --batch-size "$BATCH" --eval-size "$EVAL"
         --max-new-tokens 400 --device "$DEVICE" --cache-dir "$WARM_DIR" --progress false --compute-dtype "$COMPUTE_DTYPE")
 pids=()
 i=0
 for steps in ${STEPS_LIST//,/ }; do
-  gpu=$(( NGPU > 0 ? i % NGPU : 0 ))
+  gpu=${GPUS[$(( NGPU > 0 ? i % NGPU : 0 ))]}
   at=$(echo "${EVAL_AT//,/ }" | tr ' ' '\n' | awk -v s="$steps" 'NF && $1 < s' | paste -sd, -)  # EVAL_AT below this count
   CUDA_VISIBLE_DEVICES=$gpu $PY -m quads.cli pretrain "${common[@]}" --steps "$steps" ${at:+--eval-at "$at"} \
     > "$OUT/pretrain_$steps.log" 2>&1 &
