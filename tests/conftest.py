@@ -121,6 +121,26 @@ class EchoTask:
 
 
 @pytest.fixture
+def reference_quantizer(monkeypatch):
+    """Without a GPU: ``quads.quant.ops.nvfp4_quantize`` (a layer's weight and activation quantizer) on the
+    reference backend even inside ``dispatch.kernels("triton")``. Its Triton twin gives the same bits
+    (tests/test_kernels.py checks them), so a test of something else on the Triton backend (the GEMM
+    kernels, the stores a layer keeps) skips the interpreter's slow run of the quantizer. On CUDA, unchanged."""
+    if torch.cuda.is_available():
+        return
+    from quads.kernels import dispatch
+    from quads.quant import ops
+
+    quantize = ops.nvfp4_quantize
+
+    def reference_quantize(x, **opts):
+        with dispatch.kernels("reference"):
+            return quantize(x, **opts)
+
+    monkeypatch.setattr(ops, "nvfp4_quantize", reference_quantize)
+
+
+@pytest.fixture
 def echo_task(monkeypatch):
     """Registers ``EchoTask`` as task ``echo`` for one test."""
     from quads import tasks

@@ -92,7 +92,7 @@ def test_trainer_compile_flag_parses():
         on_off("yes", "--trainer-compile")
 
 
-def test_operand_bytes_count_the_packed_weights():
+def test_operand_bytes_count_the_packed_weights(reference_quantizer):
     """W4A4+RAC rollout layers on the Triton backend hold the packed NVFP4 layout (0.5 + 1/16 bytes per
     weight, K padded to 64, 4 bytes of global scale per expert), on the reference backend the BF16 QDQ(W)."""
     pytest.importorskip("triton")

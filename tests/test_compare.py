@@ -3,6 +3,7 @@ reported, not fatal; the report has every column filled."""
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,9 @@ def test_compare_called_again_continues_time_limited_runs_exactly(checkpoint, tm
     assert compare(straight, say=lambda m: None)[1][0].ok
     limited = dataclasses.replace(straight, set=s + ",time_limit_s=1e-9", out_dir=str(tmp_path / "b"))
     said = []
-    starts = [compare(limited, say=said.append)[1][0] for _ in range(4)]
+    starts = [compare(limited, say=said.append)[1][0]]
+    shutil.copytree(tmp_path / "b" / "runs", tmp_path / "c" / "runs")  # an unfinished run, for resume=false below
+    starts += [compare(limited, say=said.append)[1][0] for _ in range(3)]
     assert [o.ok for o in starts] == [True] * 4
     assert [o.resumed_from for o in starts[:3]] == [None, 1, 2] and starts[3].reused
     assert any("continuing the unfinished run" in m and "step-2 checkpoint" in m for m in said)
@@ -119,10 +122,9 @@ def test_compare_called_again_continues_time_limited_runs_exactly(checkpoint, tm
     pb, _ = load_checkpoint(tmp_path / "b" / "runs" / "quads-s0" / "policy")
     for (n, x), (_, y) in zip(pa.named_parameters(), pb.named_parameters()):
         assert torch.equal(x, y), n
-    # resume=false starts an unfinished run again from step 0
-    again = dataclasses.replace(limited, out_dir=str(tmp_path / "c"))
-    compare(again, say=lambda m: None)
-    o = compare(dataclasses.replace(again, resume=False), say=lambda m: None)[1][0]
+    # resume=false starts an unfinished run (stopped after step 1, copied above) again from step 0
+    again = dataclasses.replace(limited, out_dir=str(tmp_path / "c"), resume=False)
+    o = compare(again, say=lambda m: None)[1][0]
     assert o.resumed_from is None and [r["step"] for r in load_metrics(tmp_path / "c" / "runs" / "quads-s0")] == [0, 1]
 
 
@@ -135,8 +137,6 @@ def test_cli(checkpoint, tmp_path, capsys):
     assert "| w4a16-qat | 1/1 |" in capsys.readouterr().out
     assert (out / "runs" / "w4a16-qat-s3" / "metrics.jsonl").is_file()
     # --report-only rebuilds the report from the runs on disk (policies and checkpoints may be gone)
-    import shutil
-
     shutil.rmtree(out / "runs" / "w4a16-qat-s3" / "policy")
     (out / "compare.md").unlink()
     rc = main(["compare", "--recipes", "w4a16-qat,bf16", "--seeds", "3", "--out-dir", str(out), "--report-only", "true"])
@@ -180,8 +180,6 @@ def test_cuda_runs_spread_over_gpus(checkpoint, tmp_path, monkeypatch):
 
 def test_committed_report_is_what_the_report_module_writes(tmp_path, capsys):
     """``--report-only`` on a committed compare (results/cpu/compare-lr2e-4) rewrites its compare.md as committed."""
-    import shutil
-
     src = Path(__file__).resolve().parents[1] / "results" / "cpu" / "compare-lr2e-4"
     shutil.copytree(src, tmp_path / "c")
     rc = main(["compare", "--recipes", "bf16,fp8,nvfp4,w4a16-qat,w4a4-qat,quads", "--seeds", "0,1", "--out-dir",

@@ -117,10 +117,10 @@ def test_pack_refuses_what_it_cannot_hold():
 @pytest.mark.parametrize("kernel", [None, "gemv"])
 def test_kernel_decode_bit_exact(kernel):
     """The kernel's decode, isolated: x = identity rows, so y = the decoded weight's columns exactly
-    (each output is one product x_k * w_k plus exact zeros; a -0.0 weight sums to +0.0). 192 rows:
-    cuBLAS over ``dequantize_bf16`` by default, the GEMV kernel's FMAs in 12 M tiles when asked."""
-    q = _weight((32, 192))
-    y = w4a16.gemm(torch.eye(192, dtype=torch.bfloat16, device=DEV), w4a16.pack(q), kernel=kernel)
+    (each output is one product x_k * w_k plus exact zeros; a -0.0 weight sums to +0.0). 128 rows:
+    cuBLAS over ``dequantize_bf16`` by default, the GEMV kernel's FMAs in 8 M tiles (2 K tiles) when asked."""
+    q = _weight((32, 128))
+    y = w4a16.gemm(torch.eye(128, dtype=torch.bfloat16, device=DEV), w4a16.pack(q), kernel=kernel)
     want = nvfp4.dequantize(q, torch.bfloat16).T + 0.0
     assert torch.equal(y.view(torch.int16), want.contiguous().view(torch.int16))
 
@@ -275,7 +275,8 @@ def test_gemm_dispatches_small_m_to_the_gemv_kernel(monkeypatch):
 
 @pytest.mark.parametrize("kernel", ["gemv", "tiled"])
 def test_gemm_split_k_is_deterministic_and_nan_reaches_its_column(kernel):
-    q = _weight((64, 512))
+    """4 splits of 2 K tiles each; a NaN block scale of row 3 makes column 3 NaN, and only it."""
+    q = _weight((32, 512))
     q.scales.view(torch.uint8)[3, 2] = 0x7F
     p = w4a16.pack(q)
     x = _x(3, 512)
@@ -381,20 +382,10 @@ def _rollout_layers(kernels: str):
     return lin, ql, qe
 
 
-def test_rollout_layers_on_the_kernel_path(monkeypatch):
+def test_rollout_layers_on_the_kernel_path(reference_quantizer):
     """QuantizedLinear / QuantizedExperts (rollout, W4A16): the kernel path keeps only the packed
     weight and gives the reference path's result; a refresh after a master update changes the packed
     tensors in place and the output follows."""
-    from quads.quant import ops
-
-    if not HAS_CUDA:  # the quantizer's Triton twin is checked bit for bit in test_kernels.py; here its
-        quantize = ops.nvfp4_quantize  # reference keeps the interpreter run short
-
-        def reference_quantize(x, **opts):
-            with dispatch.kernels("reference"):
-                return quantize(x, **opts)
-
-        monkeypatch.setattr(ops, "nvfp4_quantize", reference_quantize)
     lin, ql, qe = _rollout_layers("triton")
     st = ql.stores["weight"]
     assert st.kernel is not None and st.w_q is None, "the kernel path keeps no BF16 copy"
@@ -438,7 +429,7 @@ def test_rollout_layers_on_the_kernel_path(monkeypatch):
     assert not torch.equal(y2, y)
 
 
-def test_packed_weights_by_spec():
+def test_packed_weights_by_spec(reference_quantizer):
     """Which rollout specs keep only the packed weight on the kernel path: W4A16 and canonical W4A4(+RAC);
     not the mismatch amplifier (its GEMM forms the amplified weight from the dense QDQ(W)), not FP32 weights,
     not the trainer side."""
@@ -467,13 +458,12 @@ def test_packed_weights_by_spec():
 
 
 @pytest.mark.parametrize("rollout", ["w4a16", "w4a4+rac50-static"])
-def test_weight_sync_verifies_the_packed_weights(rollout, monkeypatch):
+def test_weight_sync_verifies_the_packed_weights(rollout, reference_quantizer):
     """sync_weights into a rollout model on the kernel path (W4A16, and W4A4+RAC whose factored GEMM
     reads the packed weight too): the fingerprints (taken of the weight decoded from the packed bytes)
     match the trainer's QDQ weights, the packed tensors are updated in place (a captured graph reads
     them), and a corrupted packed byte is caught."""
     from quads.model import ModelConfig, MoEForCausalLM
-    from quads.quant import ops
     from quads.quant.apply import quantize_model
     from quads.quant.recipe import LinearSpec, Recipe
     from quads.quant.sync import LocalWeights, ReplicaTarget, WeightSync, WeightSyncError, sync_weights
@@ -482,14 +472,6 @@ def test_weight_sync_verifies_the_packed_weights(rollout, monkeypatch):
         def commit(self, source):
             return 0
 
-    if not HAS_CUDA:
-        quantize = ops.nvfp4_quantize
-
-        def reference_quantize(x, **opts):
-            with dispatch.kernels("reference"):
-                return quantize(x, **opts)
-
-        monkeypatch.setattr(ops, "nvfp4_quantize", reference_quantize)
     cfg = dict(vocab_size=64, hidden_size=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32, n_experts=4,
                top_k=2, moe_intermediate_size=32, max_seq_len=32, dtype="bfloat16")
     rspec = LinearSpec.of(weight="nvfp4") if rollout == "w4a16" else LinearSpec.of(

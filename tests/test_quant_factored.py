@@ -260,11 +260,13 @@ def _fused_matches_reference(x, segs, n, per_token, dtype=torch.bfloat16):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
-@pytest.mark.parametrize("k", [64, 256, 1024], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("k", [64, 256, 512], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
 def test_fused_rac_operands_bit_exact(k, per_token):
     """rac_select's kernels (interpreter on the CPU) against the reference path: u, g and the channel
-    sets byte for byte, with exact norm ties, a group of no rows, masked rows (group G) and n = K/2, K."""
+    sets byte for byte, with exact norm ties, a group of no rows, masked rows (group G) and n = K/2, K.
+    K = 512 is four channel blocks of 128: the middle ones run all three loops of the rank kernel (channels
+    before, inside and after the block); the 1024-wide decode shapes run on CUDA (test_quant_factored_gpu)."""
     x, segs = _rac_rows(k, k, [5, 0, 7], masked=3)
     for n in (k // 2, k):
         want = _fused_matches_reference(x, segs, n, per_token)
