@@ -81,6 +81,7 @@ def test_trainer_forward_has_no_graph_break(recipe, pad, route, monkeypatch):
         monkeypatch.setattr(gemm, "native_bf16_gemm", lambda: False)
     model, batch = _model(recipe), _batch(pad=pad)
     compiled.refresh_stale(model)  # what CompiledForward does before the region
+    gemm.mark_compile_constants()  # and before compiling it
     mask = batch.attention_mask if pad else None
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ex = torch._dynamo.explain(policy_forward)(model, batch.input_ids, mask, None, None, batch.response_mask,

@@ -21,14 +21,19 @@ import torch.nn.functional as F
 from torch import nn
 
 
-@torch.compiler.assume_constant_result
 def native_bf16_gemm() -> bool:
     """Whether torch's CPU BF16 GEMM runs on oneDNN (native BF16 arithmetic) rather than its slow fallback.
 
     A property of the process: ``torch.compile`` reads it once while tracing and keeps the answer as a
-    constant (the probe returns a Python bool, which a graph cannot hold). Only CPU GEMMs ask it
-    (``fp32_route`` answers False for CUDA tensors before calling it)."""
+    constant (the probe returns a Python bool, which a graph cannot hold; ``mark_compile_constants``).
+    Only CPU GEMMs ask it (``fp32_route`` answers False for CUDA tensors before calling it)."""
     return _probe_native_bf16()
+
+
+def mark_compile_constants() -> None:
+    """Mark ``native_bf16_gemm`` as a compile-time constant for ``torch.compile``; called where quads
+    compiles, not at import: the marker loads ``torch._dynamo`` (~3 s of CPU per process)."""
+    torch.compiler.assume_constant_result(native_bf16_gemm)
 
 
 @functools.cache

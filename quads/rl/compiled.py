@@ -34,6 +34,7 @@ from typing import Literal
 
 import torch
 
+from quads.model import gemm
 from quads.quant.layers import refresh_stale
 from quads.rl.logprobs import policy_forward
 
@@ -64,6 +65,7 @@ class CompiledForward:
 
     def __init__(self, backend: str = "inductor", *, fullgraph: bool = False) -> None:
         self.backend = backend
+        gemm.mark_compile_constants()
         self.fn = torch.compile(policy_forward, backend=backend, fullgraph=fullgraph, dynamic=None)
 
     def __call__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from quads.model import gemm
 from quads.model.attention import StaticKVCache
 
 CACHE_BUCKET = 128  # cache lengths are multiples of this (a graph per bucket, not per prompt width)
@@ -76,6 +77,7 @@ def _compiled_step(model: torch.nn.Module):
     compiled code; a new batch size or cache length is a new static shape, compiled once)."""
     fn = getattr(model, "_quads_compiled_decode_step", None)
     if fn is None:
+        gemm.mark_compile_constants()
         fn = torch.compile(model.decode_step, dynamic=False, fullgraph=False)
         object.__setattr__(model, "_quads_compiled_decode_step", fn)  # not an nn.Module attribute
     return fn
