@@ -44,6 +44,36 @@ def test_plan_same_config_but_recipe_seed_out_dir(checkpoint, tmp_path):
     assert isinstance(base.task.difficulty, int)  # the default level is pinned once for every run
 
 
+def test_variants_sweep_one_setting_per_run_group(checkpoint, tmp_path):
+    cfg = CompareConfig(recipes="bf16,nvfp4", seeds="0,1", set=_set(checkpoint), out_dir=str(tmp_path),
+                        variants="optim.lr=5e-6; optim.lr=2e-5,optim.warmup_steps=4")
+    base = base_train_config(cfg)
+    runs = dict(plan_runs(cfg, base))
+    assert list(runs) == [f"{r}-{t}-s{s}" for r in ("bf16", "nvfp4") for t in ("lr5e-6", "lr2e-5-warmup_steps4")
+                          for s in (0, 1)]
+    assert runs["nvfp4-lr5e-6-s1"].optim.lr == 5e-6 and runs["nvfp4-lr5e-6-s1"].optim.warmup_steps == 0
+    assert runs["bf16-lr2e-5-warmup_steps4-s0"].optim.lr == 2e-5
+    assert runs["bf16-lr2e-5-warmup_steps4-s0"].optim.warmup_steps == 4
+    assert runs["nvfp4-lr5e-6-s1"].recipe.name == "nvfp4" and runs["nvfp4-lr5e-6-s1"].seed == 1
+    # the variant's setting is the only difference from the shared config
+    strip = [dataclasses.replace(tc, recipe=base.recipe, seed=0, out_dir=None, optim=base.optim)
+             for tc in runs.values()]
+    assert all(s == strip[0] for s in strip) and strip[0].steps == 2
+    # one held-out set for every seed: task.eval_seed pinned to the base seed
+    assert {tc.task.eval_seed for tc in runs.values()} == {0}
+    with pytest.raises(ValueError, match="variants: lr-1: optim.lr must be > 0"):  # every variant checked before any warm start
+        base_train_config(dataclasses.replace(cfg, variants="optim.lr=-1"))
+
+
+def test_bad_variants():
+    for bad, match in (("seed=3", "cannot vary"), ("warm_start.steps=5", "cannot vary"),
+                       ("model.checkpoint=x", "cannot vary"), ("task.dataset=a/b.jsonl", "run-name tag"),
+                       ("optim.lr=1e-5;optim.lr=1e-5", "same tag"), ("optim.lr", "key=value")):
+        with pytest.raises(ValueError, match=match):
+            CompareConfig(recipes="bf16", variants=bad)
+    assert CompareConfig(recipes="bf16", variants=" ; ").groups() == [("bf16", "bf16", {})]
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="unknown recipe"):
         CompareConfig(recipes="bf16,nvfp5")
