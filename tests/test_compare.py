@@ -218,3 +218,27 @@ def test_committed_report_is_what_the_report_module_writes(tmp_path, capsys):
                str(tmp_path / "c"), "--report-only", "true"])
     assert rc == 0
     assert (tmp_path / "c" / "compare.md").read_text() == (src / "compare.md").read_text()
+
+
+def test_report_only_groups_the_runs_of_each_variant(tmp_path):
+    """``--report-only`` with ``variants`` finds the runs ``<recipe>-<tag>-s<seed>`` and reports one row per group."""
+    from quads.config import save_config
+    from quads.experiments.compare import compare
+    from quads.rl.config import TrainConfig
+
+    out = tmp_path / "cmp"
+    for tag, lr, rewards in (("lr5e-6", 5e-6, [0.1, 0.2]), ("lr2e-5", 2e-5, [0.3, 0.5])):
+        for seed in (0, 1):
+            run = out / "runs" / f"bf16-{tag}-s{seed}"
+            run.mkdir(parents=True)
+            cfg = TrainConfig(steps=2, seed=seed)
+            save_config(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=lr)), run / "config.yaml")
+            recs = [{"step": 0, "eval/pass@1": 0.4}] + [{"step": i + 1, "reward/mean": r} for i, r in enumerate(rewards)]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = CompareConfig(recipes="bf16", seeds="0,1", variants="optim.lr=5e-6;optim.lr=2e-5", out_dir=str(out),
+                        report_only=True)
+    _, outcomes = compare(cfg, say=lambda s: None)
+    assert [o.label for o in outcomes] == ["bf16-lr5e-6"] * 2 + ["bf16-lr2e-5"] * 2 and all(o.ok for o in outcomes)
+    md = (out / "compare.md").read_text()
+    assert "| bf16-lr5e-6 | 2/2 | 2 |" in md and "| bf16-lr2e-5 | 2/2 | 2 |" in md, md
+    assert "Variants (one row per recipe x variant" in md
