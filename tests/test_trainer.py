@@ -348,3 +348,21 @@ def test_a_fixed_heldout_set_shares_no_prompt_with_the_run_seeds_training_prompt
     assert not set(held) & {e.prompt for e in task.examples("train", 4000)}
     with pytest.raises(ValueError, match="task.eval_seed applies to generated tasks only"):
         TaskSection(name="dataset", dataset="x.jsonl", eval_seed=0)
+
+
+@pytest.mark.parametrize("warmup", [0, 4])
+def test_the_first_adamw_step_moves_every_weight_by_lr_unless_warmed_up(tmp_path, digits_task, warmup):
+    """AdamW's bias-corrected first update is lr * g / |g|: every weight with a gradient moves by the full lr
+    whatever its gradient's size (the start-of-RL shock of docs/TRAINING.md); optim.warmup_steps W scales
+    the first step to lr / W."""
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    cfg = tiny_config(tmp_path, ckpt, optim=OptimSection(lr=1e-3, warmup_steps=warmup), steps=1)
+    t = GRPOTrainer(cfg, quiet=True)
+    t.setup()
+    before = [p.detach().clone() for p in t.params]
+    t.step(1)
+    moved = torch.cat([(p.detach() - b).abs().flatten() for p, b in zip(t.params, before)])
+    moved = moved[moved > 0]
+    assert moved.numel() > 1000
+    lr = 1e-3 / (warmup or 1)
+    assert moved.median().item() == pytest.approx(lr, rel=1e-2) and moved.max().item() <= lr * 1.001
