@@ -5,9 +5,10 @@
 #      cap), SFT_STEPS steps with the BF16 compute path (PretrainConfig.compute_dtype auto: BF16 autocast
 #      over FP32 master weights on CUDA, the experts' grouped GEMMs), its held-out greedy pass@1 on
 #      SFT_EVAL prompts (and at the EVAL_AT steps, if given) in $OUT/pretrain.log;
-#   2. quads compare: RECIPES x SEEDS (bf16,nvfp4,quads x 0,1,2: 9 runs) all in parallel on that GPU, from
-#      that checkpoint, with CONFIG's settings (configs/chain_100m.yaml: 16 prompts x 8 samples, 400 new
-#      tokens, lr 2e-5, temperature 1); every run stops at train.time_limit_s (sized so that all end
+#   2. quads compare: RECIPES x SEEDS (bf16,nvfp4,quads x 0,1,2: 9 runs), x the VARIANTS (or LRS) when given,
+#      all in parallel, spread over the visible GPUs, from that checkpoint, with CONFIG's settings
+#      (configs/chain_100m.yaml: 16 prompts x 8 samples, 400 new tokens, lr 2e-5, temperature 1, 200 held-out
+#      prompts of the fixed task.eval_seed 0); every run stops at train.time_limit_s (sized so that all end
 #      before BUDGET_S seconds after the script's start) after a held-out eval, with its per-step metrics;
 #   3. $OUT/results.tar.gz: per run metrics.jsonl, config.yaml and log, the compare report, the pretrain
 #      log and the plan (no weights: at most 64 MiB come back from a call).
@@ -18,8 +19,11 @@
 # steps a run gets (not measured yet on the GPU; summary.txt in the tarball gives each run's steps, median
 # seconds per step and held-out pass@1 by step, plan.txt what was given).
 # Run from the repository root:  PYTHONPATH=. bash scripts/gpu_collapse.sh
+# BF16 learning-rate sweep (SFT + 4 lrs x 2 seeds in one call, on 2 GPUs; runs bf16-lr2e-6-s0 ...):
+#   PYTHONPATH=. RECIPES=bf16 LRS=2e-6,5e-6,1e-5,2e-5 SEEDS=0,1 bash scripts/gpu_collapse.sh
 # CPU dry run (minutes):  PRESET=tiny DEVICE=cpu SFT_STEPS=4 SFT_EVAL=4 BUDGET_S=300 SEEDS=0 STEPS=2 \
 #   EVAL_N=4 EXTRA_SET=rollout.n_samples=2,rollout.prompts_per_step=2,rollout.max_new_tokens=16 bash scripts/gpu_collapse.sh
+#   (add RECIPES=bf16 LRS=1e-5,2e-5 for the sweep's)
 #
 # Knobs (env): OUT (runs/collapse), BUDGET_S (560: seconds from the start by which every run has stopped;
 #   a device call allows 600), CONFIG (configs/chain_100m.yaml), TASK (arithmetic), LEVEL (8),
@@ -28,7 +32,11 @@
 #   EVAL_AT (empty: SFT steps at which pass@1 is also measured, e.g. 100,200,300), COMPUTE_DTYPE (auto),
 #   CKPT (skip the SFT: use this checkpoint), PICK (a chain_warm_start.jsonl of scripts/chain_warm_start.sh: skip
 #   the SFT and take the swept warm start whose held-out pass@1 is in PICK_LO-PICK_HI (0.3-0.6), nearest the middle), RECIPES (bf16,nvfp4,quads), SEEDS (0,1,2), STEPS (150: the
-#   cap), EVAL_EVERY (10; 0: held-out evals at the start and the end only), EVAL_N (100: held-out prompts of the RL evals),
+#   cap), EVAL_EVERY (10; 0: held-out evals at the start and the end only), EVAL_N (CONFIG's eval_n: held-out prompts of the RL evals),
+#   LRS (empty: learning rates to sweep, "2e-6,5e-6": every recipe x lr x seed runs, as the run group <recipe>-lr<lr>),
+#   VARIANTS (empty; instead of LRS, any sweep: quads compare --variants, ";" between variants, e.g.
+#   "optim.lr=2e-5;optim.lr=2e-5,optim.warmup_steps=20"), WARMUP (empty: CONFIG's optim.warmup_steps, linear lr
+#   warmup in optimizer steps, for every run),
 #   CORRECTION (none), MINI_BATCHES (2), MARGIN_S (120: seconds kept after a run's time limit for the step in
 #   flight, its final held-out eval and checkpoint, and the report), EXTRA_SET (more TrainConfig overrides
 #   "k=v,k=v"), WORK (runs/collapse-work: warm start and run folders), WARM_DIR ($WORK/warm_start),
@@ -55,7 +63,10 @@ RECIPES=${RECIPES:-bf16,nvfp4,quads}
 SEEDS=${SEEDS:-0,1,2}
 STEPS=${STEPS:-150}
 EVAL_EVERY=${EVAL_EVERY:-10}
-EVAL_N=${EVAL_N:-100}
+EVAL_N=${EVAL_N:-}
+LRS=${LRS:-}
+VARIANTS=${VARIANTS:-}
+WARMUP=${WARMUP:-}
 CORRECTION=${CORRECTION:-none}
 MINI_BATCHES=${MINI_BATCHES:-2}
 MARGIN_S=${MARGIN_S:-120}
@@ -74,7 +85,10 @@ SFT_STEPS=${SFT_STEPS:-$WS_STEPS}
 SFT_LR=${SFT_LR:-$WS_LR}
 SFT_BATCH=${SFT_BATCH:-$WS_BATCH}
 SFT_TRAIN_SIZE=${SFT_TRAIN_SIZE:-$WS_TRAIN}
-NRUNS=$(( $(echo "$RECIPES" | tr ',' '\n' | wc -l) * $(echo "$SEEDS" | tr ',' '\n' | wc -l) ))
+[ -n "$LRS" ] && [ -n "$VARIANTS" ] && { echo "pass LRS or VARIANTS, not both"; exit 2; }
+[ -n "$LRS" ] && VARIANTS=$(echo "$LRS" | tr ',' '\n' | sed '/^$/d; s/^/optim.lr=/' | paste -sd';' -)
+NVAR=$(echo "$VARIANTS" | tr ';' '\n' | grep -c '[^[:space:]]')
+NRUNS=$(( $(echo "$RECIPES" | tr ',' '\n' | wc -l) * $(echo "$SEEDS" | tr ',' '\n' | wc -l) * (NVAR > 0 ? NVAR : 1) ))
 rm -rf "$OUT/stage"
 mkdir -p "$OUT/stage" "$WORK"
 S=$OUT/stage  # everything that comes back is packed from here into $OUT/results.tar.gz
@@ -118,11 +132,11 @@ fi
 TLIMIT=$(( BUDGET_S - $(elapsed) - MARGIN_S ))
 [ "$TLIMIT" -ge 30 ] || { echo "only ${TLIMIT}s of RL left after the warm start (BUDGET_S $BUDGET_S, MARGIN_S $MARGIN_S)"; TLIMIT=30; }
 SET="device=$DEVICE,task.name=$TASK,task.difficulty=$LEVEL,rollout.max_new_tokens=$MAX_NEW_TOKENS,model.checkpoint=$CKPT"
-SET="$SET,steps=$STEPS,eval_every=$EVAL_EVERY,eval_n=$EVAL_N,time_limit_s=$TLIMIT,correction.kind=$CORRECTION"
-SET="$SET,optim.mini_batches=$MINI_BATCHES,optim.ppo_epochs=1,log.save_every=0${EXTRA_SET:+,$EXTRA_SET}"
-echo "== 2. compare: $RECIPES x seeds $SEEDS ($NRUNS runs in parallel), at most $STEPS steps, time limit ${TLIMIT}s per run, at $(elapsed)s" | tee "$S/plan.txt"
-echo "config $CONFIG; warm start $CKPT; --set $SET" | tee -a "$S/plan.txt"
-$PY -m quads.cli compare --train-config "$CONFIG" --recipes "$RECIPES" --seeds "$SEEDS" --set "$SET" --parallel "$NRUNS" \
+SET="$SET,steps=$STEPS,eval_every=$EVAL_EVERY${EVAL_N:+,eval_n=$EVAL_N},time_limit_s=$TLIMIT,correction.kind=$CORRECTION"
+SET="$SET,optim.mini_batches=$MINI_BATCHES,optim.ppo_epochs=1${WARMUP:+,optim.warmup_steps=$WARMUP},log.save_every=0${EXTRA_SET:+,$EXTRA_SET}"
+echo "== 2. compare: $RECIPES x seeds $SEEDS${VARIANTS:+ x variants $VARIANTS} ($NRUNS runs in parallel), at most $STEPS steps, time limit ${TLIMIT}s per run, at $(elapsed)s" | tee "$S/plan.txt"
+echo "config $CONFIG; warm start $CKPT; --set $SET${VARIANTS:+; --variants $VARIANTS}" | tee -a "$S/plan.txt"
+$PY -m quads.cli compare --train-config "$CONFIG" --recipes "$RECIPES" --seeds "$SEEDS" --set "$SET" --variants "$VARIANTS" --parallel "$NRUNS" \
   --timeout-s $(( BUDGET_S - $(elapsed) + 15 )) --reuse "$CONT" --resume "$CONT" --out-dir "$WORK/compare" > "$S/compare.log" 2>&1
 echo "compare exit $? at $(elapsed)s"; tail -15 "$S/compare.log"
 

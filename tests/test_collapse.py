@@ -45,13 +45,15 @@ def stable(n, seed=0):
     return records(n, lambda s: 0.45 + 0.001 * s, lambda s: 0.4 + 0.002 * s, seed=seed)
 
 
-def make_tarball(path: Path, runs: dict[str, list[dict]], plan: str = "plan", extra: dict[str, bytes] | None = None):
-    """A results.tar.gz laid out as gpu_collapse.sh packs it."""
+def make_tarball(path: Path, runs: dict[str, list[dict]], plan: str = "plan", extra: dict[str, bytes] | None = None,
+                 optim: dict[str, str] | None = None):
+    """A results.tar.gz laid out as gpu_collapse.sh packs it; ``optim``: run name -> its config's optim section."""
     files = {"./plan.txt": plan.encode(), "./summary.txt": b"summary\n", "./pretrain.log": b"pretrain\n",
              "./env.txt": b"torch\n", **(extra or {})}
     for name, recs in runs.items():
         files[f"./runs/{name}/metrics.jsonl"] = "".join(json.dumps(r) + "\n" for r in recs).encode()
-        files[f"./runs/{name}/config.yaml"] = f"recipe:\n  name: {name.split('-s')[0]}\n".encode()
+        files[f"./runs/{name}/config.yaml"] = (f"recipe:\n  name: {name.split('-')[0]}\n"
+                                               + (f"optim: {optim[name]}\n" if optim and name in optim else "")).encode()
         files[f"./logs/{name}.log"] = f"log of {name} up to {recs[-1]['step']}\n".encode()
     with tarfile.open(path, "w:gz") as tf:
         for name, data in files.items():
@@ -187,10 +189,27 @@ def test_report_from_landed_runs(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     md = (out / "collapse.md").read_text()
     assert "held-out pass@1 < 0.5 x its start value" in md and "Made by `python scripts/collapse_report.py" in md
-    assert "| nvfp4 | 0,1,2 | 50-60 | s0@40, s1@40 |" in md and md.count("| 2/2 |") == 1  # gap rising: both
-    assert "| bf16 | 0,1,2 | 60 | none |" in md
+    assert "| nvfp4 | n/a | 0,1,2 | 50-60 | s0@40, s1@40 |" in md and md.count("| 2/2 |") == 1  # gap rising: both
+    assert "| bf16 | n/a | 0,1,2 | 60 | none |" in md
     data = json.loads((out / "collapse.json").read_text())
     assert data["runs"]["nvfp4-s0"]["onset"] == 40 and data["runs"]["bf16-s1"]["collapsed"] is False
+
+
+def test_report_of_a_learning_rate_sweep_has_one_row_per_lr(tmp_path):
+    """Runs named <recipe>-<variant>-s<seed> (quads compare --variants) are grouped per variant, with the lr
+    of their config.yaml and the held-out gain (mean of the last 3 evaluations minus the start)."""
+    gain = {"lr2e-6": 0.0, "lr2e-5-warmup_steps20": 0.12}
+    runs = {f"bf16-{tag}-s{s}": records(40, lambda t, g=g: 0.4 + g * (t >= 20), lambda t: 0.3, seed=s)
+            for tag, g in gain.items() for s in (0, 1)}
+    optim = {n: "{lr: 2.0e-6}" if "lr2e-6" in n else "{lr: 2.0e-5, warmup_steps: 20}" for n in runs}
+    dest = tmp_path / "landed"
+    land(make_tarball(tmp_path / "a.tar.gz", runs, optim=optim), dest, say=lambda s: None)
+    assert sorted(load_runs(dest)) == sorted(runs)
+    md = (write_report(dest) / "collapse.md").read_text()
+    assert "| bf16-lr2e-6 | 2e-06 | 0,1 | 40 | none | 0.400 | 0.400 | 0.400 | +0.000 |" in md, md
+    assert "| bf16-lr2e-5-warmup_steps20 | 2e-05 (warmup 20) | 0,1 | 40 | none | 0.400 | 0.520 | 0.520 | +0.120 |" in md
+    with pytest.raises(ValueError, match="<group>-s<seed>"):
+        collapse.split_name("-s0")
 
 
 def test_script_lands_reports_and_refuses(tmp_path):

@@ -45,6 +45,36 @@ def test_plan_same_config_but_recipe_seed_out_dir(checkpoint, tmp_path):
     assert isinstance(base.task.difficulty, int)  # the default level is pinned once for every run
 
 
+def test_variants_sweep_one_setting_per_run_group(checkpoint, tmp_path):
+    cfg = CompareConfig(recipes="bf16,nvfp4", seeds="0,1", set=_set(checkpoint), out_dir=str(tmp_path),
+                        variants="optim.lr=5e-6; optim.lr=2e-5,optim.warmup_steps=4")
+    base = base_train_config(cfg)
+    runs = dict(plan_runs(cfg, base))
+    assert list(runs) == [f"{r}-{t}-s{s}" for r in ("bf16", "nvfp4") for t in ("lr5e-6", "lr2e-5-warmup_steps4")
+                          for s in (0, 1)]
+    assert runs["nvfp4-lr5e-6-s1"].optim.lr == 5e-6 and runs["nvfp4-lr5e-6-s1"].optim.warmup_steps == 0
+    assert runs["bf16-lr2e-5-warmup_steps4-s0"].optim.lr == 2e-5
+    assert runs["bf16-lr2e-5-warmup_steps4-s0"].optim.warmup_steps == 4
+    assert runs["nvfp4-lr5e-6-s1"].recipe.name == "nvfp4" and runs["nvfp4-lr5e-6-s1"].seed == 1
+    # the variant's setting is the only difference from the shared config
+    strip = [dataclasses.replace(tc, recipe=base.recipe, seed=0, out_dir=None, optim=base.optim)
+             for tc in runs.values()]
+    assert all(s == strip[0] for s in strip) and strip[0].steps == 2
+    # one held-out set for every seed: task.eval_seed pinned to the base seed
+    assert {tc.task.eval_seed for tc in runs.values()} == {0}
+    with pytest.raises(ValueError, match="variants: lr-1: optim.lr must be > 0"):  # every variant checked before any warm start
+        base_train_config(dataclasses.replace(cfg, variants="optim.lr=-1"))
+
+
+def test_bad_variants():
+    for bad, match in (("seed=3", "cannot vary"), ("warm_start.steps=5", "cannot vary"),
+                       ("model.checkpoint=x", "cannot vary"), ("task.dataset=a/b.jsonl", "run-name tag"),
+                       ("optim.lr=1e-5;optim.lr=1e-5", "same tag"), ("optim.lr", "key=value")):
+        with pytest.raises(ValueError, match=match):
+            CompareConfig(recipes="bf16", variants=bad)
+    assert CompareConfig(recipes="bf16", variants=" ; ").groups() == [("bf16", "bf16", {})]
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="unknown recipe"):
         CompareConfig(recipes="bf16,nvfp5")
@@ -186,3 +216,27 @@ def test_committed_report_is_what_the_report_module_writes(tmp_path, capsys):
                str(tmp_path / "c"), "--report-only", "true"])
     assert rc == 0
     assert (tmp_path / "c" / "compare.md").read_text() == (src / "compare.md").read_text()
+
+
+def test_report_only_groups_the_runs_of_each_variant(tmp_path):
+    """``--report-only`` with ``variants`` finds the runs ``<recipe>-<tag>-s<seed>`` and reports one row per group."""
+    from quads.config import save_config
+    from quads.experiments.compare import compare
+    from quads.rl.config import TrainConfig
+
+    out = tmp_path / "cmp"
+    for tag, lr, rewards in (("lr5e-6", 5e-6, [0.1, 0.2]), ("lr2e-5", 2e-5, [0.3, 0.5])):
+        for seed in (0, 1):
+            run = out / "runs" / f"bf16-{tag}-s{seed}"
+            run.mkdir(parents=True)
+            cfg = TrainConfig(steps=2, seed=seed)
+            save_config(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=lr)), run / "config.yaml")
+            recs = [{"step": 0, "eval/pass@1": 0.4}] + [{"step": i + 1, "reward/mean": r} for i, r in enumerate(rewards)]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = CompareConfig(recipes="bf16", seeds="0,1", variants="optim.lr=5e-6;optim.lr=2e-5", out_dir=str(out),
+                        report_only=True)
+    _, outcomes = compare(cfg, say=lambda s: None)
+    assert [o.label for o in outcomes] == ["bf16-lr5e-6"] * 2 + ["bf16-lr2e-5"] * 2 and all(o.ok for o in outcomes)
+    md = (out / "compare.md").read_text()
+    assert "| bf16-lr5e-6 | 2/2 | 2 |" in md and "| bf16-lr2e-5 | 2/2 | 2 |" in md, md
+    assert "Variants (one row per recipe x variant" in md

@@ -104,10 +104,11 @@ def test_trend_slopes_and_run_settings(tmp_path):
     assert s["seq_gap_mean"] == pytest.approx(0.5)
     st = run_settings(run)
     assert (st["correction"], st["mini_batches"], st["mini_batches_text"]) == ("none", 2, "2")
-    (run / "config.yaml").write_text("correction: {kind: tis, cap: 3}\noptim: {mini_batches: 1, ppo_epochs: 2}\n"
-                                     "recipe: {rollout_error_scale: 4.0}\n")
+    (run / "config.yaml").write_text("correction: {kind: tis, cap: 3}\noptim: {mini_batches: 1, ppo_epochs: 2,"
+                                     " lr: 2.0e-5, warmup_steps: 20}\nrecipe: {rollout_error_scale: 4.0}\n")
     st = run_settings(run / "metrics.jsonl")
     assert (st["correction"], st["mini_batches_text"], st["error_scale"]) == ("tis (cap 3)", "1 x 2 epochs", 4.0)
+    assert st["lr_text"] == "2e-05 (warmup 20)"
     md = (write_report(run) / "report.md").read_text()
     assert "| IS correction | mini-batches |" in md and "| tis (cap 3) | 1 x 2 epochs |" in md
     assert run_settings(tmp_path) == {}

@@ -320,3 +320,49 @@ def test_two_mini_batches_without_correction_take_an_off_policy_second_step(tmp_
     off = (lp2 - old2)[mask2.bool()].abs().max().item()
     assert off > 1e-4, off  # the second step's ratio moved: its weights are one optimizer step newer
     assert m[1]["correction/weight_mean"] == 1.0
+
+
+def test_heldout_set_is_fixed_by_task_eval_seed_not_the_run_seed(tmp_path, digits_task):
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+
+    def eval_set(seed, eval_seed):
+        cfg = tiny_config(tmp_path, ckpt, seed=seed, out_dir=str(tmp_path / f"run{seed}-{eval_seed}"),
+                          task=TaskSection(name="digits", train_size=64, eval_seed=eval_seed))
+        t = GRPOTrainer(cfg, quiet=True)
+        t.setup()
+        return [e.prompt for e in t.eval_set]
+
+    fixed = eval_set(0, None)
+    assert eval_set(1, 0) == eval_set(2, 0) == fixed == eval_set(0, 0)  # fixed: seed 0's set for every seed
+    assert eval_set(1, None) != fixed and eval_set(1, None) == eval_set(3, 1)  # None: the run seed's own set
+
+
+def test_a_fixed_heldout_set_shares_no_prompt_with_the_run_seeds_training_prompts():
+    from quads.rl.build import build_task, heldout_examples
+
+    cfg = TrainConfig(task=TaskSection(name="arithmetic", difficulty=8, eval_seed=0), seed=3, eval_n=200)
+    task = build_task(cfg)
+    held = [e.prompt for e in heldout_examples(cfg, task)]
+    assert held == [e.prompt for e in tasks.get_task("arithmetic", difficulty=8, seed=0).examples("test", 200)]
+    assert held != [e.prompt for e in task.examples("test", 200)]  # the run seed's own set differs
+    assert not set(held) & {e.prompt for e in task.examples("train", 4000)}
+    with pytest.raises(ValueError, match="task.eval_seed applies to generated tasks only"):
+        TaskSection(name="dataset", dataset="x.jsonl", eval_seed=0)
+
+
+@pytest.mark.parametrize("warmup", [0, 4])
+def test_the_first_adamw_step_moves_every_weight_by_lr_unless_warmed_up(tmp_path, digits_task, warmup):
+    """AdamW's bias-corrected first update is lr * g / |g|: every weight with a gradient moves by the full lr
+    whatever its gradient's size (the start-of-RL shock of docs/TRAINING.md); optim.warmup_steps W scales
+    the first step to lr / W."""
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    cfg = tiny_config(tmp_path, ckpt, optim=OptimSection(lr=1e-3, warmup_steps=warmup), steps=1)
+    t = GRPOTrainer(cfg, quiet=True)
+    t.setup()
+    before = [p.detach().clone() for p in t.params]
+    t.step(1)
+    moved = torch.cat([(p.detach() - b).abs().flatten() for p, b in zip(t.params, before)])
+    moved = moved[moved > 0]
+    assert moved.numel() > 1000
+    lr = 1e-3 / (warmup or 1)
+    assert moved.median().item() == pytest.approx(lr, rel=1e-2) and moved.max().item() <= lr * 1.001

@@ -1,8 +1,9 @@
 """The collapse experiment (issue 19, ``scripts/gpu_collapse.sh``): land its device calls in the repository
 and judge every run by one written-down collapse rule.
 
-Landing (``land``): each device call returns ``results.tar.gz`` (per run ``runs/<recipe>-s<seed>/``
-with ``metrics.jsonl`` and ``config.yaml``, ``logs/<run>.log``, and the call's ``env.txt``, ``plan.txt``,
+Landing (``land``): each device call returns ``results.tar.gz`` (per run ``runs/<group>-s<seed>/``
+with ``metrics.jsonl`` and ``config.yaml``; the group is the recipe, or ``<recipe>-<tag>`` for a variant of a
+sweep, e.g. ``bf16-lr5e-6``: ``quads compare --variants``, ``logs/<run>.log``, and the call's ``env.txt``, ``plan.txt``,
 ``summary.txt``, ``pick.txt``, ``pretrain.log``, ``compare.log``, ``compare.md``, ``compare.json``).
 Tarballs are landed in call order into one folder ``<dest>``:
 
@@ -34,7 +35,9 @@ per-sequence gap is ``mismatch/seq_gap_mean`` (mean over responses of sum_t |log
 ``quads.metrics.mismatch``); its trend is the least-squares ``slope`` per step over every step, and over
 the steps before the onset.
 
-Report (``write_report``): ``<dest>/report/collapse.md`` (the rule, a per-recipe and a per-run table),
+Report (``write_report``): ``<dest>/report/collapse.md`` (the rule, a per-group and a per-run table; the
+group rows state each group's learning rate from its runs' ``config.yaml`` and its held-out gain: the mean
+of the last ``TAIL_EVALS`` evaluations minus the start),
 ``collapse.png`` (held-out pass@1, per-sequence gap and train reward over steps, ``plot_seed_bands``),
 ``collapse.json``.
 """
@@ -62,6 +65,7 @@ from quads.metrics.report import (
     load_metrics,
     nonfinite_keys,
     plot_seed_bands,
+    run_settings,
     series,
     slope,
     smooth,
@@ -70,6 +74,7 @@ from quads.metrics.report import (
 )
 
 GZIP_OVER = 1 << 20  # landed files larger than this (bytes) are stored gzipped
+TAIL_EVALS = 3  # held-out pass@1 at the end of a run: the mean of its last this many evaluations after the start
 CALL_FILES = ("env.txt", "plan.txt", "summary.txt", "pick.txt", "pretrain.log", "compare.log", "compare.md",
               "compare.json")
 EVAL_KEY, GAP_KEY, REWARD_KEY = "eval/pass@1", "mismatch/seq_gap_mean", "reward/mean"
@@ -228,6 +233,7 @@ class Verdict:
     eval_start: float
     eval_best: float
     eval_last: float
+    eval_tail: float  # mean of the last TAIL_EVALS evaluations after the start (fewer when the run has fewer)
     reward_best: float  # best trailing-mean reward over full windows
     reward_last: float
     gap_start: float  # per-sequence gap: mean over the first / last ``window`` steps
@@ -265,7 +271,7 @@ def judge(records: list[dict[str, Any]], rule: CollapseRule = CollapseRule()) ->
     return Verdict(
         steps=int(records[-1]["step"]) if records else 0, evals=len(ev),
         eval_start=ev[0] if ev else math.nan, eval_best=max(ev) if ev else math.nan,
-        eval_last=ev[-1] if ev else math.nan,
+        eval_last=ev[-1] if ev else math.nan, eval_tail=finite_mean(ev[1:][-TAIL_EVALS:]),
         reward_best=max(sm) if sm else math.nan, reward_last=sm[-1] if sm else math.nan,
         gap_start=finite_mean(gap[:w]), gap_last=finite_mean(gap[-w:]),
         gap_slope=slope(gap_steps, gap),
@@ -277,11 +283,12 @@ def judge(records: list[dict[str, Any]], rule: CollapseRule = CollapseRule()) ->
 
 
 def split_name(name: str) -> tuple[str, int]:
-    """``"nvfp4-s2"`` -> ``("nvfp4", 2)`` (``quads compare``'s run folder names)."""
-    recipe, sep, seed = name.rpartition("-s")
-    if not sep or not seed.isdigit():
-        raise ValueError(f"run folder {name!r} is not named <recipe>-s<seed> (quads compare's run names)")
-    return recipe, int(seed)
+    """``"nvfp4-s2"`` -> ``("nvfp4", 2)``, ``"bf16-lr5e-6-s0"`` -> ``("bf16-lr5e-6", 0)``: (group, seed) of
+    ``quads compare``'s run folder names."""
+    group, sep, seed = name.rpartition("-s")
+    if not group or not sep or not seed.isdigit():
+        raise ValueError(f"run folder {name!r} is not named <group>-s<seed> (quads compare's run names)")
+    return group, int(seed)
 
 
 RUN_COLUMNS: list[Column] = [
@@ -291,6 +298,7 @@ RUN_COLUMNS: list[Column] = [
     ("pass@1 start", "eval_start", "{:.3f}"),
     ("pass@1 best", "eval_best", "{:.3f}"),
     ("pass@1 last", "eval_last", "{:.3f}"),
+    (f"pass@1 last {TAIL_EVALS} (mean)", "eval_tail", "{:.3f}"),
     ("reward best", "reward_best", "{:.3f}"),
     ("reward last", "reward_last", "{:.3f}"),
     ("seq gap first", "gap_start", "{:.3f}"),
@@ -302,12 +310,15 @@ RUN_COLUMNS: list[Column] = [
     ("criteria", "criteria", "{}"),
 ]
 RECIPE_COLUMNS: list[Column] = [
-    ("recipe", "recipe", "{}"),
+    ("group", "recipe", "{}"),
+    ("lr", "lr", "{}"),
     ("seeds", "seeds", "{}"),
     ("steps reached", "steps", "{}"),
     ("collapsed (seed@onset)", lambda r: ", ".join(f"s{s}@{o}" for s, o in r["collapsed"]) or "none", "{}"),
     ("pass@1 start (mean)", "eval_start", "{:.3f}"),
     ("pass@1 last (mean)", "eval_last", "{:.3f}"),
+    (f"pass@1 last {TAIL_EVALS} (mean)", "eval_tail", "{:.3f}"),
+    ("gain (mean)", "gain", "{:+.3f}"),
     ("seq gap slope /step (mean)", "gap_slope", "{:.2e}"),
     ("slope before onset (collapsed seeds)", "gap_slope_before", "{:.2e}"),
     ("gap rising before onset (collapsed seeds)", "rising", "{}"),
@@ -315,7 +326,7 @@ RECIPE_COLUMNS: list[Column] = [
 
 
 def load_runs(dest: str | Path) -> dict[str, list[dict[str, Any]]]:
-    """Run name -> records of every landed run under ``dest/runs``, sorted by recipe then seed."""
+    """Run name -> records of every landed run under ``dest/runs``, sorted by group then seed."""
     root = Path(dest) / "runs"
     dirs = [p for p in root.glob("*") if any((p / f).is_file() for f in ("metrics.jsonl", "metrics.jsonl.gz"))]
     if not dirs:
@@ -323,20 +334,27 @@ def load_runs(dest: str | Path) -> dict[str, list[dict[str, Any]]]:
     return {p.name: load_metrics(p) for p in sorted(dirs, key=lambda p: split_name(p.name))}
 
 
-def recipe_rows(verdicts: dict[str, Verdict]) -> list[dict[str, Any]]:
+def recipe_rows(verdicts: dict[str, Verdict], settings: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One row per group (recipe, or recipe-variant) over its seeds; ``settings``: run name -> ``run_settings``."""
     by: dict[str, list[tuple[int, Verdict]]] = {}
+    lrs: dict[str, list[str]] = {}
     for name, v in verdicts.items():
         recipe, seed = split_name(name)
         by.setdefault(recipe, []).append((seed, v))
+        lr = (settings or {}).get(name, {}).get("lr_text")
+        if lr is not None and lr not in lrs.setdefault(recipe, []):
+            lrs[recipe].append(lr)
     rows = []
     for recipe, vs in by.items():
         steps = [v.steps for _, v in vs]
         rows.append({
-            "recipe": recipe, "seeds": ",".join(str(s) for s, _ in vs),
+            "recipe": recipe, "lr": " / ".join(lrs.get(recipe, [])) or "n/a", "seeds": ",".join(str(s) for s, _ in vs),
             "steps": f"{min(steps)}" if min(steps) == max(steps) else f"{min(steps)}-{max(steps)}",
             "collapsed": [(s, v.onset) for s, v in vs if v.collapsed],
             "eval_start": finite_mean([v.eval_start for _, v in vs]),
             "eval_last": finite_mean([v.eval_last for _, v in vs]),
+            "eval_tail": finite_mean([v.eval_tail for _, v in vs]),
+            "gain": finite_mean([v.eval_tail - v.eval_start for _, v in vs]),
             "gap_slope": finite_mean([v.gap_slope for _, v in vs]),
             "gap_slope_before": finite_mean([v.gap_slope_before for _, v in vs if v.collapsed]),
             "rising": f"{sum(v.gap_slope_before > 0 for _, v in vs if v.collapsed)}/{sum(v.collapsed for _, v in vs)}",
@@ -374,16 +392,19 @@ def write_report(dest: str | Path, rule: CollapseRule = CollapseRule(), command:
             at = [s for s in ev if s >= v.onset]
             marks.setdefault(split_name(name)[0], []).append((at[0], ev[at[0]]) if at else (v.onset, v.eval_last))
     plot_seed_bands(curves(runs, rule.window), PANELS, out / "collapse.png", marks)
-    rows = recipe_rows(verdicts)
+    rows = recipe_rows(verdicts, {name: run_settings(dest / "runs" / name) for name in runs})
     calls = sorted(p.name for p in (dest / "calls").glob("*") if p.is_dir())
     write_markdown(out / "collapse.md", [
         f"# Collapse runs: {dest.name}",
         f"Landed calls: {', '.join(calls) or 'none'} (`calls/<NN>/`: plan, summary, logs of each call); runs "
-        f"`runs/<recipe>-s<seed>/metrics.jsonl`." + (f" Made by `{command}`." if command else ""),
+        f"`runs/<group>-s<seed>/metrics.jsonl` (group: the recipe, or `<recipe>-<variant>` of a sweep)."
+        + (f" Made by `{command}`." if command else ""),
         f"Rule: {rule.text()}.",
         table(rows, RECIPE_COLUMNS),
         table([{"run": n, **asdict(v)} for n, v in verdicts.items()], RUN_COLUMNS),
-        "Columns: pass@1 = held-out greedy pass@1 (`eval/pass@1`; start = step 0, the start of RL); reward = "
+        "Columns: lr = the groups' learning rate (with its linear warmup in optimizer steps) from the runs' "
+        f"config.yaml; pass@1 = held-out greedy pass@1 (`eval/pass@1`; start = step 0, the start of RL; last {TAIL_EVALS} = "
+        f"mean of the last {TAIL_EVALS} evaluations after the start; gain = that minus the start, mean over seeds); reward = "
         f"`reward/mean`, trailing mean over {rule.window} steps, best over full windows; seq gap = "
         f"`mismatch/seq_gap_mean` (mean over responses of sum_t |logp_train - logp_rollout|), first / last = mean "
         f"over the first / last {rule.window} steps, slope = least-squares slope per step (before onset: the "

@@ -4,10 +4,19 @@ Every run gets the same ``TrainConfig`` (``--train-config`` YAML, then ``--set``
 ``recipe.name``, ``seed`` and ``out_dir``. The starting policy is resolved once (the cached warm start
 of ``model.preset``, with the base config's seed) and passed to every run as ``model.checkpoint``, so
 all recipes and seeds start from the same weights and train on the same task data; the seed changes
-the prompt order, the engine's sampling and the held-out subset is the task's fixed one.
+the training prompts and their order and the engine's sampling. The held-out prompts are the same for
+every run: an unset ``task.eval_seed`` is pinned to the base config's ``seed`` (a dataset task has one
+held-out split per seed, so its runs are scored on their own seed's records).
 
-Each (recipe, seed) is one ``quads train --config <run>.yaml`` subprocess; ``parallel`` of them run at
-once. A run that exits non-zero (or passes ``timeout_s``) is reported with its exit code and the tail
+``variants`` adds one axis of settings, e.g. a learning-rate sweep: ``"optim.lr=5e-6;optim.lr=2e-5"``
+(``;`` between variants, each a ``set``-style list of overrides applied over the shared config). Every
+recipe then runs every variant and seed, in the run group ``<recipe>-<tag>`` (the tag: each override's
+last key part and value as written, ``-``-joined: ``bf16-lr5e-6``, ``bf16-lr2e-5-warmup_steps20``);
+the report's rows are those groups. A variant cannot change what is shared by construction (the seed,
+the recipe, the starting checkpoint and its warm start).
+
+Each (recipe, variant, seed) is one ``quads train --config <run>.yaml`` subprocess; ``parallel`` of them
+run at once. A run that exits non-zero (or passes ``timeout_s``) is reported with its exit code and the tail
 of its log; the others go on and the report covers what finished.
 
 Calling ``quads compare`` again on the same ``out_dir`` (with ``reuse`` and ``resume``, the defaults)
@@ -19,7 +28,7 @@ with ``steps`` the whole run's length. ``train.time_limit_s`` counts afresh in e
 
 Report (``out_dir``): ``compare.md`` (per-recipe table over seeds + per-run table + crashes + plots),
 ``compare.json``, ``compare.png`` (reward, held-out pass@1, gap max and k3 against steps, every recipe
-on one figure, mean over seeds), ``runs/<recipe>-s<seed>/`` (each run's folder, ``metrics.jsonl``),
+on one figure, mean over seeds), ``runs/<recipe>[-<tag>]-s<seed>/`` (each run's folder, ``metrics.jsonl``),
 ``report/`` (``quads.metrics.report.write_compare_report`` over every finished run).
 
 Table columns, per recipe over its finished seeds: final reward (smoothed, ``summarize``), held-out
@@ -38,6 +47,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -65,6 +75,8 @@ from quads.metrics.report import (
 )
 
 ALL_RECIPES = "bf16,fp8,nvfp4,w4a16-qat,w4a4-qat,quads"
+# TrainConfig fields a variant may not set: compare sets them per run, or resolves them once for all runs
+VARIANT_FIXED = ("seed", "out_dir", "resume", "recipe.name", "model.checkpoint", "model.preset")
 
 
 @dataclass
@@ -75,6 +87,7 @@ class CompareConfig:
     seeds: str = "0"  # comma-separated seeds; every recipe runs every seed
     train_config: str | None = None  # YAML with TrainConfig fields shared by every run
     set: str = ""  # extra shared TrainConfig overrides: "steps=50,optim.lr=1e-3,rollout.max_new_tokens=48"
+    variants: str = ""  # ";"-separated override sets, each a run group per recipe: "optim.lr=5e-6;optim.lr=2e-5" (runs <recipe>-lr5e-6-s<seed> ...)
     parallel: int = 2  # runs at once (processes)
     threads: int = 1  # torch CPU threads per run (train.threads), unless the config sets it
     gpus: str = "auto"  # CUDA devices to spread runs over, e.g. "0,1" (each run sees one); auto: all visible, none: off
@@ -95,6 +108,31 @@ class CompareConfig:
         bad = [r for r in self.recipe_list() if r not in PRESETS]
         if bad:
             raise ValueError(f"unknown recipe(s) {bad}; valid: {', '.join(PRESETS)}")
+        self.variant_list()  # raises on a malformed one
+
+    def variant_list(self) -> list[tuple[str, dict[str, Any]]]:
+        """``[(tag, nested overrides)]`` of ``variants``; ``[("", {})]`` (the shared config alone) when unset."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        for text in [v for v in self.variants.split(";") if v.strip()]:
+            items = [i.strip() for i in text.split(",") if i.strip()]
+            keys = [i.partition("=")[0].strip() for i in items]
+            fixed = [k for k in keys if k in VARIANT_FIXED or k.startswith("warm_start.")]
+            if fixed:
+                raise ValueError(f"variants: {fixed} cannot vary within a compare (it sets the recipe, seed and "
+                                 "folder of every run and resolves one starting checkpoint); run another compare")
+            tag = "-".join(f"{k.rpartition('.')[2]}{i.partition('=')[2].strip()}" for k, i in zip(keys, items))
+            if not re.fullmatch(r"[A-Za-z0-9._+-]+", tag):
+                raise ValueError(f"variants: {text.strip()!r} gives the run-name tag {tag!r}; use values made of "
+                                 "letters, digits and . _ + - (they name the run folders)")
+            out.append((tag, _parse_set(text)))
+        tags = [t for t, _ in out]
+        if len(set(tags)) < len(tags):
+            raise ValueError(f"variants: two variants give the same tag ({tags}); make them differ")
+        return out or [("", {})]
+
+    def groups(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """``[(group, recipe, overrides)]``: every recipe x variant; group = ``<recipe>`` or ``<recipe>-<tag>``."""
+        return [(f"{r}-{tag}" if tag else r, r, over) for r in self.recipe_list() for tag, over in self.variant_list()]
 
     def recipe_list(self) -> list[str]:
         return [r.strip() for r in self.recipes.split(",") if r.strip()]
@@ -108,7 +146,7 @@ class CompareConfig:
 
 @dataclass
 class RunOutcome:
-    name: str  # <recipe>-s<seed>
+    name: str  # <group>-s<seed>
     recipe: str
     seed: int
     run_dir: str
@@ -117,6 +155,11 @@ class RunOutcome:
     log_tail: str  # last lines of the run's stdout+stderr when it failed
     reused: bool = False
     resumed_from: int | None = None  # the checkpoint step an unfinished run was continued from
+    group: str = ""  # <recipe> or <recipe>-<variant tag> (CompareConfig.groups); "" = the recipe
+
+    @property
+    def label(self) -> str:
+        return self.group or self.recipe
 
     @property
     def ok(self) -> bool:
@@ -158,6 +201,12 @@ def base_train_config(cfg: CompareConfig):
     data = _merge(data, _parse_set(cfg.set))
     data.setdefault("threads", cfg.threads)
     base = from_dict(TrainConfig, data, "train config")
+    for tag, over in cfg.variant_list():  # every variant's config is valid before anything is resolved or run
+        if over:
+            try:
+                from_dict(TrainConfig, _merge(data, over), f"variant {tag}")
+            except ValueError as e:
+                raise ValueError(f"variants: {tag}: {e}") from None
     if base.task.difficulty is None and base.task.dataset is None:
         # pin the task's current default level: every run (and a rerun later) must see the same prompts
         from quads.rl.build import build_task
@@ -165,6 +214,9 @@ def base_train_config(cfg: CompareConfig):
         level = getattr(build_task(base), "difficulty", None)
         if isinstance(level, int):
             base = dataclasses.replace(base, task=dataclasses.replace(base.task, difficulty=level))
+    if base.task.eval_seed is None and base.task.name != "dataset":
+        # one held-out set for every seed of the compare (else each run seed draws its own)
+        base = dataclasses.replace(base, task=dataclasses.replace(base.task, eval_seed=base.seed))
     if base.model.checkpoint is None:
         from quads.rl.build import warm_start_checkpoint
 
@@ -174,15 +226,24 @@ def base_train_config(cfg: CompareConfig):
 
 
 def plan_runs(cfg: CompareConfig, base) -> list[tuple[str, Any]]:
-    """``[(name, TrainConfig)]``: one per (recipe, seed), differing only in recipe, seed and out_dir."""
+    """``[(name, TrainConfig)]``: one per (recipe, variant, seed), differing only in recipe, the variant's
+    overrides, seed and out_dir; named ``<group>-s<seed>``."""
+    from quads.rl.config import TrainConfig
+
     runs = []
-    for recipe in cfg.recipe_list():
+    for group, recipe, over in cfg.groups():
+        tc0 = from_dict(TrainConfig, _merge(to_dict(base), over), f"variant {group}") if over else base
         for seed in cfg.seed_list():
-            name = f"{recipe}-s{seed}"
-            tc = dataclasses.replace(base, recipe=dataclasses.replace(base.recipe, name=recipe), seed=seed,
+            name = f"{group}-s{seed}"
+            tc = dataclasses.replace(tc0, recipe=dataclasses.replace(tc0.recipe, name=recipe), seed=seed,
                                      out_dir=str(Path(cfg.out_dir) / "runs" / name), resume=False)
             runs.append((name, tc))
     return runs
+
+
+def _group(name: str) -> str:
+    """``<group>-s<seed>`` -> ``<group>``."""
+    return name.rpartition("-s")[0]
 
 
 def _train_command(python: str, config_path: Path) -> list[str]:
@@ -271,7 +332,8 @@ def launch(cfg: CompareConfig, runs: list[tuple[str, Any]], say=print) -> list[R
             name, tc = pending.pop(0)
             run_dir = Path(tc.out_dir)
             if cfg.reuse and _finished(run_dir, tc):
-                outcomes[name] = RunOutcome(name, tc.recipe.name, tc.seed, str(run_dir), 0, 0.0, "", reused=True)
+                outcomes[name] = RunOutcome(name, tc.recipe.name, tc.seed, str(run_dir), 0, 0.0, "", reused=True,
+                                            group=_group(name))
                 say(f"compare: {name}: reusing the finished run in {run_dir}")
                 continue
             start = _checkpoint_step(run_dir) if cfg.reuse and cfg.resume else None
@@ -311,7 +373,7 @@ def launch(cfg: CompareConfig, runs: list[tuple[str, Any]], say=print) -> list[R
             on_gpu.pop(name, None)
             tail = "" if rc == 0 else _tail(log_path)
             outcomes[name] = RunOutcome(name, tc.recipe.name, tc.seed, tc.out_dir, rc, elapsed, tail,
-                                        resumed_from=start)
+                                        resumed_from=start, group=_group(name))
             say(f"compare: {name} {'finished' if rc == 0 else f'FAILED (exit {rc})'} in {elapsed:.0f}s")
     return [outcomes[name] for name, _ in runs]
 
@@ -351,8 +413,8 @@ def _values(done: list[dict[str, Any]], key: str) -> str:
 
 def recipe_table(cfg: CompareConfig, outcomes: list[RunOutcome], per_run: dict[str, dict]) -> list[dict[str, Any]]:
     rows = []
-    for recipe in cfg.recipe_list():
-        mine = [o for o in outcomes if o.recipe == recipe]
+    for recipe, _, _ in cfg.groups():  # a recipe, or <recipe>-<variant tag>
+        mine = [o for o in outcomes if o.label == recipe]
         done = [per_run[o.name] for o in mine if o.name in per_run]
         ev = [s["eval_end"] for s in done if math.isfinite(s["eval_end"])]
         coll = [(o.seed, per_run[o.name]["collapse_step"]) for o in mine
@@ -447,7 +509,7 @@ def write_report(cfg: CompareConfig, base, outcomes: list[RunOutcome]) -> Path:
     by_recipe: dict[str, list[str]] = {}
     for o in outcomes:
         if o.name in per_run:
-            by_recipe.setdefault(o.recipe, []).append(o.run_dir)
+            by_recipe.setdefault(o.label, []).append(o.run_dir)
     if finished:
         write_compare_report(finished, out / "report", title="quads compare: every run")
         plot_compare(recipe_curves(by_recipe), out / "compare.png")
@@ -461,7 +523,9 @@ def write_report(cfg: CompareConfig, base, outcomes: list[RunOutcome]) -> Path:
         f"{b.dtype}, device {b.device}, eval every {b.eval_every} steps on {b.eval_n} held-out prompts, "
         f"IS correction {b.correction.kind}, {b.optim.mini_batches} mini-batch(es) x {b.optim.ppo_epochs} PPO "
         f"epoch(s) per step, rollout error scale {b.recipe.rollout_error_scale:g}. "
-        f"Every run's config: `configs/<recipe>-s<seed>.yaml`.",
+        + (f"Variants (one row per recipe x variant, each replacing the shared settings above): `{cfg.variants}`. "
+           "Every run's config: `configs/<recipe>-<variant>-s<seed>.yaml`." if cfg.variants.strip()
+           else "Every run's config: `configs/<recipe>-s<seed>.yaml`."),
         markdown_table(rows),
         "Columns over the seeds of a recipe that logged steps (a failed run, e.g. one killed at `timeout_s`, counts with what it logged; runs ok counts clean exits; steps = the fewest steps any seed logged, fewer than planned when a run hit train.time_limit_s): final reward = smoothed last reward (mean over seeds); "
         "held-out pass@1 = greedy on the rollout engine, at step 0 and at the end; spread = max - min over "
@@ -498,22 +562,22 @@ def existing_runs(cfg: CompareConfig) -> tuple[Any, list[RunOutcome]]:
     """``(shared config, outcomes)`` of the runs a previous ``quads compare`` left in ``out_dir``.
 
     A run counts as finished when its folder holds ``metrics.jsonl`` (what the report reads); the shared
-    config is the first run's saved config (runs differ only in recipe, seed and folder).
+    config is the first run's saved config (runs differ only in recipe, variant, seed and folder).
     """
     from quads.rl.config import TrainConfig
 
     out = Path(cfg.out_dir)
     outcomes, base = [], None
-    for recipe in cfg.recipe_list():
+    for group, recipe, _ in cfg.groups():
         for seed in cfg.seed_list():
-            name = f"{recipe}-s{seed}"
+            name = f"{group}-s{seed}"
             run_dir, cpath = out / "runs" / name, out / "configs" / f"{name}.yaml"
             for c in (cpath, run_dir / "config.yaml"):  # the planned config, else the run's resolved one
                 if base is None and c.is_file():
                     base = build_config(TrainConfig, str(c))
             ok = (run_dir / "metrics.jsonl").is_file()
             outcomes.append(RunOutcome(name, recipe, seed, str(run_dir), 0 if ok else None, 0.0,
-                                       "" if ok else "no metrics.jsonl in the run folder", reused=True))
+                                       "" if ok else "no metrics.jsonl in the run folder", reused=True, group=group))
     if base is None:
         raise ValueError(f"report_only: no run configs under {out / 'configs'}; run quads compare with "
                          f"--out-dir {cfg.out_dir} first (or point --out-dir at a finished compare)")

@@ -29,7 +29,8 @@ Summary definitions (``summarize``):
 - trends: ``k3_slope`` and ``seq_gap_slope``: the least-squares slope (``slope``) over steps of the
   per-step ``mismatch/k3`` and ``mismatch/seq_gap_mean``, per step (positive: the gap grows in training).
 - settings (``run_settings``, from the run's ``config.yaml``): the IS correction, mini-batches (optimizer
-  steps per PPO epoch) and PPO epochs, and the rollout error scale (the mismatch amplifier alpha).
+  steps per PPO epoch) and PPO epochs, the rollout error scale (the mismatch amplifier alpha) and the
+  learning rate with its warmup.
 - ``collapse`` is reported (with its reason) when any of: the smoothed reward ends below half of its
   best and at least 0.1 under it; held-out pass@1 ends 0.1 or more below its start; a logged loss or
   gap is NaN/Inf.
@@ -426,7 +427,8 @@ _COLUMNS: list[Column] = [
 def run_settings(run_dir: str | Path) -> dict[str, Any]:
     """What a run was trained with, from its ``config.yaml`` (``{}`` when it has none): ``correction``
     (e.g. ``tis (cap 2)``, ``none``), ``mini_batches``, ``ppo_epochs``, ``mini_batches_text`` (``2`` or
-    ``2 x 3 epochs``), ``error_scale`` (the rollout's mismatch amplifier alpha)."""
+    ``2 x 3 epochs``), ``error_scale`` (the rollout's mismatch amplifier alpha), ``lr_text`` (``2e-05``, or
+    ``2e-05 (warmup 20)`` with a linear warmup of 20 optimizer steps; ``n/a`` when the config does not say)."""
     run_dir = Path(run_dir)
     path = (run_dir.parent if run_dir.is_file() else run_dir) / "config.yaml"  # a folder or its metrics.jsonl
     if not path.is_file():
@@ -440,7 +442,9 @@ def run_settings(run_dir: str | Path) -> dict[str, Any]:
     text = {"none": "none", "tis": f"tis (cap {corr.get('cap', 2.0):g})"}.get(
         kind, f"{kind} [{corr.get('low', 0.5):g}, {corr.get('high', 2.0):g}]")
     mb, ep = int(optim.get("mini_batches", 1)), int(optim.get("ppo_epochs", 1))
-    return {"correction": text, "mini_batches": mb, "ppo_epochs": ep,
+    lr, warmup = optim.get("lr"), int(optim.get("warmup_steps", 0))
+    lr_text = "n/a" if lr is None else f"{float(lr):g}" + (f" (warmup {warmup})" if warmup else "")
+    return {"correction": text, "mini_batches": mb, "ppo_epochs": ep, "lr_text": lr_text,
             "mini_batches_text": f"{mb}" if ep == 1 else f"{mb} x {ep} epochs",
             "error_scale": float((cfg.get("recipe") or {}).get("rollout_error_scale", 1.0))}
 

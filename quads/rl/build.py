@@ -29,7 +29,7 @@ from quads.model.config import ModelConfig
 from quads.model.transformer import MoEForCausalLM
 from quads.quant import Recipe, get_recipe, quantize_model
 from quads.rl.config import TRAIN_DTYPES, TrainConfig, WarmStartSection
-from quads.tasks import Task, examples_up_to, get_task, require_sandbox
+from quads.tasks import Example, Task, examples_up_to, get_task, require_sandbox
 
 # the compute / master dtypes a job may name (``quads.model.config.DTYPES`` without float16)
 DTYPES = {name: DTYPE_MAP[name] for name in TRAIN_DTYPES}
@@ -79,6 +79,17 @@ def _build_task(cfg: TrainConfig) -> Task:
         return get_task(t.name, **kwargs)
     except ValueError as e:
         raise ValueError(f"task.name / task.difficulty: {e}") from None
+
+
+def heldout_examples(cfg: TrainConfig, task: Task) -> list[Example]:
+    """The held-out prompts of the run's evaluations: the first ``eval_n`` of the test split drawn with
+    ``task.eval_seed`` (None: the run's seed, i.e. ``task`` itself). Generated tasks split train and test by
+    prompt hash (``quads.tasks.base.split_of``), so a test split drawn with another seed shares no prompt
+    with the run's training prompts."""
+    if cfg.task.eval_seed is None or cfg.task.eval_seed == cfg.seed:
+        return examples_up_to(task, "test", cfg.eval_n)
+    fixed = _build_task(dataclasses.replace(cfg, seed=cfg.task.eval_seed))
+    return examples_up_to(fixed, "test", cfg.eval_n)
 
 
 def build_recipe(cfg: TrainConfig) -> Recipe:

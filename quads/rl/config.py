@@ -68,9 +68,15 @@ class TaskSection:
     dataset: str | None = None  # jsonl/parquet file with verl-style fields, replaces the generated train split
     train_size: int = 4000  # distinct training prompts of the task (all it has when fewer), in seeded epochs
     sandbox: Literal["full", "no-cgroup", "process"] = "full"  # code isolation, weaker = opt-in (docs/TASKS.md)
+    # generated tasks only (a dataset's held-out records are its split by the run seed); 0 = the held-out
+    # prompts that quads eval and the warm start's pass@1 score
+    eval_seed: int | None = None  # seed of the held-out prompts: an int fixes them for every run seed; None = the run's seed
 
     def __post_init__(self) -> None:
         _positive("task", train_size=self.train_size)
+        if self.eval_seed is not None and (self.name == "dataset" or self.dataset is not None):
+            raise ValueError("task.eval_seed applies to generated tasks only: a dataset's held-out records are "
+                             "its split by the run's seed; leave task.eval_seed unset with task.name=dataset")
 
 
 @dataclass
@@ -198,7 +204,7 @@ class TrainConfig:
     steps: int = 20  # RL steps (one rollout batch each)
     time_limit_s: float = 0  # stop early after this many seconds of RL (held-out eval, checkpoint, policy); 0 = none
     eval_every: int = 10  # held-out pass@1 every N steps (and at step 0 and the end); 0 = start and end only
-    eval_n: int = 200  # held-out prompts (a fixed subset of the test split), greedy decoding
+    eval_n: int = 200  # held-out prompts (the first eval_n of the test split drawn with task.eval_seed), greedy
     seed: int = 0  # seeds python, torch, the prompt sampler and the engine's generator
     device: str = "cpu"  # torch device (cpu, cuda, cuda:1)
     dtype: Literal["float32", "bfloat16", "float64"] = "bfloat16"  # compute dtype of both forwards

@@ -208,7 +208,7 @@ class GRPOTrainer:
         self.opt_steps = 0
         train = examples_up_to(self.task, "train", cfg.task.train_size)
         self.sampler = PromptSampler(train, seed=cfg.seed)
-        self.eval_set = examples_up_to(self.task, "test", cfg.eval_n)
+        self.eval_set = build.heldout_examples(cfg, self.task)  # the first eval_n drawn with task.eval_seed
         if len(train) < cfg.task.train_size or len(self.eval_set) < cfg.eval_n:
             self._say(f"task {cfg.task.name}: {len(train)} distinct training prompts and {len(self.eval_set)} "
                       f"held-out ones (task.train_size {cfg.task.train_size}, eval_n {cfg.eval_n}: the task "
