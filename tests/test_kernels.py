@@ -230,6 +230,86 @@ def test_weight_stack_quantize_skips_the_amax_check_it_does_not_need(monkeypatch
         _same_q(q, ops.nvfp4_quantize_weight(w), "expert stack")
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Equal shape, dtype and bits (NaN payloads included)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
+    ia, ib = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    assert torch.equal(ia, ib), f"{what}: {(ia != ib).sum()} bytes differ"
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_slice_amax_ignores_nan_counts_inf(backend):
+    """``dispatch.slice_amax`` (the per-expert global amax of a weight stack): one value per slice, NaN
+    ignored, Inf counted, all-zero and all-NaN slices 0; the Triton row pass equals the reference."""
+    x = _awkward((5, 32, 48), seed=4, dtype=torch.float32)
+    x[3] = 0.0
+    x[4] = float("nan")
+    x[1, 7, 9] = float("inf")
+    with dispatch.kernels(backend):
+        a = dispatch.slice_amax(x)
+    assert a.shape == (5, 1, 1) and a.dtype == torch.float32
+    want = [x[e].nan_to_num(nan=0.0, posinf=float("inf"), neginf=float("inf")).abs().max() for e in range(5)]
+    _same_bits(a.reshape(5), torch.stack(want).float(), f"{backend} slice amax")
+    assert a[3].item() == 0 and a[4].item() == 0 and a[1].item() == float("inf")
+
+
+BATCH_CASES = {  # (shapes of the weights, master dtype, tile)
+    "stacks": ((3, 32, 64), torch.float32, (1, 16)),
+    "stacks-tile16": ((2, 32, 48), torch.float32, (16, 16)),
+    "linears": ((48, 32), torch.float32, (1, 16)),
+    "bf16-masters": ((2, 16, 32), torch.bfloat16, (1, 16)),
+}
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("case", list(BATCH_CASES), ids=lambda c: c)
+def test_quantize_weights_batched_equals_one_call_each(case, backend):
+    """``ops.quantize_weights`` (the trainer's batched QAT cache refresh) gives every weight exactly what
+    ``ops.quantize_weight`` gives it alone, the rollout's quantize-dequantize: the operand and the
+    codes, block scales and global scale (shape included), bit for bit, with weights of very different
+    magnitudes (own global scale per weight / expert), NaN, Inf and all-zero experts among them."""
+    from quads.quant import ops
+    from quads.quant.recipe import LinearSpec
+
+    shape, master, tile = BATCH_CASES[case]
+    spec = LinearSpec.of(weight="nvfp4", weight_tile=list(tile))
+    ws = [_awkward(shape, seed=10 + i, dtype=master) * 10.0 ** (2 * i - 3) for i in range(4)]
+    ws[2].view(-1, shape[-1])[:16] = 0.0  # an all-zero first expert (3-D) / rows (2-D)
+    if len(shape) == 3:
+        ws[2][0] = 0.0
+    with dispatch.kernels(backend):
+        got = ops.quantize_weights(ws, spec, torch.bfloat16)
+        want = [ops.quantize_weight(w, spec, torch.bfloat16) for w in ws]
+    assert len(got) == len(ws)
+    for i, ((g_wq, g_q), (w_wq, w_q)) in enumerate(zip(got, want, strict=True)):
+        what = f"{case} {backend} weight {i}"
+        _same_bits(g_wq, w_wq, f"{what}: operand")
+        _same_q(g_q, w_q, what)
+        assert (g_q.shape, g_q.dtype, g_q.tile, g_q.mode) == (w_q.shape, w_q.dtype, w_q.tile, w_q.mode), what
+    if backend == "triton":  # and the reference's bits (a NaN block's NaNs may carry other payloads)
+        with dispatch.kernels("reference"):
+            ref = ops.quantize_weights(ws, spec, torch.bfloat16)
+        for i, ((g_wq, g_q), (r_wq, r_q)) in enumerate(zip(got, ref, strict=True)):
+            nan = r_wq.isnan()
+            assert torch.equal(g_wq.isnan(), nan), f"{case} weight {i}: NaN blocks differ"
+            _same_bits(g_wq[~nan], r_wq[~nan], f"{case} weight {i}: Triton vs reference operand")
+            _same_q(g_q, r_q, f"{case} weight {i}: Triton vs reference")
+
+
+def test_quantize_weights_mixed_shapes_and_specs_fall_back():
+    """Weights of different shapes, or a spec the batch does not cover (compatibility NVFP4 modes, FP8),
+    are quantized one call each: the same results as ``quantize_weight``."""
+    from quads.quant import ops
+    from quads.quant.recipe import LinearSpec
+
+    ws = [torch.randn(2, 16, 32), torch.randn(2, 32, 16)]
+    for spec in (LinearSpec.of(weight="nvfp4"), LinearSpec.of(weight="nvfp4", nvfp4_mode="torchao"),
+                 LinearSpec.of(weight="fp8")):
+        for batch in (ws, [ws[0], ws[0] * 2]):
+            for (g, _), w in zip(ops.quantize_weights(batch, spec, torch.bfloat16), batch, strict=True):
+                _same_bits(g, ops.quantize_weight(w, spec, torch.bfloat16)[0], spec.describe())
+
+
 def test_set_backend_is_the_default_and_blocks_override_it():
     """``set_backend`` (from ``TrainConfig.kernels``) is the process's backend; ``kernels()`` wins inside."""
     assert dispatch.backend() == "auto"
