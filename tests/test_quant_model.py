@@ -251,45 +251,6 @@ def test_trainer_cache_quantizes_once_per_step():
     assert torch.equal(w_q, quantize_weight(ref, store.spec, store.dtype)[0])
 
 
-def test_trainer_cache_refreshes_changed_weights_batched_by_shape(monkeypatch):
-    """After an optimizer step, the first quantized layer's ``get`` refreshes every changed weight of the
-    model at once, one ``ops.quantize_weights`` call per weight shape (the per-step QAT cache, batched:
-    expert stacks and 2-D linears), each with the bits of its own ``quantize_weight``; a weight the step
-    left alone keeps its cache; ``refresh_stale`` (before a compiled forward) batches the same way."""
-    from quads.quant import ops
-    from quads.quant.layers import refresh_stale
-
-    m = _model("builtin")
-    quantize_model(m, get_recipe("w4a16-qat", targets=["*.mlp.experts", "*.self_attn.*_proj"]), "trainer",
-                   verbose=False)
-    calls = []
-    real = ops.quantize_weights
-    monkeypatch.setattr(ops, "quantize_weights", lambda ws, *a: calls.append(len(ws)) or real(ws, *a))
-    stores = {f"{n}.{k}": s for n, mod in m.named_modules() if isinstance(mod, (QuantizedExperts, QuantizedLinear))
-              for k, s in mod.stores.items()}
-    assert len(stores) == 12  # 2 layers x (gate_up, down, q, k, v, o)
-    frozen = m.model.layers[1].mlp.experts.down_proj
-    opt = torch.optim.SGD([p for p in m.parameters() if p is not frozen], lr=1e-2)
-    ids = _ids()
-    for step in range(2):
-        _logits(m, ids).square().mean().backward()
-        # gate_up x2, down x2 (then x1: one frozen), q/o [64, 64] x4, k/v [32, 64] x4
-        assert sorted(calls) == ([2, 2, 4, 4] if step == 0 else [1, 2, 4, 4]), calls
-        assert all(s.n_quantize == step + 1 for n, s in stores.items() if "layers.1.mlp.experts.down" not in n)
-        assert stores["model.layers.1.mlp.experts.down_proj"].n_quantize == 1
-        for name, s in stores.items():
-            w_q, q = ops.quantize_weight(s.param, s.spec, s.dtype)
-            assert torch.equal(s.w_q, w_q) and torch.equal(s.packed.codes, q.codes), name
-            assert s.packed.global_scale.shape == q.global_scale.shape, name
-            assert torch.equal(s.packed.global_scale, q.global_scale), name
-        opt.step()
-        opt.zero_grad()
-        calls.clear()
-    refresh_stale(m)
-    assert sorted(calls) == [1, 2, 4, 4]
-    assert all(not s.stale() for s in stores.values())
-
-
 def test_rollout_store_is_fixed_between_syncs():
     m = _model("builtin")
     quantize_model(m, "quads", "rollout", verbose=False)

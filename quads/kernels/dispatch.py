@@ -103,18 +103,6 @@ def nvfp4_quantize(
     return nvfp4.quantize(x, tile=tile, per_token=per_token, amax=amax)
 
 
-def slice_amax(x: torch.Tensor) -> torch.Tensor:
-    """max|x| over the last two dims of ``x`` ``[..., N, K]`` -> fp32 ``[..., 1, 1]``, NaN ignored, +-Inf
-    counted (``nvfp4.nan_ignoring_amax``, the global amax of each expert of a weight stack). Triton:
-    one row-amax pass over x and a max over each slice's rows (a max is order-free: the same value);
-    the reference reads x in fp32 through four elementwise ops first."""
-    if use_triton(x):
-        from quads.kernels.nvfp4_quant import row_amax
-
-        return row_amax(x).amax(dim=-1, keepdim=True).unsqueeze(-1)
-    return nvfp4.nan_ignoring_amax(x.float(), dim=(-2, -1))
-
-
 def nvfp4_dequantize(q: nvfp4.NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``nvfp4.dequantize`` (same bits); Triton on CUDA."""
     if use_triton(q.codes) and q.scales.shape[-1] * NVFP4_BLOCK == q.codes.shape[-1] * 2:

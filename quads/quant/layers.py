@@ -8,9 +8,6 @@ Weight operands (``WeightStore``):
   its version counter (bumped by every in-place update: optimizer steps, ``load_state_dict``,
   ``copy_``) plus its data pointer, device and dtype; so the forward and backward of one step
   quantize each weight once. Writes through ``param.data`` bypass the counter: call ``refresh()``.
-  The stores of one model are peers (``link_stores``, by ``quantize_model``): the first one found stale
-  refreshes all stale ones, same-shape weights in one batched quantize (``refresh_stores``), so a step
-  launches one short kernel sequence per weight shape, not one per weight.
 - rollout side: the quantized weight (the ``NVFP4Tensor`` codes/scales and its dequantized copy in
   the recipe's ``weight_dtype``) is produced at sync time (``refresh()``) and used as is by every
   forward; it is only recomputed if the parameter moves to another device. W4A16 and W4A4(+RAC)
@@ -48,8 +45,6 @@ class WeightStore:
         self.kernel: w4a16.W4A16Weight | None = None  # rollout packed GEMMs: the weight (no w_q, no packed)
         self.key: tuple | None = None
         self.n_quantize = 0  # how many times this weight was quantized (tests, benchmarks)
-        # trainer side: the stores refreshed together when this one is found stale (``link_stores``)
-        self.peers: list[WeightStore] = [self]
 
     @property
     def param(self) -> torch.Tensor:
@@ -59,15 +54,6 @@ class WeightStore:
     def _key(self) -> tuple:
         p = self.param
         return (p._version, p.data_ptr(), p.device, p.dtype)
-
-    def stale(self) -> bool:
-        """Trainer side: whether the parameter changed since the cache was made."""
-        return self.w_q is None or self._key() != self.key
-
-    def _set(self, w_q: torch.Tensor, packed) -> None:
-        self.w_q, self.packed, self.kernel, self.w_q32 = w_q, packed, None, None
-        self.key = self._key()
-        self.n_quantize += 1
 
     def refresh(self) -> torch.Tensor:
         """Quantize the current parameter now.
@@ -140,18 +126,17 @@ class WeightStore:
     def get(self) -> torch.Tensor:
         if self.spec.weight == "none":
             return self.param.detach()
-        if self.side == "trainer":
-            if torch.compiler.is_compiling() and self.w_q is not None:
-                return self.w_q  # traced: the cache, checked eagerly before the call (``refresh_stale``)
-            if self.stale():  # with every stale peer, batched
-                refresh_stores([s for s in self.peers if s is self or (s.stale() and _local(s.param))])
-            return self.w_q
         if self.kernel is not None:  # the operand, decoded from the bytes the packed GEMM reads
             return w4a16.dequantize(self.get_packed())
         if self.w_q is None:
             w_q = self.refresh()
             return w_q if w_q is not None else w4a16.dequantize(self.kernel)
-        if self.w_q.device != self.param.device:
+        if self.side == "trainer":
+            if torch.compiler.is_compiling():
+                return self.w_q  # traced: the cache, checked eagerly before the call (``refresh_stale``)
+            if self._key() != self.key:
+                return self.refresh()
+        elif self.w_q.device != self.param.device:
             return self.refresh()
         return self.w_q
 
@@ -161,50 +146,15 @@ def _same_layout(a: torch.Tensor | None, b: torch.Tensor) -> bool:
             and a.data_ptr() != b.data_ptr())
 
 
-def _local(p: torch.Tensor) -> bool:
-    """Whether ``p`` holds its whole value here: not an FSDP2 shard (a ``DTensor``, which a module's
-    parameter is outside its own forward; quantizing it would gather it or read one shard)."""
-    if not torch.distributed.is_available():
-        return True
-    from torch.distributed.tensor import DTensor
-
-    return not isinstance(p, DTensor)
-
-
-def refresh_stores(stores: list[WeightStore]) -> None:
-    """Re-quantize the trainer-side ``stores`` now: the weights of one spec, shape, dtype and device in
-    one batched call (``ops.quantize_weights``, the same bits as one ``refresh`` each)."""
-    groups: dict[tuple, list[WeightStore]] = {}
-    for s in stores:
-        if s.side != "trainer":
-            raise ValueError(f"refresh_stores batches the trainer's QAT cache; {s.name} is on the {s.side} side, "
-                             "call its refresh()")
-        p = s.param
-        groups.setdefault((s.spec, s.dtype, p.shape, p.dtype, p.device), []).append(s)
-    for (spec, dtype, *_), group in groups.items():
-        for s, (w_q, packed) in zip(group, ops.quantize_weights([s.param for s in group], spec, dtype), strict=True):
-            s._set(w_q, packed)
-
-
-def link_stores(model: nn.Module) -> int:
-    """Make the trainer-side weight stores of ``model`` peers: the first one found stale in a step
-    (``WeightStore.get``: after an optimizer step, the first expert layer of the forward) refreshes every
-    stale one of them at once (``refresh_stores``), so the QAT cache costs one batched quantize per weight
-    shape per step. Returns the number of stores linked."""
-    stores = [s for m in model.modules() if isinstance(m, _QuantizedBase) and m.side == "trainer"
-              for s in m.stores.values() if s.spec.weight != "none"]
-    for s in stores:
-        s.peers = stores
-    return len(stores)
-
-
 def refresh_stale(model: nn.Module) -> None:
     """Re-quantize every trainer-side weight of ``model`` whose parameter changed since its cache was
-    made (``WeightStore.get``'s check, run eagerly), batched (``refresh_stores``). A compiled forward
-    calls this first: inside the traced region ``get`` returns the cache as it is (its check reads
-    ``data_ptr`` and the version counter, which a graph cannot)."""
-    refresh_stores([s for m in model.modules() if isinstance(m, _QuantizedBase) and m.side == "trainer"
-                    for s in m.stores.values() if s.spec.weight != "none" and s.stale() and _local(s.param)])
+    made (``WeightStore.get``'s check, run eagerly). A compiled forward calls this first: inside the
+    traced region ``get`` returns the cache as it is (its check reads ``data_ptr`` and the version
+    counter, which a graph cannot)."""
+    for m in model.modules():
+        if isinstance(m, _QuantizedBase) and m.side == "trainer":
+            for store in m.stores.values():
+                store.get()
 
 
 class _QuantizedBase(nn.Module):

@@ -8,8 +8,6 @@ Shapes: weights ``[N, K]`` or expert stacks ``[E, N, K]``; activations ``[T, K]`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from quads.formats import fp8, nvfp4
@@ -61,7 +59,7 @@ def nvfp4_quantize_weight(w: torch.Tensor, *, tile=(1, 16), mode: str = "te") ->
     if w.dim() != 3:
         raise ValueError(f"weights must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
     if mode == "te":
-        amax = dispatch.slice_amax(w)  # [E, 1, 1], never NaN or negative
+        amax = nvfp4.nan_ignoring_amax(w.float(), dim=(-2, -1))  # [E, 1, 1], never NaN or negative
         return nvfp4_quantize(w, tile=tile, mode=mode, amax=amax, amax_checked=True)
     qs = [nvfp4_quantize(w[e], tile=tile, mode=mode) for e in range(w.shape[0])]
     return nvfp4.NVFP4Tensor(
@@ -116,39 +114,6 @@ def quantize_weight(w: torch.Tensor, spec: LinearSpec, dtype: torch.dtype) -> tu
         q = nvfp4_weight(w, spec, dtype)
         return nvfp4_dequantize(q, dtype), q
     return fp8_weight_qdq(w.to(dtype), spec.fp8_scheme), None
-
-
-def quantize_weights(ws: Sequence[torch.Tensor], spec: LinearSpec, dtype: torch.dtype) -> list[tuple[torch.Tensor, object]]:
-    """``[quantize_weight(w, spec, dtype) for w in ws]``, the same bits, with same-shape NVFP4 weights in
-    one batched call (the trainer's per-step QAT cache refresh: one launch sequence per weight shape
-    instead of one per weight).
-
-    Canonical NVFP4 weights of one shape, dtype and device are cast to ``dtype`` into one stack
-    ``[L, *shape]`` (one copy each), viewed as ``[S, N, K]`` slices (S = L for 2-D weights, L * E for expert
-    stacks), quantized with one global scale per slice (``nvfp4_quantize_weight``: each 2-D weight and
-    each expert is its own linear layer, exactly as one call per weight scales it) and dequantized in
-    one call; each weight's operand and ``NVFP4Tensor`` are views of the batch. Other specs: one call each.
-    """
-    if not (len(ws) > 1 and spec.weight == "nvfp4" and spec.nvfp4_mode == "te"
-            and all(w.shape == ws[0].shape and w.dtype == ws[0].dtype and w.device == ws[0].device for w in ws)):
-        return [quantize_weight(w, spec, dtype) for w in ws]
-    shape = ws[0].shape
-    if len(shape) not in (2, 3):
-        raise ValueError(f"weights must be [N, K] or [E, N, K], got shape {tuple(shape)}")
-    check_k(shape[-1], "NVFP4 weight")
-    L = len(ws)
-    x = ws[0].new_empty((L, *shape), dtype=dtype)
-    with torch.no_grad():
-        for i, w in enumerate(ws):
-            x[i].copy_(w)  # the cast to dtype, as w.to(dtype)
-    q = nvfp4_quantize_weight(x.view(-1, *shape[-2:]), tile=spec.weight_tile, mode="te")  # [S, N, K]
-    w_q = nvfp4_dequantize(q, dtype).view(L, *shape)
-    codes, scales = q.codes.view(L, *shape[:-1], -1), q.scales.view(L, *shape[:-1], -1)
-    g = q.global_scale.view(L, *shape[:-2], 1, 1)
-    return [(w_q[i], nvfp4.NVFP4Tensor(codes=codes[i], scales=scales[i],
-                                      global_scale=g[i] if len(shape) == 3 else g[i].reshape(()),
-                                      shape=shape, dtype=dtype, tile=tuple(spec.weight_tile), mode="te"))
-            for i in range(L)]
 
 
 def nvfp4_weight(w: torch.Tensor, spec: LinearSpec, dtype: torch.dtype) -> nvfp4.NVFP4Tensor:
