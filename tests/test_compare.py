@@ -100,7 +100,7 @@ def test_compare_runs_in_parallel_and_reports_a_crash(checkpoint, tmp_path):
     cfg = CompareConfig(recipes="bf16,nvfp4", seeds="0", set=_set(checkpoint), out_dir=str(out), parallel=3)
     base = base_train_config(cfg)
     runs = plan_runs(cfg, base)
-    bad = dataclasses.replace(base, task=dataclasses.replace(base.task, name="dataset",
+    bad = dataclasses.replace(base, task=dataclasses.replace(base.task, name="dataset", eval_seed=None,
                                                              dataset=str(tmp_path / "missing.jsonl")))
     runs.append(("quads-s0", dataclasses.replace(bad, recipe=dataclasses.replace(base.recipe, name="quads"),
                                                  out_dir=str(out / "runs" / "quads-s0"))))
