@@ -177,13 +177,14 @@ def test_ctrl_c_stops_after_the_step_with_a_resumable_checkpoint(ckpt, tmp_path,
         return out
 
     monkeypatch.setattr(GRPOTrainer, "step", step_then_ctrl_c)
+    before = signal.getsignal(signal.SIGINT)  # default_int_handler; SIG_IGN in a shell's background job
     run = tmp_path / "run"
     assert train("--model.checkpoint", ckpt, "--out-dir", run, "--steps", 4, "--log.save-every", 0, *TINY) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("quads train: interrupted") and "--resume true" in err[-1], err
     assert "Traceback" not in "\n".join(err)
     assert latest_checkpoint(run).name.endswith("2")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is given back
     monkeypatch.setattr(GRPOTrainer, "step", step)
     assert train("--out-dir", run, "--resume", "true", "--quiet") == 0
     assert "done: 4 steps" in capsys.readouterr().out
