@@ -5,9 +5,9 @@
 #      cap), SFT_STEPS steps with the BF16 compute path (PretrainConfig.compute_dtype auto: BF16 autocast
 #      over FP32 master weights on CUDA, the experts' grouped GEMMs), its held-out greedy pass@1 on
 #      SFT_EVAL prompts (and at the EVAL_AT steps, if given) in $OUT/pretrain.log;
-#   2. quads compare: RECIPES x SEEDS (bf16,nvfp4,quads x 0,1,2: 9 runs), x the VARIANTS (or LRS) when given,
+#   2. quads compare: RECIPES x SEEDS (bf16,nvfp4,quads x 0,1: 6 runs), x the VARIANTS (or LRS) when given,
 #      all in parallel, spread over the visible GPUs, from that checkpoint, with CONFIG's settings
-#      (configs/chain_100m.yaml: 16 prompts x 8 samples, 400 new tokens, lr 2e-5, temperature 1, 200 held-out
+#      (configs/chain_100m.yaml: 16 prompts x 8 samples, 400 new tokens, lr 5e-6, temperature 1, 200 held-out
 #      prompts of the fixed task.eval_seed 0); every run stops at train.time_limit_s (sized so that all end
 #      before BUDGET_S seconds after the script's start) after a held-out eval, with its per-step metrics;
 #   3. $OUT/results.tar.gz: per run metrics.jsonl, config.yaml and log, the compare report, the pretrain
@@ -28,10 +28,12 @@
 # Knobs (env): OUT (runs/collapse), BUDGET_S (560: seconds from the start by which every run has stopped;
 #   a device call allows 600), CONFIG (configs/chain_100m.yaml), TASK (arithmetic), LEVEL (8),
 #   MAX_NEW_TOKENS (400), PRESET (100m), SFT_STEPS, SFT_LR, SFT_BATCH, SFT_TRAIN_SIZE (default: CONFIG's
-#   warm_start.steps / lr / batch_size / train_size), SFT_EVAL (200: held-out prompts of the SFT's pass@1),
-#   EVAL_AT (empty: SFT steps at which pass@1 is also measured, e.g. 100,200,300), COMPUTE_DTYPE (auto),
+#   warm_start.steps / lr / batch_size / train_size), SFT_EVAL (200, with a target CONFIG's warm_start.eval_size: held-out prompts of the SFT's pass@1),
+#   EVAL_AT (empty: SFT steps at which pass@1 is also measured, e.g. 100,200,300; CONFIG's warm_start.eval_at
+#   with a target), TARGET_PASS (CONFIG's warm_start.target_pass: the SFT stops at the first EVAL_AT step whose
+#   held-out pass@1 on CONFIG's warm_start.eval_size prompts reaches it; "" = none), COMPUTE_DTYPE (auto),
 #   CKPT (skip the SFT: use this checkpoint), PICK (a chain_warm_start.jsonl of scripts/chain_warm_start.sh: skip
-#   the SFT and take the swept warm start whose held-out pass@1 is in PICK_LO-PICK_HI (0.3-0.6), nearest the middle), RECIPES (bf16,nvfp4,quads), SEEDS (0,1,2), STEPS (150: the
+#   the SFT and take the swept warm start whose held-out pass@1 is in PICK_LO-PICK_HI (0.3-0.6), nearest the middle), RECIPES (bf16,nvfp4,quads), SEEDS (0,1), STEPS (150: the
 #   cap), EVAL_EVERY (10; 0: held-out evals at the start and the end only), EVAL_N (CONFIG's eval_n: held-out prompts of the RL evals),
 #   LRS (empty: learning rates to sweep, "2e-6,5e-6": every recipe x lr x seed runs, as the run group <recipe>-lr<lr>),
 #   VARIANTS (empty; instead of LRS, any sweep: quads compare --variants, ";" between variants, e.g.
@@ -40,6 +42,7 @@
 #   CORRECTION (none), MINI_BATCHES (2), MARGIN_S (120: seconds kept after a run's time limit for the step in
 #   flight, its final held-out eval and checkpoint, and the report), EXTRA_SET (more TrainConfig overrides
 #   "k=v,k=v"), WORK (runs/collapse-work: warm start and run folders), WARM_DIR ($WORK/warm_start),
+#   RUN_GB (20: GPU memory per run; the script refuses more runs than fit 90% of the visible GPUs' memory),
 #   DEVICE (cuda), PY (python3), CONTINUE (0; 1: continue the runs of an earlier call on the SAME machine:
 #   the device keeps ignored folders such as runs/ while it stays warm, so a call made within its idle window
 #   finds WORK as the last one left it; the warm start is found in WARM_DIR's cache, and quads compare resumes
@@ -60,7 +63,7 @@ PY=${PY:-python3}
 WORK=${WORK:-runs/collapse-work}
 WARM_DIR=${WARM_DIR:-$WORK/warm_start}
 RECIPES=${RECIPES:-bf16,nvfp4,quads}
-SEEDS=${SEEDS:-0,1,2}
+SEEDS=${SEEDS:-0,1}
 STEPS=${STEPS:-150}
 EVAL_EVERY=${EVAL_EVERY:-10}
 EVAL_N=${EVAL_N:-}
@@ -70,17 +73,26 @@ WARMUP=${WARMUP:-}
 CORRECTION=${CORRECTION:-none}
 MINI_BATCHES=${MINI_BATCHES:-2}
 MARGIN_S=${MARGIN_S:-120}
-SFT_EVAL=${SFT_EVAL:-200}
+SFT_EVAL=${SFT_EVAL:-}
 COMPUTE_DTYPE=${COMPUTE_DTYPE:-auto}
 EXTRA_SET=${EXTRA_SET:-}
 CONT=$([ "${CONTINUE:-0}" = 1 ] && echo true || echo false)
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 [ -f "$CONFIG" ] || { echo "CONFIG=$CONFIG does not exist; pass a TrainConfig YAML (e.g. configs/chain_100m.yaml)"; exit 2; }
 # the SFT settings default to CONFIG's warm_start section (what `quads train --config CONFIG` would warm start)
-read -r WS_STEPS WS_LR WS_BATCH WS_TRAIN <<< "$($PY -c "
+read -r WS_STEPS WS_LR WS_BATCH WS_TRAIN WS_TARGET WS_EVAL_AT WS_EVAL_SIZE <<< "$($PY -c "
 import sys, yaml
 ws = (yaml.safe_load(open(sys.argv[1])) or {}).get('warm_start') or {}
-print(ws.get('steps', 600), ws.get('lr', 3e-3), ws.get('batch_size', 32), ws.get('train_size', 20000))" "$CONFIG")"
+print(ws.get('steps', 600), ws.get('lr', 3e-3), ws.get('batch_size', 32), ws.get('train_size', 20000),
+      ws.get('target_pass') or '-', ','.join(map(str, ws.get('eval_at') or [])) or '-', ws.get('eval_size', 100))" "$CONFIG")"
+[ "$WS_TARGET" = - ] && WS_TARGET=
+[ "$WS_EVAL_AT" = - ] && WS_EVAL_AT=
+TARGET_PASS=${TARGET_PASS-$WS_TARGET}
+if [ -n "$TARGET_PASS" ]; then  # the SFT stops at a held-out pass@1: CONFIG's checks, so `quads train` finds it
+  EVAL_AT=${EVAL_AT:-$WS_EVAL_AT}
+  SFT_EVAL=${SFT_EVAL:-$WS_EVAL_SIZE}
+fi
+SFT_EVAL=${SFT_EVAL:-200}
 SFT_STEPS=${SFT_STEPS:-$WS_STEPS}
 SFT_LR=${SFT_LR:-$WS_LR}
 SFT_BATCH=${SFT_BATCH:-$WS_BATCH}
@@ -89,6 +101,13 @@ SFT_TRAIN_SIZE=${SFT_TRAIN_SIZE:-$WS_TRAIN}
 [ -n "$LRS" ] && VARIANTS=$(echo "$LRS" | tr ',' '\n' | sed '/^$/d; s/^/optim.lr=/' | paste -sd';' -)
 NVAR=$(echo "$VARIANTS" | tr ';' '\n' | grep -c '[^[:space:]]')
 NRUNS=$(( $(echo "$RECIPES" | tr ',' '\n' | wc -l) * $(echo "$SEEDS" | tr ',' '\n' | wc -l) * (NVAR > 0 ? NVAR : 1) ))
+# runs that fit the visible GPUs at RUN_GB each (a 100m chain run peaks at ~15-19 GiB: 9 on one 140 GiB H200
+# ran out of memory): more runs than that would queue behind the first ones and get no time in this call
+GPU_GB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | awk '{s += int($1 / 1024)} END {print s + 0}')
+if [ "$DEVICE" = cuda ] && [ "${GPU_GB:-0}" -gt 0 ]; then
+  FIT=$(( GPU_GB * 9 / 10 / ${RUN_GB:-20} ))
+  [ "$NRUNS" -le "$FIT" ] || { echo "$NRUNS runs x ${RUN_GB:-20} GiB do not fit in ${GPU_GB} GiB of GPU memory (at most $FIT): fewer SEEDS or RECIPES per call, or RUN_GB"; exit 2; }
+fi
 rm -rf "$OUT/stage"
 mkdir -p "$OUT/stage" "$WORK"
 S=$OUT/stage  # everything that comes back is packed from here into $OUT/results.tar.gz
@@ -122,7 +141,8 @@ if [ -z "${CKPT:-}" ]; then
   echo "== 1. warm start: $PRESET on $TASK level $LEVEL, $SFT_STEPS SFT steps (lr $SFT_LR, batch $SFT_BATCH, compute $COMPUTE_DTYPE) at $(elapsed)s"
   $PY -m quads.cli pretrain --task "$TASK" --difficulty "$LEVEL" --preset "$PRESET" --steps "$SFT_STEPS" --lr "$SFT_LR" \
     --batch-size "$SFT_BATCH" --train-size "$SFT_TRAIN_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" --eval-size "$SFT_EVAL" \
-    --compute-dtype "$COMPUTE_DTYPE" ${EVAL_AT:+--eval-at "$EVAL_AT"} --device "$DEVICE" --cache-dir "$WARM_DIR" \
+    --compute-dtype "$COMPUTE_DTYPE" ${EVAL_AT:+--eval-at "$EVAL_AT"} ${TARGET_PASS:+--target-pass "$TARGET_PASS"} \
+    --device "$DEVICE" --cache-dir "$WARM_DIR" \
     --progress false > "$S/pretrain.log" 2>&1
   tail -3 "$S/pretrain.log" | cut -c1-600
   CKPT=$(sed -n 's/^\(trained\|cached\) checkpoint: //p' "$S/pretrain.log" | tail -1)

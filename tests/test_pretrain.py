@@ -1,5 +1,6 @@
 """SFT warm start: response-only loss masking, loss goes down, checkpoint cached and reloads identically."""
 
+import pytest
 import torch
 
 from quads.model.checkpoint import load_checkpoint
@@ -61,8 +62,6 @@ def test_training_is_seeded(tmp_path):
 
 
 def test_config_validation():
-    import pytest
-
     with pytest.raises(ValueError, match="steps must be >= 1"):
         PretrainConfig(steps=0)
     with pytest.raises(ValueError, match="dtype"):
@@ -70,9 +69,9 @@ def test_config_validation():
 
 
 def test_chain_configs_find_the_warm_start_of_the_sweep(monkeypatch):
-    """``quads train --config configs/chain_100m*.yaml`` asks for the warm start that
-    ``scripts/chain_warm_start.sh`` trains (same cache key: the sweep's evaluation settings and device are
-    not hashed), with and without the injected outliers."""
+    """``quads train --config configs/chain_100m*.yaml`` asks for the warm start that ``scripts/gpu_collapse.sh``
+    trains (``quads pretrain`` with the config's warm_start fields: same cache key, the device not hashed),
+    with and without the injected outliers."""
     from pathlib import Path
 
     import quads.pretrain as pretrain
@@ -86,16 +85,15 @@ def test_chain_configs_find_the_warm_start_of_the_sweep(monkeypatch):
     for name in ("chain_100m", "chain_100m_outliers"):
         cfg = build_config(TrainConfig, Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml")
         warm_start_checkpoint(cfg)
-        sweep = PretrainConfig(task="arithmetic", difficulty=8, preset="100m", lr=0.001, batch_size=32, eval_size=200,
-                               max_new_tokens=400, device="cuda", progress=False, steps=cfg.warm_start.steps,
+        sweep = PretrainConfig(task="arithmetic", difficulty=8, preset="100m", lr=0.001, batch_size=32, eval_size=100,
+                               max_new_tokens=400, device="cuda", progress=False, steps=800, target_pass=0.35,
+                               eval_at=list(range(350, 801, 25)),
                                outliers=OutlierConfig(mode="inject", channels=[37, 150, 301, 444], scale=32)
                                if name.endswith("outliers") else OutlierConfig())
         assert asked[-1] == sweep.cache_key(), name
 
 
 def test_sequences_longer_than_the_preset_are_refused_before_training():
-    import pytest
-
     from quads.pretrain import check_lengths
 
     cfg = PretrainConfig(difficulty=8)
@@ -122,8 +120,6 @@ def test_compute_dtype_auto_keeps_cpu_runs_and_their_cache_keys():
 
 
 def test_compute_dtype_and_eval_at_validation():
-    import pytest
-
     with pytest.raises(ValueError, match="compute_dtype must be one of auto, float32, bfloat16, got 'fp16'"):
         PretrainConfig(compute_dtype="fp16")
     with pytest.raises(ValueError, match="compute_dtype float32 over dtype bfloat16"):
@@ -138,8 +134,6 @@ def test_compute_dtype_and_eval_at_validation():
 def test_warm_start_compute_dtype_round_trips_to_the_pretrain_config(monkeypatch):
     """warm_start.compute_dtype is a TrainConfig field (YAML / --set), reaches PretrainConfig through
     warm_start_policy (the one path of train, compare and diagnose), and a bad value is refused."""
-    import pytest
-
     import quads.pretrain as pretrain
     from quads.config import to_dict
     from quads.rl.build import warm_start_checkpoint
@@ -183,8 +177,6 @@ def test_cuda_bf16_sft_takes_the_grouped_expert_path_and_learns(tmp_path, monkey
     """On CUDA compute_dtype auto trains in BF16 over float32 master weights: every MoE layer's experts run
     ``sorted_expert_mlp`` (``torch._grouped_mm``), the per-expert loop never, the weights (and the saved
     checkpoint) stay float32, and the cross-entropy falls over a few steps."""
-    import pytest
-
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import quads.model.moe as moe
@@ -246,3 +238,47 @@ def test_bf16_compute_on_cpu_keeps_fp32_weights_and_evaluates_a_bf16_copy(tmp_pa
     assert read_checkpoint_config(folder)[1]["pretrain_result"]["compute_dtype_resolved"] == "bfloat16"
     loaded, _ = load_checkpoint(folder, device="cpu")
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+
+
+def test_target_pass_stops_at_the_first_eval_step_reaching_it_and_saves_that_model(tmp_path, monkeypatch):
+    """target_pass: training stops at the first eval_at step whose held-out pass@1 reaches it; the checkpoint
+    is that step's model (the same weights a run without the target has at that step) with that pass@1."""
+    import copy
+
+    import quads.pretrain as pretrain
+    from quads.model.checkpoint import load_checkpoint, read_checkpoint_config
+
+    scores, seen = iter([0.1, 0.5, 0.9, 0.7] * 3), []
+
+    def fake_eval(cfg, model, tok, task):
+        seen.append(copy.deepcopy(model.state_dict()))
+        return {"heldout_pass@1": next(scores), "heldout_mean_response_chars": 3.0}
+
+    monkeypatch.setattr(pretrain, "heldout_eval", fake_eval)
+    base = dict(steps=8, train_size=40, max_new_tokens=16, eval_at=[2, 4, 6])
+    pretrain.train_sft(_tiny_cfg(tmp_path, **base))  # no target: evaluated at 2, 4, 6
+    at_step4 = seen[1]
+    scores, seen = iter([0.1, 0.5, 0.9]), []
+    cfg = _tiny_cfg(tmp_path, **base, target_pass=0.4)
+    folder = pretrain.warm_start(cfg)
+    res = read_checkpoint_config(folder)[1]["pretrain_result"]
+    assert res["stopped_at_step"] == 4 and res["heldout_pass@1"] == 0.5 and len(seen) == 2  # no final evaluation
+    assert [e["step"] for e in res["heldout_by_step"]] == [2, 4] and res["loss_history"][-1][0] == 3
+    model, _ = load_checkpoint(folder)
+    assert all(torch.equal(at_step4[k], v) for k, v in model.state_dict().items())
+    # never reached: all steps are trained and the final evaluation is the checkpoint's
+    scores = iter([0.1, 0.2, 0.3, 0.35])
+    res = read_checkpoint_config(pretrain.warm_start(_tiny_cfg(tmp_path, **base, target_pass=0.99)))[1]["pretrain_result"]
+    assert "stopped_at_step" not in res and res["heldout_pass@1"] == 0.35 and res["loss_history"][-1][0] == 7
+
+
+def test_target_pass_hashes_the_evaluation_that_decides_the_stop(tmp_path):
+    plain = _tiny_cfg(tmp_path)
+    assert plain.cache_key() == _tiny_cfg(tmp_path, eval_size=50, eval_at=[5], max_new_tokens=20).cache_key()
+    t = _tiny_cfg(tmp_path, eval_at=[5, 10], target_pass=0.4)
+    assert t.cache_key() != plain.cache_key()
+    assert t.cache_key() != _tiny_cfg(tmp_path, eval_at=[5, 10], target_pass=0.4, eval_size=50).cache_key()
+    assert t.cache_key() != _tiny_cfg(tmp_path, eval_at=[5, 10], target_pass=0.5).cache_key()
+    for bad in (dict(target_pass=0.4), dict(target_pass=0.0, eval_at=[5]), dict(target_pass=1.5, eval_at=[5])):
+        with pytest.raises(ValueError, match="target_pass"):
+            _tiny_cfg(tmp_path, **bad)

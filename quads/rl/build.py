@@ -108,16 +108,19 @@ def warm_start_checkpoint(cfg: TrainConfig, task: Task | None = None) -> Path:
     difficulty = cfg.task.difficulty if cfg.task.difficulty is not None else getattr(task, "difficulty", None)
     return warm_start_policy(cfg.warm_start, task=cfg.task.name, difficulty=difficulty, preset=cfg.model.preset,
                              seed=cfg.seed, device=cfg.device, threads=cfg.threads or None,
-                             progress=cfg.log.progress)
+                             progress=cfg.log.progress, max_new_tokens=cfg.rollout.max_new_tokens)
 
 
 def warm_start_policy(section: WarmStartSection, *, task: str, difficulty: int | None, preset: str, seed: int,
-                      device: str, threads: int | None = None, progress: bool = True) -> Path:
+                      device: str, threads: int | None = None, progress: bool = True,
+                      max_new_tokens: int | None = None) -> Path:
     """The one path to the cached warm start (``quads.pretrain.warm_start``) for ``quads train``, ``compare``
     and ``diagnose``: every ``section`` field that is a ``PretrainConfig`` field is passed on, and an unset
     ``difficulty`` is resolved to the task's default level, so the same job finds the same cache folder
-    (``PretrainConfig.folder()``) whichever command asks. ``eval_size`` is 0: the callers measure
-    held-out pass@1 themselves, through their own recipe."""
+    (``PretrainConfig.folder()``) whichever command asks. ``eval_size`` is 0 (the callers measure held-out
+    pass@1 themselves, through their own recipe) unless ``section.target_pass`` stops the SFT at a
+    held-out pass@1: then ``section.eval_size`` prompts are scored at ``section.eval_at``, responses capped at
+    ``max_new_tokens`` (the rollout's)."""
     from quads.pretrain import PretrainConfig, warm_start
 
     if difficulty is None:
@@ -125,7 +128,11 @@ def warm_start_policy(section: WarmStartSection, *, task: str, difficulty: int |
     names = {f.name for f in dataclasses.fields(PretrainConfig)}
     want = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
     want |= {"task": task, "difficulty": difficulty, "preset": preset, "seed": seed, "device": device,
-             "threads": threads, "progress": progress, "eval_size": 0}
+             "threads": threads, "progress": progress}
+    if section.target_pass is None:
+        want |= {"eval_size": 0, "eval_at": [], "max_new_tokens": None}
+    else:
+        want["max_new_tokens"] = max_new_tokens
     return Path(warm_start(PretrainConfig(**{k: v for k, v in want.items() if k in names and v is not None})))
 
 

@@ -53,10 +53,19 @@ class WarmStartSection:
     # SFT forward compute dtype over float32 master weights (PretrainConfig.compute_dtype): auto = bfloat16 on CUDA
     # (the experts' grouped-GEMM path), float32 on the CPU; hashed into the cache key when it is not float32
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # stop the SFT at the first eval_at step whose held-out greedy pass@1 (eval_size prompts, responses capped
+    # at rollout.max_new_tokens) reaches target_pass and keep that model (PretrainConfig.target_pass): a warm
+    # start in a pass@1 band whatever step the task is learnt at; None = train all steps
+    target_pass: float | None = None
+    eval_at: list[int] = field(default_factory=list)  # SFT steps at which target_pass is checked
+    eval_size: int = 100  # held-out prompts of those checks (used only with target_pass)
 
     def __post_init__(self) -> None:
         _positive("warm_start", steps=self.steps, lr=self.lr, batch_size=self.batch_size,
-                  train_size=self.train_size)
+                  train_size=self.train_size, eval_size=self.eval_size)
+        if self.target_pass is not None and not (0.0 < self.target_pass <= 1.0 and self.eval_at):
+            raise ValueError(f"warm_start.target_pass must be in (0, 1] and needs warm_start.eval_at; got "
+                             f"{self.target_pass}, eval_at {self.eval_at}")
 
 
 @dataclass
