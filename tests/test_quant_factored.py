@@ -391,12 +391,13 @@ def test_sort_units_one_row_per_program(per_token):
 
 
 def test_rac_method_default_and_errors():
-    """sort up to SORT_MAX_K channels (padded to a power of two), count above; an unknown method or a sort
-    too wide for one program is a ValueError naming the fix."""
+    """sort for experts up to SORT_MAX_K channels (padded to a power of two), count above and for one group;
+    an unknown method or a sort too wide for one program is a ValueError naming the fix."""
     from quads.kernels import rac_select
 
     assert rac_select.default_method(1024) == "sort" and rac_select.default_method(4096) == "sort"
     assert rac_select.default_method(4097) == "count" and rac_select.default_method(80) == "sort"
+    assert rac_select.default_method(1024, grouped=False) == "count"
     if not HAS_TRITON:
         return
     r, out = torch.zeros(2, 4112), torch.zeros(2, 4112)

@@ -203,9 +203,9 @@ def rac_units_op(r: torch.Tensor, group: torch.Tensor | None, groups: int, out: 
                  per_token: bool, method: RacMethod | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``rac_select.rac_units`` writing RAC's residual operand into ``out[:, slot]`` (``out`` ``[M, P, K]``,
     the stacked operand), as the custom op ``quads::rac_units`` -> ``(S_dec [M], S [G, n])``. ``method``:
-    the selection algorithm (None: ``rac_select.default_method(K)``, resolved here so that the op's
+    the selection algorithm (None: ``rac_select.default_method``, resolved here so that the op's
     argument names it)."""
     from quads.kernels.rac_select import default_method
 
-    method = default_method(r.shape[-1]) if method is None else method
+    method = default_method(r.shape[-1], group is not None) if method is None else method
     return torch.ops.quads.rac_units(r, group, groups, out, slot, n, per_token, method)

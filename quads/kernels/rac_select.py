@@ -18,7 +18,7 @@ Shared numerics (both methods, so that they select the same channels bit for bit
   channel index ascending: exactly ``torch.argsort(norms, descending=True, stable=True)`` (torch sorts
   NaN above every number). ``S[g]`` = the first n channels; ``rank[g, c]`` = c's position.
 
-``method="sort"`` (default for K <= ``SORT_MAX_K``, padded to a power of two), two kernels:
+``method="sort"`` (default for grouped rows and K <= ``SORT_MAX_K``, padded to a power of two), two kernels:
 
 1. ``_rac_select_kernel`` (grid G, one program per group): the group's rows (found by one vector pass
    over ``group``), its K norms and maxima held in registers, then a bitonic sort of the
@@ -31,7 +31,7 @@ Shared numerics (both methods, so that they select the same channels bit for bit
    (``per_token``: NaN-ignoring max of the row; else ``gmax`` of its group), the canonical NVFP4
    quantize (``nvfp4_quant._quantize_tile``), ``u`` scattered to its channels, zero outside S; S_dec.
 
-``method="count"`` (any K), three kernels:
+``method="count"`` (any K; the default for one group and for K > ``SORT_MAX_K``), three kernels:
 
 1. ``_rac_norms_kernel`` (grid G+1 x K-blocks, G+1: the masked rows' group too): norms and maxima per
    block of channels.
@@ -40,9 +40,10 @@ Shared numerics (both methods, so that they select the same channels bit for bit
 3. ``_rac_units_kernel`` (grid over blocks of rows; masked rows use group G-1's channels): the amax of
    ``R[:, S]`` per row or per group (``max over c in S of cmax[g, c]``), quantize, scatter, zero fill.
 
-Cost: ``count`` compares K x K pairs per group (~K^2 int64 compares); ``sort`` ~K log2(K)^2 / 2 pair
-steps, but one program reads all of a group's rows, so a single group of many rows (a dense layer at
-prefill) is one program's sequential pass (``count`` spreads it over K / 128 programs).
+Cost: ``count`` compares K x K pairs per group (~K^2 int64 compares); ``sort`` ~K log2(K)^2 / 4
+compare-and-swaps, but one program reads all of a group's rows, so a single group of many rows (a dense
+layer at prefill) would be one program's sequential pass (``count`` spreads it over K / 128 programs):
+the default keeps ``count`` for one group (``default_method``).
 
 The pure-PyTorch reference is ``factored.operands`` under the reference backend; tests compare all three
 byte for byte (u, g, channels).
@@ -307,10 +308,11 @@ if HAS_TRITON:
             tl.store(u_ptr + rows[:, None] * stride_um + c[None, :], cast_out(zero, u_ptr), mask=cm & (rk >= n))
 
 
-def default_method(k: int) -> RacMethod:
-    """``sort`` when a group's K norms, padded to a power of two, fit one program (``SORT_MAX_K``), else
-    ``count``."""
-    return "sort" if 1 << max(k - 1, 0).bit_length() <= SORT_MAX_K else "count"
+def default_method(k: int, grouped: bool = True) -> RacMethod:
+    """``sort`` for rows in groups (experts) whose K norms, padded to a power of two, fit one program
+    (``SORT_MAX_K``); else ``count``. One group (a dense layer, ``group=None``) keeps ``count``: the sort
+    path would read all M rows in one program, where ``count`` spreads them over K / 128 programs."""
+    return "sort" if grouped and 1 << max(k - 1, 0).bit_length() <= SORT_MAX_K else "count"
 
 
 def rac_units(
@@ -329,7 +331,7 @@ def rac_units(
     of NVFP4(``R[:, S]``) scattered to their channels, zero elsewhere, into ``out`` ``[M, K]`` (rows may be
     strided, e.g. ``buf[:, 1]``); returns ``(S_dec [M] fp32, S [G, n] long)``. ``group`` ``[M]`` sorted
     ascending in ``[0, groups]`` (``groups``: rows of no group), or None (one group). ``method``: the
-    selection algorithm (None: ``default_method(K)``); both give the same bits. ``block_m``: rows per
+    selection algorithm (None: ``default_method(K, group is not None)``); both give the same bits. ``block_m``: rows per
     program of the units kernel (None: 16 for ``count``; for ``sort`` 1 on the GPU, 16 under the
     interpreter, whose cost is per program); ``block_k``: the count path's units tile width."""
     if not HAS_TRITON:
@@ -342,7 +344,7 @@ def rac_units(
     if out.shape != (m, k) or out.stride(-1) != 1:
         raise ValueError(f"rac_units: out must be [{m}, {k}] with unit stride along K, got {tuple(out.shape)} "
                          f"strides {out.stride()}")
-    method = default_method(k) if method is None else method
+    method = default_method(k, group is not None) if method is None else method
     if method not in get_args(RacMethod):
         raise ValueError(f"unknown RAC selection method {method!r}; valid: {', '.join(get_args(RacMethod))}")
     if method == "sort" and triton.next_power_of_2(k) > SORT_MAX_K:
