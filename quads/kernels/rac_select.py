@@ -196,7 +196,6 @@ if HAS_TRITON:
             zero = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
             tl.store(u_ptr + rows[:, None] * stride_um + c[None, :], cast_out(zero, u_ptr), mask=m & (rk >= n))
 
-
     @triton.jit
     def _swap_pairs(key, idx, S: tl.constexpr, J: tl.constexpr, LOG: tl.constexpr, INTERP: tl.constexpr):
         """One compare-and-swap step of merge stage S (runs of 2**S) of a bitonic sort of ``[2**LOG]``
