@@ -258,8 +258,11 @@ RAC_SHAPES = [(1024, "gate_up"), (256, "down")]  # the 1b's expert projections: 
 def bench_rac(rows: list) -> None:
     """``factored.operands`` (W4A4 + RAC 50%, dynamic selection) at the 1b decode shapes: 128 tokens x
     top-8 over 64 experts (M = 1024 sorted rows), the residual operand by the fused ``quads::rac_units``
-    against the step-by-step path (same Triton quantize kernels, torch selection), and W4A4 alone."""
+    with each selection method (``sort``: a bitonic sort per expert; ``count``: K x K rank counting; ``us``
+    is the default method's) against the step-by-step path (same Triton quantize kernels, torch
+    selection), and W4A4 alone."""
     from quads.kernels import dispatch
+    from quads.kernels.rac_select import default_method
     from quads.model.moe import static_routes
     from quads.quant import factored
 
@@ -268,16 +271,21 @@ def bench_rac(rows: list) -> None:
     idx = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)]).cuda()
     routes = static_routes(idx, e)
     segs = factored.Segments.of(routes.expert, e)
+    cases = (("sort", None, True, "sort"), ("count", None, True, "count"), ("unfused", None, False, None),
+             ("w4a4", 0, True, None))  # name, n (None: K/2), fused, selection method
     for k, what in RAC_SHAPES:
         xs = [torch.randn(tokens * topk, k, device="cuda").bfloat16() for _ in range(4)]
         t = {}
         with dispatch.kernels("triton"):
-            for name, n, fused in (("fused", k // 2, True), ("unfused", k // 2, False), ("w4a4", 0, True)):
-                t[name] = time_graph([lambda x=x: factored.operands(x, segs, n=n, dtype=torch.bfloat16,
-                                                                    fused_rac=fused) for x in xs])  # fmt: skip
+            for name, n, fused, method in cases:
+                n = k // 2 if n is None else n
+                t[name] = time_graph([lambda x=x: factored.operands(x, segs, n=n, dtype=torch.bfloat16, fused_rac=fused,
+                                                                    rac_method=method) for x in xs])  # fmt: skip
+        default = default_method(k)
         rows.append({"bench": "RAC 50% operands (1b decode)", "shape": f"{what} M={tokens * topk} E={e} K={k} "
-                     f"n={k // 2}", "us": t["fused"] * 1e6, "unfused_us": t["unfused"] * 1e6,
-                     "w4a4_us": t["w4a4"] * 1e6, "x_vs_unfused": t["unfused"] / t["fused"]})  # fmt: skip
+                     f"n={k // 2}", "us": t[default] * 1e6, "method": default, "sort_us": t["sort"] * 1e6,
+                     "count_us": t["count"] * 1e6, "unfused_us": t["unfused"] * 1e6, "w4a4_us": t["w4a4"] * 1e6,
+                     "count_over_sort": t["count"] / t["sort"], "x_vs_unfused": t["unfused"] / t[default]})  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ tune
@@ -620,6 +628,9 @@ def main(argv: list[str] | None = None) -> int:
         "rac_over_plain",
         "unfused_us",
         "x_vs_unfused",
+        "sort_us",
+        "count_us",
+        "w4a4_us",
         "fused_us",
         "gemv_us",
         "gemv_x_vs_bf16",

@@ -247,26 +247,34 @@ def _rac_rows(seed: int, k: int, counts: list[int], masked: int):
     return x, factored.Segments.of(group, len(counts))
 
 
+METHODS = ("sort", "count")  # rac_select's selection algorithms: the same bits as the reference, and so each other
+
+
 def _fused_matches_reference(x, segs, n, per_token, dtype=torch.bfloat16):
+    """Both selection methods of the fused operand against the reference path: u, g, channels byte for byte."""
     with dispatch.kernels("reference"):
         want = factored.operands(x, segs, n=n, dtype=dtype, per_token=per_token)
-    with dispatch.kernels("triton"):
-        got = factored.operands(x, segs, n=n, dtype=dtype, per_token=per_token)
-    assert got.u.shape == want.u.shape and _same_bits(got.u, want.u)
-    assert _same_bits(got.g, want.g)
-    assert (got.channels is None) == (want.channels is None)
-    assert got.channels is None or torch.equal(got.channels, want.channels)
+    for method in METHODS:
+        with dispatch.kernels("triton"):
+            got = factored.operands(x, segs, n=n, dtype=dtype, per_token=per_token, rac_method=method)
+        where = f"method={method} n={n} K={x.shape[1]} per_token={per_token} groups={segs.groups}"
+        assert got.u.shape == want.u.shape and _same_bits(got.u, want.u), where
+        assert _same_bits(got.g, want.g), where
+        assert (got.channels is None) == (want.channels is None), where
+        assert got.channels is None or torch.equal(got.channels, want.channels), where
     return want
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
-@pytest.mark.parametrize("k", [64, 256, 512], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("k", [64, 512], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
 def test_fused_rac_operands_bit_exact(k, per_token):
-    """rac_select's kernels (interpreter on the CPU) against the reference path: u, g and the channel
-    sets byte for byte, with exact norm ties, a group of no rows, masked rows (group G) and n = K/2, K.
-    K = 512 is four channel blocks of 128: the middle ones run all three loops of the rank kernel (channels
-    before, inside and after the block); the 1024-wide decode shapes run on CUDA (test_quant_factored_gpu)."""
+    """rac_select's kernels (interpreter on the CPU), both methods, against the reference path: u, g and the
+    channel sets byte for byte, with exact norm ties, a group of no rows, masked rows (group G) and n = K/2,
+    K. K = 512 is four channel blocks of 128: the middle ones run all three loops of the rank kernel
+    (channels before, inside and after the block); the sort path sorts 512 pairs in one program. Two
+    blocks, the last one partial: K = 208 below. The 1024-wide decode shapes run on CUDA
+    (test_quant_factored_gpu)."""
     x, segs = _rac_rows(k, k, [5, 0, 7], masked=3)
     for n in (k // 2, k):
         want = _fused_matches_reference(x, segs, n, per_token)
@@ -275,6 +283,17 @@ def test_fused_rac_operands_bit_exact(k, per_token):
     x2, segs2 = _rac_rows(k + 1, k, [9], masked=0)
     _fused_matches_reference(x2, factored.Segments.of(None), k // 4, per_token, torch.float32)  # one group
     _fused_matches_reference(x2, segs2, k // 2, per_token, torch.float32)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("k,per_token", [(80, False), (208, True)], ids=["K80-group", "K208-token"])
+def test_fused_rac_operands_k_not_a_power_of_two(k, per_token):
+    """K = 80 / 208 (the sort pads to 128 / 256 pairs, keys -1 after every real channel), n = 16 (the
+    smallest set) and n = K; empty groups first, in the middle and last; a one-group call."""
+    x, segs = _rac_rows(k + 7, k, [0, 6, 0, 3], masked=2)
+    for n in (16, k):
+        _fused_matches_reference(x, segs, n, per_token)
+    _fused_matches_reference(x, factored.Segments.of(None), k - 16, per_token, torch.float32)
 
 
 def test_sq_norms_keep_nan_and_inf_in_their_group():
@@ -301,6 +320,91 @@ def test_fused_rac_operands_nan_and_n0():
     assert not torch.isin(want.channels[1, :16], torch.arange(48, 64)).any()  # group 1's rows hold no NaN
     want0 = _fused_matches_reference(x, segs, 0, False)
     assert want0.u.shape[1] == 1 and want0.channels is None
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("n,per_token", [(32, False), (96, True)], ids=["n32-group", "n96-token"])
+def test_fused_rac_operands_nan_inf_rows(n, per_token):
+    """Whole NaN rows, inf elements (their blocks' residual NaN or inf: norms NaN / inf, ranked above every
+    finite norm, NaN above inf, ties among them by channel) in groups, in the masked rows and in one group:
+    both methods equal the reference byte for byte."""
+    x, segs = _rac_rows(5, 96, [3, 4, 0, 5], masked=3)
+    x[1] = float("nan")  # group 0: every channel's norm NaN: S = the first n channels
+    x[4, 70], x[5, 3] = float("inf"), float("-inf")  # group 1
+    x[8, 33] = float("nan")  # group 1
+    x[9, 90] = float("inf")  # group 3
+    x[13] = float("nan")  # a masked row (group G)
+    x[14, 60] = float("inf")
+    want = _fused_matches_reference(x, segs, n, per_token)
+    assert torch.equal(want.channels[0, :16], torch.arange(16))
+    _fused_matches_reference(x[3:12], factored.Segments.of(None), 48, per_token, torch.float32)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from quads.kernels.rac_select import _sort_pairs
+
+    @triton.jit
+    def _sort_pairs_kernel(key_ptr, out_ptr, LOG: tl.constexpr, INTERP: tl.constexpr):
+        c = tl.arange(0, 1 << LOG)
+        _, idx = _sort_pairs(tl.load(key_ptr + c), c, LOG, INTERP)
+        tl.store(out_ptr + c, idx)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("gpu_form", [False, True], ids=["interp-form", "gpu-form"])
+def test_sort_pairs_is_torch_stable_argsort(gpu_form):
+    """The bitonic network alone (rac_select._sort_pairs) on int64 keys with many ties, the NaN key and the
+    padding key -1: the order of torch.argsort(descending=True, stable=True), for every size 2 .. 64,
+    with the interpreter's form of the partner exchange and with the GPU's (xor) form."""
+    g = torch.Generator().manual_seed(0)
+    nan_key = 0x7FF8000000000000
+    for log in range(1, 7):
+        for pool in (torch.tensor([-1, 0, 3, nan_key]), torch.randint(0, 2**62, (1 << log,), generator=g)):
+            key = pool[torch.randint(len(pool), (1 << log,), generator=g)]
+            out = torch.empty(1 << log, dtype=torch.int32)
+            _sort_pairs_kernel[(1,)](key, out, LOG=log, INTERP=not gpu_form)
+            want = torch.argsort(key, descending=True, stable=True)
+            assert torch.equal(out.long(), want), f"size {1 << log}: keys {key.tolist()}"
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
+def test_sort_units_one_row_per_program(per_token):
+    """The sort path as launched on the GPU (one row per program of the units kernel) equals the count
+    path, byte for byte (u, S_dec, S), masked rows and an empty group included."""
+    from quads.kernels import rac_select
+
+    x, segs = _rac_rows(11, 64, [3, 0, 4], masked=2)
+    r = x - nvfp4.dequantize(nvfp4.quantize(x), torch.float32)
+    outs = []
+    for method, bm in (("sort", 1), ("count", None)):
+        out = torch.full_like(r, 7.0)  # every element written: selected values or zero
+        g, s = rac_select.rac_units(r, segs.group, segs.groups, out, n=32, per_token=per_token, method=method,
+                                    block_m=bm)
+        outs.append((out, g, s))
+    for a, b in zip(outs[0], outs[1]):
+        assert torch.equal(a, b)
+    assert (outs[0][0] != 7.0).all()
+
+
+def test_rac_method_default_and_errors():
+    """sort for experts up to SORT_MAX_K channels (padded to a power of two), count above and for one group;
+    an unknown method or a sort too wide for one program is a ValueError naming the fix."""
+    from quads.kernels import rac_select
+
+    assert rac_select.default_method(1024) == "sort" and rac_select.default_method(4096) == "sort"
+    assert rac_select.default_method(4097) == "count" and rac_select.default_method(80) == "sort"
+    assert rac_select.default_method(1024, grouped=False) == "count"
+    if not HAS_TRITON:
+        return
+    r, out = torch.zeros(2, 4112), torch.zeros(2, 4112)
+    with pytest.raises(ValueError, match="method='count'"):
+        rac_select.rac_units(r, None, 1, out, n=16, method="sort")
+    with pytest.raises(ValueError, match="valid: sort, count"):
+        rac_select.rac_units(r[:, :64].contiguous(), None, 1, out[:, :64], n=16, method="rank")
 
 
 # ------------------------------------------------------------------------ the packed weight operand

@@ -235,13 +235,14 @@ def test_dense_w4a4_linear_packed_cuda(name):
     assert torch.equal(again, got)
 
 
+@pytest.mark.parametrize("method", ["sort", "count"])
 @pytest.mark.parametrize("k", [1024, 256], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
-def test_fused_rac_operands_bit_exact_cuda(k, per_token):
+def test_fused_rac_operands_bit_exact_cuda(k, per_token, method):
     """The 1b decode shapes (128 tokens x top-8 over 64 experts: M = 1024 sorted rows, masked slots
-    included): the fused residual operand (``quads::rac_units``) equals the step-by-step path on the same
-    device (torch's CUDA argsort) and the reference backend, byte for byte (u, g, channel sets), with
-    exact norm ties (channels 16..31 repeat 0..15)."""
+    included): the fused residual operand (``quads::rac_units``, both selection methods) equals the
+    step-by-step path on the same device (torch's CUDA argsort) and the reference backend, byte for byte
+    (u, g, channel sets), with exact norm ties (channels 16..31 repeat 0..15)."""
     e, tokens, topk = 64, 128, 8
     g = torch.Generator().manual_seed(k)
     idx = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)])
@@ -253,7 +254,7 @@ def test_fused_rac_operands_bit_exact_cuda(k, per_token):
     x = x.cuda().bfloat16()
     segs = factored.Segments.of(routes.expert, e)
     kw = dict(n=k // 2, dtype=torch.bfloat16, per_token=per_token)
-    got = factored.operands(x, segs, **kw)
+    got = factored.operands(x, segs, rac_method=method, **kw)
     steps = factored.operands(x, segs, fused_rac=False, **kw)
     with dispatch.kernels("reference"):
         ref = factored.operands(x, segs, **kw)
@@ -261,3 +262,33 @@ def test_fused_rac_operands_bit_exact_cuda(k, per_token):
         assert torch.equal(got.u.view(torch.int16), want.u.view(torch.int16))
         assert torch.equal(got.g.view(torch.int32), want.g.view(torch.int32))
         assert torch.equal(got.channels, want.channels)
+
+
+@pytest.mark.parametrize("k,n", [(4096, 2048), (2880, 1440), (208, 16), (208, 208)], ids=lambda v: str(v))
+@pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
+def test_rac_sort_equals_count_cuda(k, n, per_token):
+    """The compiled sort path (xor partner exchange, one row per program) against the count path on the GPU,
+    byte for byte (u, S_dec, S): the widest sort (K = 4096, 4096 pairs in one program), K not a power of
+    two (2880 = the 20b's hidden size, 208), n = 16 and n = K, empty experts, NaN and inf rows, masked rows,
+    and one group of 512 rows."""
+    from quads.kernels.rac_select import rac_units
+
+    e, rows = 16, 640
+    g = torch.Generator().manual_seed(k + n)
+    group = torch.sort(torch.randint(0, e + 1, (rows,), generator=g)).values
+    group[(group == 3) | (group == 11)] = 4  # experts 3 and 11 empty (still sorted)
+    group = torch.sort(group).values.cuda()
+    r = torch.randn(rows, k, generator=g) * torch.logspace(-3, 1, k)[torch.randperm(k, generator=g)]
+    r[:, 16:32] = r[:, :16]  # norm ties
+    r[7] = float("nan")
+    r[100, 5], r[300, 9] = float("inf"), float("nan")
+    r = r.cuda()
+    for grp, groups in ((group, e), (None, 1)):
+        rr = r if grp is not None else r[64:576].contiguous()
+        outs = []
+        for method in ("sort", "count"):
+            out = torch.full_like(rr, 7.0).bfloat16()
+            gs, s = rac_units(rr, grp, groups, out, n=n, per_token=per_token, method=method)
+            outs.append((out.view(torch.int16), gs.view(torch.int32), s))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), f"K={k} n={n} per_token={per_token} one_group={grp is None}"

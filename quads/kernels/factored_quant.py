@@ -23,6 +23,7 @@ import torch
 from quads.formats import nvfp4
 from quads.formats.constants import NVFP4_BLOCK
 from quads.kernels._common import EXACT, HAS_TRITON
+from quads.kernels.rac_select import RacMethod
 
 if HAS_TRITON:
     import triton
@@ -186,20 +187,25 @@ def row_amax_op(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("quads::rac_units", mutates_args=("out",))
 def _rac_units_op(r: torch.Tensor, group: torch.Tensor | None, groups: int, out: torch.Tensor, slot: int, n: int,
-                  per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  per_token: bool, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     from quads.kernels.rac_select import rac_units
 
-    return rac_units(r, group, groups, out[:, slot], n=n, per_token=per_token)
+    return rac_units(r, group, groups, out[:, slot], n=n, per_token=per_token, method=method)
 
 
 @_rac_units_op.register_fake
-def _(r, group, groups, out, slot, n, per_token):
+def _(r, group, groups, out, slot, n, per_token, method):
     return r.new_empty(r.shape[0], dtype=torch.float32), r.new_empty((1 if group is None else groups, n),
                                                                      dtype=torch.long)
 
 
 def rac_units_op(r: torch.Tensor, group: torch.Tensor | None, groups: int, out: torch.Tensor, slot: int, *, n: int,
-                 per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 per_token: bool, method: RacMethod | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``rac_select.rac_units`` writing RAC's residual operand into ``out[:, slot]`` (``out`` ``[M, P, K]``,
-    the stacked operand), as the custom op ``quads::rac_units`` -> ``(S_dec [M], S [G, n])``."""
-    return torch.ops.quads.rac_units(r, group, groups, out, slot, n, per_token)
+    the stacked operand), as the custom op ``quads::rac_units`` -> ``(S_dec [M], S [G, n])``. ``method``:
+    the selection algorithm (None: ``rac_select.default_method``, resolved here so that the op's
+    argument names it)."""
+    from quads.kernels.rac_select import default_method
+
+    method = default_method(r.shape[-1], group is not None) if method is None else method
+    return torch.ops.quads.rac_units(r, group, groups, out, slot, n, per_token, method)

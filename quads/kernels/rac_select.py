@@ -1,43 +1,65 @@
-"""RAC's residual operand in three Triton kernels: channel norms, stable top-n selection, quantize + scatter.
+"""RAC's residual operand in Triton: per-group channel norms, stable top-n selection, quantize + scatter.
 
 For the fp32 residual ``r`` ``[M, K]`` of the factored W4A4 path (``quads.quant.factored.operands``) and
 rows grouped as in ``factored.Segments`` (``group`` ``[M]`` in ``[0, G]``, G = rows of no group, SORTED
 ascending so that each group is one contiguous run of rows, as ``moe.static_routes`` orders them; or
-``group=None``: all rows one group), the three kernels produce what the reference path builds from ~12
-torch kernels (sq_norms GEMM, argsort, gathers, two amax passes, a zero fill, the gathered quantize):
+``group=None``: all rows one group), the kernels produce what the reference path builds from ~12
+torch kernels (sq_norms GEMM, argsort, gathers, two amax passes, a zero fill, the gathered quantize).
 
-1. ``_rac_norms_kernel`` (grid G+1 x K-blocks, G+1: the masked rows' group too): ``norms[g, c] = sum
-   over the group's rows of r^2`` in fp64 (each square of an fp32 value is exact in fp64; the sum runs
-   over the rows in order, in tiles of BLOCK_M reduced by ``tl.sum``. The reference's fp64 GEMM
-   ``members @ r^2`` may sum in another order, so two norms within a few fp64 ulps of each other may rank
-   differently; equal channels, the ties the tie-break decides, get equal norms in both), and
-   ``cmax[g, c]``, the NaN-ignoring max of ``|r|`` over the group's rows.
-2. ``_rac_rank_kernel`` (grid G x K-blocks): by rank counting, ``rank[g, c] = #{c' : key[c'] > key[c] or
-   (key[c'] == key[c] and c' < c)}`` with ``key`` the fp64 bits of the norm as int64 (norms are >= 0, so
-   the integer order is the float order) and every NaN mapped to one key above +inf: exactly the order
-   of ``torch.argsort(norms, descending=True, stable=True)`` (NaN first, as torch sorts NaN above every
-   number; equal norms by channel index). Channel c is selected iff ``rank < n``; ``s[g, rank] = c``.
-3. ``_rac_units_kernel`` (grid over blocks of rows; masked rows use group G-1's channels, as the
-   reference does): the amax of ``R[:, S]``, per row (``per_token``: the NaN-ignoring max over the
-   row's gathered residual) or per group (``max over c in S of cmax[g, c]``, the same max as the
-   reference's max over the group's rows of each row's gathered amax), then the canonical NVFP4 quantize
-   of the gathered row (``nvfp4_quant._quantize_tile``, as ``factored_quant._quantize_units_kernel``),
-   ``u`` scattered to its channels, zero written to every channel outside ``s_g``; S_dec per row.
+Shared numerics (both methods, so that they select the same channels bit for bit):
 
-Cost: kernel 2 compares all K x K channel pairs per group; kernel 1 reduces a group's rows in one
-program per block of channels, so a single group of many rows (a dense layer at prefill) is one
-sequential pass per channel block.
+- ``norms[g, c]`` = the sum over the group's rows of ``r^2`` in fp64 (each square of an fp32 value is
+  exact in fp64), added ROW BY ROW in row order (``_accumulate_rows``; masked lanes add +0, which
+  changes no sum). The reference's fp64 GEMM ``members @ r^2`` may sum in another order, so two norms
+  within a few fp64 ulps of each other may rank differently there; equal channels, the ties the
+  tie-break decides, get equal norms everywhere. ``cmax[g, c]``: the NaN-ignoring max of ``|r|``.
+- The order: ``key`` = the fp64 bits of the norm as int64 (norms are >= 0, so the integer order is the
+  float order), every NaN mapped to one key above +inf; channels by key descending, equal keys by
+  channel index ascending: exactly ``torch.argsort(norms, descending=True, stable=True)`` (torch sorts
+  NaN above every number). ``S[g]`` = the first n channels; ``rank[g, c]`` = c's position.
 
-The pure-PyTorch reference is ``factored.operands`` under the reference backend; tests compare the two
+``method="sort"`` (default for grouped rows and K <= ``SORT_MAX_K``, padded to a power of two), two kernels:
+
+1. ``_rac_select_kernel`` (grid G, one program per group): the group's rows (found by one vector pass
+   over ``group``), its K norms and maxima held in registers, then a bitonic sort of the
+   ``(key, channel)`` pairs in registers (``_sort_pairs``: log2(KP) (log2(KP) + 1) / 2 compare-and-swap
+   steps over KP = next power of two of K; padded channels get key -1, after every real one); stores
+   ``S[g]``, ``rank[g]`` and, per group, ``gmax[g]`` = the max over S of ``cmax[g]`` (the n-th pair of
+   the sorted list is the threshold: c is in S iff its pair is not after it). The last group's program
+   also takes the masked rows' maxima (group G: after every group) over its own S, as the reference does.
+2. ``_rac_units_sel_kernel`` (one row per program on the GPU): the row's gathered ``R[i, S]`` in one tile, its amax
+   (``per_token``: NaN-ignoring max of the row; else ``gmax`` of its group), the canonical NVFP4
+   quantize (``nvfp4_quant._quantize_tile``), ``u`` scattered to its channels, zero outside S; S_dec.
+
+``method="count"`` (any K; the default for one group and for K > ``SORT_MAX_K``), three kernels:
+
+1. ``_rac_norms_kernel`` (grid G+1 x K-blocks, G+1: the masked rows' group too): norms and maxima per
+   block of channels.
+2. ``_rac_rank_kernel`` (grid G x K-blocks): ``rank[g, c] = #{c' : key[c'] > key[c] or (key[c'] ==
+   key[c] and c' < c)}`` by comparing all K x K channel pairs; ``s[g, rank] = c`` if ``rank < n``.
+3. ``_rac_units_kernel`` (grid over blocks of rows; masked rows use group G-1's channels): the amax of
+   ``R[:, S]`` per row or per group (``max over c in S of cmax[g, c]``), quantize, scatter, zero fill.
+
+Cost: ``count`` compares K x K pairs per group (~K^2 int64 compares); ``sort`` ~K log2(K)^2 / 4
+compare-and-swaps, but one program reads all of a group's rows, so a single group of many rows (a dense
+layer at prefill) would be one program's sequential pass (``count`` spreads it over K / 128 programs):
+the default keeps ``count`` for one group (``default_method``).
+
+The pure-PyTorch reference is ``factored.operands`` under the reference backend; tests compare all three
 byte for byte (u, g, channels).
 """
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
 from quads.formats.constants import NVFP4_BLOCK
-from quads.kernels._common import EXACT, HAS_TRITON
+from quads.kernels._common import EXACT, HAS_TRITON, interpreted
+
+RacMethod = Literal["sort", "count"]  # the selection algorithm (module docstring); same channels either way
+SORT_MAX_K = 4096  # the sort path holds a group's K norms (padded to a power of two) in one program
 
 if HAS_TRITON:
     import triton
@@ -70,8 +92,22 @@ if HAS_TRITON:
         return start, end
 
     @triton.jit
+    def _accumulate_rows(acc, cmax, r_ptr, i0, end, c, cmask, K, ROWS: tl.constexpr, WITH_MAX: tl.constexpr):
+        """Rows ``i0 .. i0 + ROWS - 1`` below ``end``, one after the other: ``acc += r^2`` in fp64 (each
+        square exact; a masked lane adds +0), ``cmax = max(cmax, |r|)`` NaN ignored (WITH_MAX). The one
+        summation order of both selection methods: row by row, in row order."""
+        for t in tl.static_range(ROWS):
+            row = c * 0 + (i0 + t)  # as a vector: a scalar bound in the mask is not portable (interpreter)
+            r = tl.load(r_ptr + row * K + c, mask=cmask & (row < end), other=0.0)
+            r64 = r.to(tl.float64)
+            acc = acc + r64 * r64
+            if WITH_MAX:
+                cmax = tl.maximum(cmax, tl.where(r != r, 0.0, tl.abs(r)))
+        return acc, cmax
+
+    @triton.jit
     def _rac_norms_kernel(r_ptr, group_ptr, norms_ptr, cmax_ptr, M, K, ONE_GROUP: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+                          ROWS: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
         """Over the rows i of group g: norms[g, c] = sum of r[i, c]^2 in fp64, cmax[g, c] = max |r[i, c]|
         (NaN ignored), for a block of channels c."""
         g = tl.program_id(0)
@@ -79,16 +115,11 @@ if HAS_TRITON:
         cmask = c < K
         start, end = _group_rows(group_ptr, g, M, ONE_GROUP, 256)
         acc = tl.zeros((BLOCK_C,), tl.float64)
-        amax = tl.zeros((BLOCK_M, BLOCK_C), tl.float32)
-        for i0 in range(start, end, BLOCK_M):
-            rows = i0 + tl.arange(0, BLOCK_M)
-            m = (rows < end)[:, None] & cmask[None, :]
-            r = tl.load(r_ptr + rows[:, None] * K + c[None, :], mask=m, other=0.0)
-            r64 = r.to(tl.float64)
-            acc += tl.sum(r64 * r64, axis=0)
-            amax = tl.maximum(amax, tl.where(r != r, 0.0, tl.abs(r)))
+        cmax = tl.zeros((BLOCK_C,), tl.float32)
+        for i0 in range(start, end, ROWS):
+            acc, cmax = _accumulate_rows(acc, cmax, r_ptr, i0, end, c, cmask, K, ROWS, True)
         tl.store(norms_ptr + g * K + c, acc, mask=cmask)
-        tl.store(cmax_ptr + g * K + c, tl.max(amax, axis=0), mask=cmask)
+        tl.store(cmax_ptr + g * K + c, cmax, mask=cmask)
 
     @triton.jit
     def _rac_rank_kernel(norms_ptr, rank_ptr, s_ptr, K, n, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr):
@@ -165,6 +196,123 @@ if HAS_TRITON:
             zero = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
             tl.store(u_ptr + rows[:, None] * stride_um + c[None, :], cast_out(zero, u_ptr), mask=m & (rk >= n))
 
+    @triton.jit
+    def _swap_pairs(key, idx, S: tl.constexpr, J: tl.constexpr, LOG: tl.constexpr, INTERP: tl.constexpr):
+        """One compare-and-swap step of merge stage S (runs of 2**S) of a bitonic sort of ``[2**LOG]``
+        (key, idx) pairs, partners 2**J apart, viewed as ``[A, 2, 2**J]``. A pair is "after" its partner
+        when its key is smaller or the keys tie and its idx is larger (idx are distinct: a strict total
+        order). Runs of stage S < LOG alternate direction (bit S of the position); the last stage sorts
+        the whole list. The partner's values: one xor reduction over the middle axis on the GPU (as
+        ``tl.sort``); the interpreter runs that reduction element by element in Python, so there the
+        halves are swapped by a permute, split and join instead (the same values, ~20x faster)."""
+        A: tl.constexpr = (1 << LOG) >> (J + 1)
+        D: tl.constexpr = 1 << J
+        k3 = tl.reshape(key, (A, 2, D))
+        i3 = tl.reshape(idx, (A, 2, D))
+        right = tl.arange(0, 2)[None, :, None]
+        if INTERP:  # swap the halves: permute, split, join (builtins; tl.sum and tl.xor_sum are jit calls)
+            kl, kr = tl.split(tl.permute(k3, (0, 2, 1)))
+            il, ir = tl.split(tl.permute(i3, (0, 2, 1)))
+            pk = tl.permute(tl.join(kr, kl), (0, 2, 1))
+            pi = tl.permute(tl.join(ir, il), (0, 2, 1))
+        else:
+            pk = k3 ^ tl.xor_sum(k3, 1, keep_dims=True)
+            pi = i3 ^ tl.xor_sum(i3, 1, keep_dims=True)
+        if S < LOG:
+            down = (tl.arange(0, A)[:, None, None] >> (S - J - 1)) & 1
+        else:
+            down = tl.zeros((A, 1, 1), tl.int32)
+        after = (pk > k3) | ((pk == k3) & (pi < i3))  # this pair comes after its partner
+        swap = after != ((down ^ right) != 0)  # the left (right) slot of an ascending run takes the earlier
+        key = tl.reshape(tl.where(swap, pk, k3), (A * 2 * D,))
+        idx = tl.reshape(tl.where(swap, pi, i3), (A * 2 * D,))
+        return key, idx
+
+    @triton.jit
+    def _sort_pairs(key, idx, LOG: tl.constexpr, INTERP: tl.constexpr):
+        """Bitonic sort of ``[2**LOG]`` (int64 key, int32 idx) pairs held in registers: key descending,
+        equal keys by idx ascending (the order of ``torch.argsort(descending=True, stable=True)``)."""
+        for s in tl.static_range(1, LOG + 1):
+            for t in tl.static_range(s):
+                key, idx = _swap_pairs(key, idx, s, s - 1 - t, LOG, INTERP)
+        return key, idx
+
+    @triton.jit
+    def _rac_select_kernel(
+        r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, M, K, n, G, ONE_GROUP: tl.constexpr, PER_TOKEN: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_G: tl.constexpr, LOG_K: tl.constexpr, INTERP: tl.constexpr,
+    ):  # fmt: skip
+        """Group g: the fp64 norms of its K channels, their stable descending sort in registers; stores
+        S[g] (the first n), rank[g, c] and (per group) gmax[g] = max over S of the group's |r| maxima; the
+        last group's program also gmax[G] of the masked rows (group G) over the same S."""
+        g = tl.program_id(0)
+        c = tl.arange(0, 1 << LOG_K)
+        cmask = c < K
+        start, end = _group_rows(group_ptr, g, M, ONE_GROUP, BLOCK_G)
+        acc = tl.zeros((1 << LOG_K,), tl.float64)
+        cmax = tl.zeros((1 << LOG_K,), tl.float32)
+        for i0 in range(start, end, ROWS):
+            acc, cmax = _accumulate_rows(acc, cmax, r_ptr, i0, end, c, cmask, K, ROWS, not PER_TOKEN)
+        key = tl.where(cmask, _sort_key(acc), -1)  # padded channels after every real one
+        skey, sidx = _sort_pairs(key, c, LOG_K, INTERP)
+        tl.store(s_ptr + g * n + c, sidx.to(tl.int64), mask=c < n)  # c: the position in the sorted list
+        tl.store(rank_ptr + g * K + sidx, c, mask=sidx < K)
+        if not PER_TOKEN:
+            kth = tl.sum(tl.where(c == n - 1, skey, 0), axis=0)  # the n-th pair: the last one in S
+            ith = tl.sum(tl.where(c == n - 1, sidx, 0), axis=0)
+            sel = cmask & ((key > kth) | ((key == kth) & (c <= ith)))
+            tl.store(gmax_ptr + g, tl.max(tl.where(sel, cmax, 0.0), axis=0))
+            if not ONE_GROUP:
+                if g == G - 1:  # the masked rows [end, M) (group G) take this group's S
+                    mmax = tl.zeros((1 << LOG_K,), tl.float32)
+                    for i in range(end, M):
+                        r = tl.load(r_ptr + i * K + c, mask=cmask, other=0.0)
+                        mmax = tl.maximum(mmax, tl.where(r != r, 0.0, tl.abs(r)))
+                    tl.store(gmax_ptr + G, tl.max(tl.where(sel, mmax, 0.0), axis=0))
+
+    @triton.jit
+    def _rac_units_sel_kernel(
+        r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, u_ptr, g_ptr, M, K, n, G, stride_um, ONE_GROUP: tl.constexpr,
+        PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """Rows ``[BLOCK_M]`` (one on the GPU; the rows are independent) of the sort path: each row's gathered
+        R[i, S] in one tile, its amax (the row's, or gmax of its group), NVFP4 quantize, u scattered to S,
+        zero outside S, S_dec."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        if ONE_GROUP:
+            grp = tl.zeros((BLOCK_M,), tl.int32)
+        else:
+            grp = tl.load(group_ptr + rows, mask=rmask, other=0).to(tl.int32)
+        gs = tl.minimum(grp, G - 1)  # the masked rows (group G) take the last group's channels
+        j = tl.arange(0, BLOCK_N)
+        m = rmask[:, None] & (j < n)[None, :]
+        ch = tl.load(s_ptr + gs[:, None] * n + j[None, :], mask=m, other=0)  # [BLOCK_M, BLOCK_N]
+        x = tl.load(r_ptr + rows[:, None] * K + ch, mask=m, other=0.0)
+        if PER_TOKEN:
+            amax = tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1)
+        else:
+            amax = tl.load(gmax_ptr + grp, mask=rmask, other=0.0)
+        s_enc, s_dec = _global_scales(amax)
+        tl.store(g_ptr + rows, s_dec, mask=rmask)
+        _, s_byte, _, c3, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_N, False)
+        s16 = e4m3_to_f32(s_byte) * 16384.0  # the stored scale (NaN for a NaN block, as the reference)
+        u = tl.reshape(e2m1_times_scale(c3, s16[:, :, None]), (BLOCK_M, BLOCK_N))
+        tl.store(u_ptr + rows[:, None] * stride_um + ch, cast_out(u, u_ptr), mask=m)
+        for c0 in range(0, K, BLOCK_K):  # zero outside S (disjoint from the scattered channels)
+            c = c0 + tl.arange(0, BLOCK_K)
+            cm = rmask[:, None] & (c < K)[None, :]
+            rk = tl.load(rank_ptr + gs[:, None] * K + c[None, :], mask=cm, other=0)
+            zero = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+            tl.store(u_ptr + rows[:, None] * stride_um + c[None, :], cast_out(zero, u_ptr), mask=cm & (rk >= n))
+
+
+def default_method(k: int, grouped: bool = True) -> RacMethod:
+    """``sort`` for rows in groups (experts) whose K norms, padded to a power of two, fit one program
+    (``SORT_MAX_K``); else ``count``. One group (a dense layer, ``group=None``) keeps ``count``: the sort
+    path would read all M rows in one program, where ``count`` spreads them over K / 128 programs."""
+    return "sort" if grouped and 1 << max(k - 1, 0).bit_length() <= SORT_MAX_K else "count"
+
 
 def rac_units(
     r: torch.Tensor,
@@ -174,13 +322,17 @@ def rac_units(
     *,
     n: int,
     per_token: bool = False,
-    block_m: int = 16,
+    method: RacMethod | None = None,
+    block_m: int | None = None,
     block_k: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RAC's residual operand of ``r`` ``[M, K]`` fp32 (see the module docstring): writes the exact values
     of NVFP4(``R[:, S]``) scattered to their channels, zero elsewhere, into ``out`` ``[M, K]`` (rows may be
     strided, e.g. ``buf[:, 1]``); returns ``(S_dec [M] fp32, S [G, n] long)``. ``group`` ``[M]`` sorted
-    ascending in ``[0, groups]`` (``groups``: rows of no group), or None (one group)."""
+    ascending in ``[0, groups]`` (``groups``: rows of no group), or None (one group). ``method``: the
+    selection algorithm (None: ``default_method(K, group is not None)``); both give the same bits. ``block_m``: rows per
+    program of the units kernel (None: 16 for ``count``; for ``sort`` 1 on the GPU, 16 under the
+    interpreter, whose cost is per program); ``block_k``: the count path's units tile width."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use quads.quant.factored.operands under the reference backend")
     m, k = r.shape
@@ -191,16 +343,50 @@ def rac_units(
     if out.shape != (m, k) or out.stride(-1) != 1:
         raise ValueError(f"rac_units: out must be [{m}, {k}] with unit stride along K, got {tuple(out.shape)} "
                          f"strides {out.stride()}")
+    method = default_method(k, group is not None) if method is None else method
+    if method not in get_args(RacMethod):
+        raise ValueError(f"unknown RAC selection method {method!r}; valid: {', '.join(get_args(RacMethod))}")
+    if method == "sort" and triton.next_power_of_2(k) > SORT_MAX_K:
+        raise ValueError(f"rac_units: method='sort' holds K (padded to a power of two) <= {SORT_MAX_K} norms in "
+                         f"one program, got K={k}; use method='count'")
     one = group is None
     n_sel = 1 if one else groups  # groups that own a channel set (the masked rows' group G does not)
     grp = r if one else group.contiguous()  # a placeholder pointer for one group
+    s = torch.empty(n_sel, n, dtype=torch.long, device=r.device)
+    rank = torch.empty(n_sel, k, dtype=torch.int32, device=r.device)
+    g = torch.empty(m, dtype=torch.float32, device=r.device)
+    if method == "sort":
+        bm = (16 if interpreted(r) else 1) if block_m is None else block_m
+        _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, bm)
+    else:
+        _count_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m or 16, block_k)
+    return g, s
+
+
+def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m) -> None:
+    """The sort path's two launches (module docstring)."""
+    m, k = r.shape
+    kp = triton.next_power_of_2(k)
+    gmax = torch.empty(n_sel + (not one), dtype=torch.float32, device=r.device)  # per group (with G)
+    _rac_select_kernel[(n_sel,)](
+        r, grp, s, rank, gmax, m, k, n, n_sel, ONE_GROUP=one, PER_TOKEN=per_token, ROWS=max(1, min(8, 4096 // kp)),
+        BLOCK_G=min(2048, triton.next_power_of_2(m)), LOG_K=kp.bit_length() - 1, INTERP=interpreted(r),
+        num_warps=max(4, min(16, kp // 128)),
+    )  # fmt: skip
+    bn = max(NVFP4_BLOCK, triton.next_power_of_2(n))
+    _rac_units_sel_kernel[(triton.cdiv(m, block_m),)](
+        r, grp, s, rank, gmax, out, g, m, k, n, n_sel, out.stride(0), ONE_GROUP=one, PER_TOKEN=per_token,
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=min(kp, 1024), num_warps=4 if block_m * bn <= 1024 else 8, **EXACT,
+    )  # fmt: skip
+
+
+def _count_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, block_k) -> None:
+    """The count path's three launches (module docstring)."""
+    m, k = r.shape
     norms = torch.empty(n_sel + (not one), k, dtype=torch.float64, device=r.device)
     cmax = torch.empty(n_sel + (not one), k, dtype=torch.float32, device=r.device)
-    rank = torch.empty(n_sel, k, dtype=torch.int32, device=r.device)
-    s = torch.empty(n_sel, n, dtype=torch.long, device=r.device)
-    g = torch.empty(m, dtype=torch.float32, device=r.device)
     bc = min(128, triton.next_power_of_2(k))
-    _rac_norms_kernel[(norms.shape[0], triton.cdiv(k, bc))](r, grp, norms, cmax, m, k, ONE_GROUP=one, BLOCK_M=16,
+    _rac_norms_kernel[(norms.shape[0], triton.cdiv(k, bc))](r, grp, norms, cmax, m, k, ONE_GROUP=one, ROWS=4,
                                                             BLOCK_C=bc, num_warps=4)  # fmt: skip
     _rac_rank_kernel[(n_sel, triton.cdiv(k, bc))](norms, rank, s, k, n, BLOCK_C=bc, BLOCK_J=min(64, bc),
                                                   num_warps=4)  # fmt: skip
@@ -209,4 +395,3 @@ def rac_units(
         r, grp, s, rank, cmax, out, g, m, k, n, n_sel, out.stride(0), ONE_GROUP=one, PER_TOKEN=per_token,
         BLOCK_M=block_m, BLOCK_K=bk, num_warps=4, **EXACT,
     )  # fmt: skip
-    return g, s

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from quads.formats import nvfp4
 from quads.kernels import dispatch, w4a16
+from quads.kernels.rac_select import RacMethod
 from quads.model import moe
 
 
@@ -182,6 +183,7 @@ def operands(
     static_order: torch.Tensor | None = None,
     observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     fused_rac: bool = True,
+    rac_method: RacMethod | None = None,
 ) -> Operands:
     """The factored W4A4 (+RAC with ``n`` = |S| channels) operands of ``x`` ``[M, K]`` (canonical NVFP4).
 
@@ -192,7 +194,8 @@ def operands(
     with its own global scale (per group over the gathered residual, or per row). ``observe(r, norms)``:
     the residual ``[M, K]`` and its per-group norms ``[G, K]`` (static-order calibration).
     On Triton, dynamic selection without ``observe`` runs the residual operand as the custom op
-    ``quads::rac_units`` (``quads.kernels.rac_select``: three kernels, the same bits as the steps below;
+    ``quads::rac_units`` (``quads.kernels.rac_select``: two or three kernels, the same bits as the steps
+    below; ``rac_method``: its selection algorithm, ``sort`` / ``count``, None for its default;
     ``fused_rac=False`` runs the steps instead, for benchmarks and tests).
     """
     if selection not in ("dynamic", "static"):
@@ -206,7 +209,7 @@ def operands(
     if n and fused_rac and selection == "dynamic" and observe is None and dispatch.use_triton(r):
         from quads.kernels.factored_quant import rac_units_op  # the fused twin of the steps below
 
-        gr, s = rac_units_op(r, segs.group, segs.groups, buf, 1, n=n, per_token=per_token)
+        gr, s = rac_units_op(r, segs.group, segs.groups, buf, 1, n=n, per_token=per_token, method=rac_method)
         return Operands(buf, torch.stack([gx, gr], dim=1), s)
     norms = segs.sq_norms(r) if selection == "dynamic" or observe is not None else None
     if observe is not None:
