@@ -313,6 +313,22 @@ def test_qat_weights_equal_the_per_weight_refresh(case, backend):
             _same_values(g, r, f"{case} weight {i}: Triton vs reference")
 
 
+@pytest.mark.parametrize("chunk", [1, 2 * 32 * 64, 2**18], ids=lambda c: f"chunk{c}")
+def test_qat_weights_reference_chunks_equal(chunk, monkeypatch):
+    """The CPU refresh's expert chunks (one expert: amax measured by ``qdq``; several: one amax each) give
+    ``quantize_weight``'s bits whatever the chunk size, a NaN expert and an all-zero one included."""
+    from quads.quant import ops
+    from quads.quant.recipe import LinearSpec
+
+    monkeypatch.setattr(ops, "QDQ_CHUNK_ELEMENTS", chunk)
+    spec = LinearSpec.of(weight="nvfp4")
+    w = _awkward((5, 32, 64), seed=3, dtype=torch.float32).cpu()
+    w[2], w[4, 1, 1] = 0.0, float("nan")
+    with dispatch.kernels("reference"):
+        _same_bits(ops.qat_weights([w], spec, torch.bfloat16)[0], ops.quantize_weight(w, spec, torch.bfloat16)[0],
+                   f"chunk {chunk}")
+
+
 @pytest.mark.parametrize("kw", [dict(block_m=1, block_k=16), dict(block_m=8, block_k=32, num_warps=2),
                                 dict(block_m=16, block_k=1024)], ids=str)
 def test_weight_qdq_launch_configs_bit_exact(kw):

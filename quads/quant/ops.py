@@ -152,14 +152,24 @@ def qat_weights(ws: Sequence[torch.Tensor], spec: LinearSpec, dtype: torch.dtype
     return out
 
 
+# CPU refresh: experts per fused qdq call so that each fp32 temporary stays near 1 MiB (2**18 elements);
+# measured on 2 Xeon cores: 100m's stacks 4x faster than quantize_weight, per expert or in 1 MiB chunks
+# alike, while whole 32 MiB stacks lose a third of that to page faults (malloc maps them afresh each time)
+QDQ_CHUNK_ELEMENTS = 2**18
+
+
 def _qdq_by_expert(w: torch.Tensor, dtype: torch.dtype, tile: tuple[int, int]) -> torch.Tensor:
-    """``quantize_weight``'s operand of one canonical NVFP4 weight via the fused ``nvfp4.qdq``, expert by
-    expert (each measures its own global amax, as the stack's per-expert amax does)."""
+    """``quantize_weight``'s operand of one canonical NVFP4 weight via the fused ``nvfp4.qdq``, a few
+    experts at a time (``QDQ_CHUNK_ELEMENTS``), each with its own global amax (one expert: measured by
+    ``qdq``; several: ``nan_ignoring_amax`` per expert, as ``nvfp4_quantize_weight`` takes it)."""
     if w.dim() == 2:
         return nvfp4.qdq(w.to(dtype), tile=tile, dtype=dtype)
     out = torch.empty(w.shape, dtype=dtype, device=w.device)
-    for e in range(w.shape[0]):
-        out[e].copy_(nvfp4.qdq(w[e].to(dtype), tile=tile, dtype=dtype))
+    step = max(1, QDQ_CHUNK_ELEMENTS // w[0].numel())
+    for e in range(0, w.shape[0], step):
+        x = w[e : e + step].to(dtype)
+        amax = nvfp4.nan_ignoring_amax(x.float(), dim=(-2, -1)) if x.shape[0] > 1 else None
+        out[e : e + step].copy_(nvfp4.qdq(x if amax is not None else x[0], tile=tile, amax=amax, dtype=dtype))
     return out
 
 
