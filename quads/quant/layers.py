@@ -195,7 +195,8 @@ def refresh_stores(stores: list[WeightStore]) -> None:
             s._set(w_q)
 
 
-def _trainer_stores(model: nn.Module) -> list[WeightStore]:
+def trainer_stores(model: nn.Module) -> list[WeightStore]:
+    """The quantized trainer-side weight stores of ``model`` (module order)."""
     return [s for m in model.modules() if isinstance(m, _QuantizedBase) and m.side == "trainer"
             for s in m.stores.values() if s.spec.weight != "none"]
 
@@ -204,7 +205,7 @@ def link_stores(model: nn.Module) -> int:
     """Make the trainer-side weight stores of ``model`` peers: the first one found stale in a step
     (``WeightStore.get``: after an optimizer step, the first quantized layer of the forward) refreshes
     every stale one at once (``refresh_stores``). Returns the number of stores linked."""
-    stores = _trainer_stores(model)
+    stores = trainer_stores(model)
     for s in stores:
         s.peers = stores
     return len(stores)
@@ -216,7 +217,7 @@ def refresh_stale(model: nn.Module) -> None:
     calls this first: inside the traced region ``get`` returns the cache as it is (its check reads
     ``data_ptr`` and the version counter, which a graph cannot); the trainer benchmark times it as the
     step's refresh phase."""
-    refresh_stores([s for s in _trainer_stores(model) if s.stale() and _local(s.param)])
+    refresh_stores([s for s in trainer_stores(model) if s.stale() and _local(s.param)])
 
 
 class _QuantizedBase(nn.Module):
