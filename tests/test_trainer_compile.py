@@ -135,8 +135,9 @@ def test_compiled_qat_with_the_grouped_refresh_equals_plain():
     from quads.kernels import dispatch
     from quads.kernels._common import interpreter_on
 
-    if not torch.cuda.is_available() and not interpreter_on():
-        pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set")
+    if torch.cuda.is_available() or not interpreter_on():
+        pytest.skip("a CPU test under Triton's interpreter (TRITON_INTERPRET=1 before the kernels are imported); "
+                    "CUDA's scatter-add backward is not bit-reproducible")
     small = dict(n_layers=2, hidden_size=64, n_experts=4, moe_intermediate_size=32)
     batch = _batch()
     res = {}

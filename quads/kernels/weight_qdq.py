@@ -126,13 +126,16 @@ _TABLES: dict[tuple, torch.Tensor] = {}  # (device, addresses) -> int64 address 
 def address_table(ws: Sequence[torch.Tensor]) -> torch.Tensor:
     """int64 ``[G]`` of the weights' data addresses on their device (cached: the masters keep their
     storage from step to step, so the table is built once; a table holds only addresses, so a cached
-    one is right whenever its addresses are)."""
+    one is right whenever its addresses are; on CUDA copied from pinned memory without a host sync)."""
     key = (ws[0].device, tuple(w.data_ptr() for w in ws))
     t = _TABLES.get(key)
     if t is None:
         if len(_TABLES) > 256:
             _TABLES.clear()
-        t = _TABLES[key] = torch.tensor(key[1], dtype=torch.int64).to(ws[0].device)
+        t = torch.tensor(key[1], dtype=torch.int64)
+        if t.device != ws[0].device:  # pinned and non-blocking: no host sync (CUDA keeps the pinned block)
+            t = t.pin_memory().to(ws[0].device, non_blocking=True)
+        _TABLES[key] = t
     return t
 
 
