@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -65,6 +66,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quads.bench import cpu_name  # noqa: E402
 from quads.model import ModelConfig, MoEForCausalLM  # noqa: E402
 from quads.model.tokenizer import CharTokenizer  # noqa: E402
 from quads.quant import quantize_model  # noqa: E402
@@ -88,7 +90,8 @@ def env_info(device: str) -> dict:
     if device.startswith("cuda"):
         info.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
     else:
-        info.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+        info.update(cpu=cpu_name(), cores=os.cpu_count(), threads=torch.get_num_threads())
+    info["command"] = " ".join(["python", *sys.argv])
     return info
 
 

@@ -127,8 +127,9 @@ def qat_weights(ws: Sequence[torch.Tensor], spec: LinearSpec, dtype: torch.dtype
     two kernel launches per group (``dispatch.slice_amax``: every expert's amax; ``dispatch.nvfp4_qdq_group``:
     the cast, quantize and dequantize fused tile by tile); the operands are views of one ``[G, *shape]``
     buffer. Elsewhere weight by weight and, for expert stacks, expert by expert with the fused ``nvfp4.qdq``
-    (no codes; the temporaries of one expert, not of a whole stack: on a CPU a temporary past malloc's mmap
-    threshold, 32 MiB, is mapped and faulted in anew at every refresh). Other specs: ``quantize_weight``.
+    (no codes; the temporaries of ~1 MiB of experts, ``QDQ_CHUNK_ELEMENTS``, not of a whole stack: on a CPU
+    a temporary at malloc's mmap threshold, 32 MiB, is mapped and faulted in afresh at every refresh).
+    Other specs: ``quantize_weight``.
     """
     ws = [w.detach() for w in ws]
     if spec.weight != "nvfp4" or spec.nvfp4_mode != "te":
@@ -152,9 +153,9 @@ def qat_weights(ws: Sequence[torch.Tensor], spec: LinearSpec, dtype: torch.dtype
     return out
 
 
-# CPU refresh: experts per fused qdq call so that each fp32 temporary stays near 1 MiB (2**18 elements);
-# measured on 2 Xeon cores: 100m's stacks 4x faster than quantize_weight, per expert or in 1 MiB chunks
-# alike, while whole 32 MiB stacks lose a third of that to page faults (malloc maps them afresh each time)
+# CPU refresh: experts per fused qdq call, so that each fp32 temporary stays near 1 MiB (2**18 elements), far
+# below malloc's mmap threshold (32 MiB): a whole 100m gate_up stack makes 32 MiB fp32 temporaries, which are
+# mapped and page-faulted afresh at every refresh (docs/PERF.md, trainer section: the CPU numbers)
 QDQ_CHUNK_ELEMENTS = 2**18
 
 
