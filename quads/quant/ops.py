@@ -126,7 +126,7 @@ def qat_weights(ws: Sequence[torch.Tensor], spec: LinearSpec, dtype: torch.dtype
     Canonical NVFP4 weights on a Triton device: the weights of one shape, dtype and device as one group,
     two kernel launches per group (``dispatch.slice_amax``: every expert's amax; ``dispatch.nvfp4_qdq_group``:
     the cast, quantize and dequantize fused tile by tile); the operands are views of one ``[G, *shape]``
-    buffer. Elsewhere weight by weight and, for expert stacks, expert by expert with the fused ``nvfp4.qdq``
+    buffer (alive while any of them is: the trainer replaces them all at each optimizer step). Elsewhere weight by weight and, for expert stacks, expert by expert with the fused ``nvfp4.qdq``
     (no codes; the temporaries of ~1 MiB of experts, ``QDQ_CHUNK_ELEMENTS``, not of a whole stack: on a CPU
     a temporary at malloc's mmap threshold, 32 MiB, is mapped and faulted in afresh at every refresh).
     Other specs: ``quantize_weight``.
@@ -144,7 +144,7 @@ def qat_weights(ws: Sequence[torch.Tensor], spec: LinearSpec, dtype: torch.dtype
     groups: dict[tuple, list[int]] = {}
     for i, w in enumerate(ws):
         groups.setdefault((w.shape, w.dtype, w.device), []).append(i)
-    out: list[torch.Tensor] = [w for w in ws]
+    out = list(ws)
     for idx in groups.values():
         group = [ws[i].contiguous() for i in idx]
         amax = dispatch.slice_amax(group).to(dtype).float()  # = the amax of w.to(dtype): RNE is monotone
