@@ -343,6 +343,22 @@ def test_weight_qdq_launch_configs_bit_exact(kw):
     _same_values(got, weight_qdq.nvfp4_qdq_group_reference(ws, amax.bfloat16().float(), torch.bfloat16), f"qdq {kw}")
 
 
+def test_weight_qdq_misaligned_views_are_copied():
+    """Weights that start off a 16-byte boundary (views into a larger tensor) are quantized from aligned
+    copies (the kernels mark their addresses 16-byte aligned): the reference's bits all the same."""
+    from quads.kernels import weight_qdq
+
+    base = torch.randn(2 * 2 * 16 * 32 + 1).to(DEV)
+    ws = [base[1 + i * 1024 : 1 + (i + 1) * 1024].view(2, 16, 32) for i in range(2)]  # 4 bytes off
+    assert all(w.data_ptr() % 16 for w in ws)
+    amax = weight_qdq.group_amax(ws)
+    _same_bits(amax, weight_qdq.group_row_amax_reference(ws).view(2, 2, 16).amax(-1), "misaligned amax")
+    got = weight_qdq.nvfp4_qdq_group(ws, amax, torch.bfloat16)
+    _same_values(got, weight_qdq.nvfp4_qdq_group_reference(ws, amax, torch.bfloat16), "misaligned qdq")
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        weight_qdq.address_table(ws)
+
+
 def test_weight_qdq_rejects_mixed_groups_and_bad_amax():
     from quads.kernels import weight_qdq
 

@@ -44,8 +44,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _weight_ptr(x_ptr, table_ptr, g):
-        """The base pointer of weight ``g`` (its address from the table, typed like ``x_ptr``)."""
-        return tl.load(table_ptr + g).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        """The base pointer of weight ``g`` (its address from the table, typed like ``x_ptr``), marked
+        16-byte aligned (``address_table`` guarantees it) so that the loads can be vectorized."""
+        return tl.multiple_of(tl.load(table_ptr + g).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
 
     @triton.jit
     def _round_to(x, out_ptr):
@@ -123,10 +124,19 @@ def _check_group(ws: Sequence[torch.Tensor]) -> tuple[int, int, int]:
 _TABLES: dict[tuple, torch.Tensor] = {}  # (device, addresses) -> int64 address table on that device
 
 
+def _aligned(ws: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The weights, each 16-byte aligned (the kernels' address hint): a misaligned view (never a
+    parameter of its own: allocations are aligned) is replaced by an aligned copy."""
+    return [w if w.data_ptr() % 16 == 0 else w.clone() for w in ws]
+
+
 def address_table(ws: Sequence[torch.Tensor]) -> torch.Tensor:
     """int64 ``[G]`` of the weights' data addresses on their device (cached: the masters keep their
     storage from step to step, so the table is built once; a table holds only addresses, so a cached
-    one is right whenever its addresses are; on CUDA copied from pinned memory without a host sync)."""
+    one is right whenever its addresses are; on CUDA copied from pinned memory without a host sync).
+    The addresses must be 16-byte aligned (``_aligned``)."""
+    if any(w.data_ptr() % 16 for w in ws):
+        raise ValueError("address_table: every weight must be 16-byte aligned; pass them through _aligned first")
     key = (ws[0].device, tuple(w.data_ptr() for w in ws))
     t = _TABLES.get(key)
     if t is None:
@@ -144,6 +154,7 @@ def group_row_amax(ws: Sequence[torch.Tensor], *, block_m: int | None = None, bl
     """fp32 ``[G, E * N]``: the NaN-ignoring amax of every row of every weight (one launch)."""
     _require_triton()
     e, n, k = _check_group(ws)
+    ws = _aligned(ws)
     m = e * n
     out = torch.empty(len(ws), m, dtype=torch.float32, device=ws[0].device)
     cfg = tuning.config("weight_qdq", "row_amax")
@@ -182,6 +193,7 @@ def nvfp4_qdq_group(
     if amax.shape != (len(ws), e) or amax.dtype != torch.float32:
         raise ValueError(f"amax must be fp32 [G, E] = [{len(ws)}, {e}], got {amax.dtype} {tuple(amax.shape)}")
     tile16 = tuple(tile) == (16, 16)
+    ws = _aligned(ws)
     m = e * n
     out = torch.empty(len(ws), *ws[0].shape, dtype=dtype, device=ws[0].device)
     cfg = tuning.config("weight_qdq", "tile16" if tile16 else "qdq")
