@@ -41,7 +41,13 @@ trainer: one GRPO-shaped trainer step on a fixed batch (``--batch`` sequences of
   recipe plain and with its policy forward + backward compiled (``quads.rl.compiled``, Inductor, as
   ``quads train``'s ``trainer_compile``): rows ``<recipe>+compile`` with their ratio to the plain recipe
   too; every configuration's first step (the compile, for compiled ones) runs before the warm-up and
-  is reported as ``first_step_s``.
+  is reported as ``first_step_s``. ``--trainer-phases N`` then times N more steps of every configuration,
+  interleaved, phase by phase (``PHASES``: the QAT weight refresh ``refresh_stale``, BF16 has none to do;
+  forward + loss; zero_grad + backward; grad clip + AdamW step), with CUDA events between the phases
+  (perf_counter on the CPU; on CUDA also the host time of each phase): per phase the median and IQR, the
+  step as their sum, and each phase's median paired difference to the first recipe (``delta_ms``), which
+  says where a recipe's extra time goes. With ``--trainer-profile`` the profiled step is annotated per
+  phase too (kernel launches, host syncs and ATen calls of each phase).
 Prints a table and one JSON line at the end (hardware and versions included).
 """
 
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -59,9 +66,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quads.bench import cpu_name  # noqa: E402
 from quads.model import ModelConfig, MoEForCausalLM  # noqa: E402
 from quads.model.tokenizer import CharTokenizer  # noqa: E402
 from quads.quant import quantize_model  # noqa: E402
+from quads.quant.layers import refresh_stale  # noqa: E402
 from quads.quant.recipe import LinearSpec, Recipe  # noqa: E402
 from quads.rl.compiled import CompiledForward  # noqa: E402
 from quads.rl.logprobs import SequenceBatch, forward_logprobs  # noqa: E402
@@ -81,7 +90,8 @@ def env_info(device: str) -> dict:
     if device.startswith("cuda"):
         info.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
     else:
-        info.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+        info.update(cpu=cpu_name(), cores=os.cpu_count(), threads=torch.get_num_threads())
+    info["command"] = " ".join(["python", *sys.argv])
     return info
 
 
@@ -385,6 +395,56 @@ def trainer_flops(cfg, batch: int, seq_len: int, response_len: int) -> float:
 TRAINER_RECIPES = {"bf16": LinearSpec(), "w4a16-qat": LinearSpec.of(weight="nvfp4")}
 
 
+class _PhaseTimer:
+    """One step phase by phase: CUDA events between the phases (one synchronize at the end; the device
+    time from the end of the previous phase's work to the end of this one's), perf_counter on the CPU;
+    on CUDA also the host time of each phase (what issuing it costs the CPU)."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+
+    def __call__(self, phases: dict) -> tuple[dict[str, float], dict[str, float]]:
+        """``({phase: ms}, {phase: host ms})`` of one run of ``phases`` (the device idle before it)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(len(phases) + 1)]
+            events[0].record()
+        host = [time.perf_counter()]
+        for i, fn in enumerate(phases.values()):
+            fn()
+            if self.cuda:
+                events[i + 1].record()
+            host.append(time.perf_counter())
+        host_ms = {n: (host[i + 1] - host[i]) * 1e3 for i, n in enumerate(phases)}
+        if not self.cuda:
+            return host_ms, host_ms
+        events[-1].synchronize()
+        return {n: events[i].elapsed_time(events[i + 1]) for i, n in enumerate(phases)}, host_ms
+
+
+def phase_stats(runs: list[tuple[dict[str, float], dict[str, float]]], cuda: bool) -> dict:
+    """Per phase the statistics of ``runs`` (``_PhaseTimer`` results, one per step), the step as the sum
+    of its phases, and the sum of the phase medians (the step's median need not equal it)."""
+    names = list(runs[0][0])
+    raw = {n: [r[0][n] for r in runs] for n in names}
+    totals = [sum(r[0].values()) for r in runs]
+    out = {"steps": len(runs), "timer": "cuda_events" if cuda else "perf_counter", "ms": {n: timing_stats(raw[n]) for n in names},
+           "step": timing_stats(totals), "sum_of_medians_ms": sum(statistics.median(raw[n]) for n in names),
+           "raw_ms": raw, "step_raw_ms": totals}
+    if cuda:
+        out["host_ms"] = {n: timing_stats([r[1][n] for r in runs]) for n in names}
+    return out
+
+
+def phase_deltas(runs: dict, base: dict) -> dict[str, float]:
+    """Median paired difference per phase and of the step, ``runs`` minus ``base`` (``phase_stats`` of two
+    configurations whose steps were timed next to each other), in ms."""
+    d = {n: statistics.median(a - b for a, b in zip(runs["raw_ms"][n], base["raw_ms"][n], strict=True))
+         for n in runs["raw_ms"]}
+    d["step"] = statistics.median(a - b for a, b in zip(runs["step_raw_ms"], base["step_raw_ms"], strict=True))
+    return d
+
+
 class _Timer:
     """Step timing: CUDA events on the GPU (read after the step's synchronize), perf_counter elsewhere."""
 
@@ -406,26 +466,42 @@ class _Timer:
         return start.elapsed_time(end)
 
 
+PHASES = ("refresh", "forward", "backward", "optimizer")  # one trainer step, in order (module docstring)
+
+
 def _trainer_step(args, preset: str, spec: LinearSpec, batch: SequenceBatch, adv: torch.Tensor, compile: bool):
-    """(model, step function) of one trainer step with the trainer side under ``spec``; same init for all.
-    ``compile``: the policy forward (and its backward) through ``quads.rl.compiled.CompiledForward``
-    (Inductor), as ``quads train`` runs it with ``trainer_compile``."""
+    """(model, step function, its phases ``{name: fn}`` in ``PHASES`` order) of one trainer step with the
+    trainer side under ``spec``; same init for all. ``compile``: the policy forward (and its backward)
+    through ``quads.rl.compiled.CompiledForward`` (Inductor), as ``quads train`` runs it with
+    ``trainer_compile``. The step is its phases run in order: the QAT weight refresh first (what the
+    compiled forward does before its region and the plain one in its first quantized layer)."""
     model = _model(preset, args.device, "float32")
     quantize_model(model, Recipe("bench", trainer=spec, expert_path=args.trainer_experts), side="trainer",
                    verbose=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     forward = CompiledForward() if compile else None
+    held: list[torch.Tensor] = []  # the loss, from the forward phase to the backward phase
 
-    def step():
+    def forward_loss():
         with torch.autocast(device_type=torch.device(args.device).type, dtype=torch.bfloat16):
             res = forward_logprobs(model, batch, None, 1.0, return_entropy=True, forward=forward)
-        loss = -(res.logprobs * adv).sum() / batch.response_mask.sum() + res.aux_loss - 1e-3 * res.entropy.mean()
+        held.append(-(res.logprobs * adv).sum() / batch.response_mask.sum() + res.aux_loss - 1e-3 * res.entropy.mean())
+
+    def backward():
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        held.pop().backward()
+
+    def optimizer():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-    return model, step
+    phases = dict(zip(PHASES, (lambda: refresh_stale(model), forward_loss, backward, optimizer), strict=True))
+
+    def step():
+        for fn in phases.values():
+            fn()
+
+    return model, step, phases
 
 
 def _on_off(value: str, flag: str) -> list[bool]:
@@ -457,9 +533,9 @@ def bench_trainer(args, rows: list) -> None:
     configs = {f"{r}+compile" if c else r: (r, c) for c in compiles for r in recipes}
     names = list(configs)
     for preset in [p.strip() for p in args.preset.split(",") if p.strip()]:
-        steps, n_params, cfg, compile_s = {}, 0, None, {}
+        steps, phases, n_params, cfg, compile_s = {}, {}, 0, None, {}
         for name, (recipe, comp) in configs.items():
-            model, steps[name] = _trainer_step(args, preset, TRAINER_RECIPES[recipe], batch, adv, comp)
+            model, steps[name], phases[name] = _trainer_step(args, preset, TRAINER_RECIPES[recipe], batch, adv, comp)
             cfg, n_params = model.config, sum(p.numel() for p in model.parameters())
             compile_s[name] = timer(steps[name]) / 1e3  # the first step (with compile: tracing + Inductor)
             for _ in range(args.warmup):
@@ -470,10 +546,16 @@ def bench_trainer(args, rows: list) -> None:
             for name in names:
                 for _ in range(min(block, args.steps - len(ms[name]))):
                     ms[name].append(timer(steps[name]))
-        prof = {name: _profile_step(steps[name], args.device) for name in names} if args.trainer_profile else {}
-        del steps, model
+        phase_runs: dict[str, list] = {n: [] for n in names}
+        ptimer = _PhaseTimer(args.device)
+        for _ in range(args.trainer_phases):
+            for name in names:
+                phase_runs[name].append(ptimer(phases[name]))
+        prof = {name: _profile_step(phases[name], args.device) for name in names} if args.trainer_profile else {}
+        del steps, phases, model
         flops = trainer_flops(cfg, B, S, S - P)
         base = names[0]
+        rows_phases: dict[str, dict] = {}
         for name in names:
             recipe, comp = configs[name]
             st = timing_stats(ms[name])
@@ -488,6 +570,11 @@ def bench_trainer(args, rows: list) -> None:
                 row["mfu_h200_bf16"] = row["tflops"] * 1e12 / H200_BF16_DENSE_FLOPS
             if name in prof:
                 row["profile"] = prof[name]
+            if args.trainer_phases:
+                row["phases"] = phase_stats(phase_runs[name], ptimer.cuda)
+                if name != base:
+                    row["phases"][f"vs_{base}_delta_ms"] = phase_deltas(row["phases"], rows_phases[base])
+                rows_phases[name] = row["phases"]
             refs = [base] + ([recipe] if comp and recipe in configs and recipe != base else [])
             for ref in refs if name != base else []:  # compiled rows: also against their plain recipe
                 r = ratio_ci(ms[name], ms[ref])
@@ -495,27 +582,44 @@ def bench_trainer(args, rows: list) -> None:
                             f"vs_{ref}_pair_median": r["pair_median"]})
             rows.append(row)
             print(_trainer_line(row), flush=True)
+            if "phases" in row:
+                print(_phases_line(row), flush=True)
         _write_json(args, rows)
 
 
-def _profile_step(step, device: str, top: int = 15) -> dict:
-    """torch.profiler over one more step: kernels, launches and host syncs, and the ``top`` ops by
-    device (CPU: host) self time, ``(name, calls, ms)``."""
-    from torch.profiler import ProfilerActivity, profile
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def _profile_step(phases: dict, device: str, top: int = 15) -> dict:
+    """torch.profiler over one more step, each phase under ``record_function("phase/<name>")``: kernels,
+    launches and host syncs, the ``top`` ops by device (CPU: host) self time, ``(name, calls, ms)``, and per
+    phase the kernel launches, host syncs and ATen calls (nested ones included) that start inside it, on
+    any thread (the autograd engine's too), and its host ms."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.startswith("cuda")
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        step()
+        for name, fn in phases.items():
+            with record_function(f"phase/{name}"):
+                fn()
         _sync(device)
     ev = prof.key_averages()
     t = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
     out = {"gpu_kernels": sum(e.count for e in ev if e.device_type == torch.autograd.DeviceType.CUDA),
-           "kernel_launches": sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
-                                                                    "cudaLaunchKernelExC", "cuLaunchKernelEx")),
-           "syncs": sum(e.count for e in ev if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                                          "cudaEventSynchronize")),
+           "kernel_launches": sum(e.count for e in ev if e.key in _LAUNCHES),
+           "syncs": sum(e.count for e in ev if e.key in _SYNCS),
            "memcpy": sum(e.count for e in ev if e.key in ("cudaMemcpyAsync", "cudaMemcpy"))}
     out["top"] = [(e.key[:80], e.count, round(t(e) / 1e3, 3)) for e in sorted(ev, key=lambda e: -t(e))[:top]]
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    spans = {e.name.removeprefix("phase/"): e.time_range for e in events if e.name.startswith("phase/")}
+    out["phases"] = {}
+    for name, span in spans.items():
+        inside = [e for e in events if span.start <= e.time_range.start < span.end]
+        out["phases"][name] = {"kernel_launches": sum(e.name in _LAUNCHES for e in inside),
+                               "syncs": sum(e.name in _SYNCS for e in inside),
+                               "aten_calls": sum(e.name.startswith("aten::") for e in inside),
+                               "host_ms": round((span.end - span.start) / 1e3, 3)}
     return out
 
 
@@ -526,6 +630,15 @@ def _trainer_line(r: dict) -> str:
     return (f"trainer {r['preset']:>5} {r.get('config', r['recipe']):>18} ({r['experts']}): {r['step_ms']:8.2f} ms/step "
             f"(IQR {r['iqr_pct']:.1f}%, MAD {r['mad_pct']:.1f}%, n={r['stats']['n']}, {r['batch']}x{r['seq_len']} tok)  "
             f"{r['tflops']:.1f} TFLOP/s{mfu}{extra}")
+
+
+def _phases_line(r: dict) -> str:
+    ph = r["phases"]
+    parts = "  ".join(f"{n} {st['median']:.2f} (IQR {st['iqr_pct']:.0f}%)" for n, st in ph["ms"].items())
+    delta = next((v for k, v in ph.items() if k.endswith("_delta_ms")), None)
+    extra = "" if delta is None else "  delta " + " ".join(f"{n} {v:+.2f}" for n, v in delta.items())
+    return (f"phases  {r['preset']:>5} {r.get('config', r['recipe']):>18}: {parts}  ms; sum of medians "
+            f"{ph['sum_of_medians_ms']:.2f}, step {ph['step']['median']:.2f} ms (n={ph['steps']}){extra}")
 
 
 def bench_vllm(args, rows: list) -> None:
@@ -611,6 +724,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=5, help="trainer: steps per block with --interleave block")
     ap.add_argument("--trainer-profile", action="store_true",
                     help="trainer: also profile one step per recipe (kernels, launches, syncs, top ops) into the JSON")
+    ap.add_argument("--trainer-phases", type=int, default=0, metavar="N",
+                    help="trainer: then N more steps per configuration, interleaved, timed phase by phase (QAT weight "
+                         "refresh, forward + loss, backward, optimizer): median and IQR per phase into the JSON")
     ap.add_argument("--trainer-compile", default="off",
                     help="trainer: torch.compile of the policy forward + backward (quads.rl.compiled, as quads train's "
                          "trainer_compile): off, on, or off,on to time both interleaved")
@@ -618,8 +734,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="trainer: expert path (Recipe.expert_path; auto = grouped GEMMs on CUDA, the loop on CPU)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.block < 1:
-        ap.error(f"expected --steps >= 1, --warmup >= 0, --block >= 1; got {args.steps}, {args.warmup}, {args.block}")
+    if args.steps < 1 or args.warmup < 0 or args.block < 1 or args.trainer_phases < 0:
+        ap.error(f"expected --steps >= 1, --warmup >= 0, --block >= 1, --trainer-phases >= 0; got {args.steps}, "
+                 f"{args.warmup}, {args.block}, {args.trainer_phases}")
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
     bad = set(suites) - {"rollout", "trainer", "profile", "vllm"}
     if bad:
@@ -641,6 +758,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_rollout_line(r) + extra)
         elif r["suite"] == "trainer":
             print(_trainer_line(r))
+            if "phases" in r:
+                print(_phases_line(r))
     out = {"info": info, "args": vars(args), "rows": rows}
     _write_json(args, rows)
     print(json.dumps(out))

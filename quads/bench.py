@@ -29,6 +29,18 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what ``platform`` knows), for benchmark records."""
+    import platform
+
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        for line in info.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def _load_bench(name: str = "bench_kernels"):
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     if not path.exists():

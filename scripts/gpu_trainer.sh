@@ -12,6 +12,16 @@
 # Knobs: PARTS (which parts, default "tests 100m 1b loop"; the default timeouts add up to more than one
 # 10-minute device call, so split it: PARTS="tests 100m" then PARTS="1b loop"), TEST_TIMEOUT,
 # T100M_TIMEOUT, T1B_TIMEOUT, LOOP_TIMEOUT, STEPS.
+# Parts outside the default, for the QAT weight refresh (issue 22):
+#   refresh   the grouped refresh's GPU tests (bit-exact kernels, no host sync) and bench_qat_refresh.py on
+#             100m and 1b (per-weight vs grouped refresh, CUDA events): refresh_tests.log, qat_refresh_{100m,1b}.json;
+#             about 2 min, REFRESH_TIMEOUT (default 240 s) for all of it
+#   phases    100m trainer step phase by phase (refresh / forward + loss / backward / optimizer), BF16 and
+#             W4A16-QAT plain and compiled, interleaved, 30 phase steps, one profiled step per phase:
+#             trainer_phases_100m.json; PHASES_TIMEOUT (default 300 s)
+#   phases1b  the same on 1b, plain only (the compile of 1b takes minutes): trainer_phases_1b.json;
+#             PHASES1B_TIMEOUT (default 240 s)
+# e.g. PARTS="refresh phases" (about 6 min), then PARTS="phases1b".
 set -u -o pipefail
 OUT=${OUT:-/tmp/quads_gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -52,4 +62,27 @@ timeout ${LOOP_TIMEOUT:-120} python3 benchmarks/bench_e2e.py --suites trainer --
   --steps 20 --interleave step --trainer-experts loop --trainer-profile --json "$OUT/trainer_100m_loop.json" >> "$OUT/trainer.log" 2>&1
 part trainer_100m_loop $?
 fi
-grep -h "^trainer" "$OUT/trainer.log" 2>/dev/null | tee -a "$OUT/env.txt"
+# (4) the QAT weight refresh: per-weight (quantize_weight each) vs grouped (ops.qat_weights), and the
+# trainer step's phases
+if want refresh; then
+( timeout ${REFRESH_TIMEOUT:-240} bash -c '
+  python3 -m pytest tests/test_kernels.py tests/test_trainer_experts.py tests/test_quant_model.py \
+    -k "qat_weights or weight_qdq or slice_amax or tuning_table or refresh or trainer_cache" -q -rfE -p no:cacheprovider
+  for p in 100m 1b; do
+    python3 benchmarks/bench_qat_refresh.py --preset $p --device cuda --warmup 3 --reps 20 --json "$1/qat_refresh_$p.json"
+  done' _ "$OUT" ) > "$OUT/refresh_tests.log" 2>&1
+part refresh $?
+grep -h "faster\|ms (IQR\|passed\|failed" "$OUT/refresh_tests.log" | tee -a "$OUT/env.txt"
+fi
+if want phases; then
+timeout ${PHASES_TIMEOUT:-300} python3 benchmarks/bench_e2e.py --suites trainer --preset 100m --warmup 5 \
+  --steps "$STEPS" --interleave step --trainer-compile off,on --trainer-phases 30 --trainer-profile \
+  --json "$OUT/trainer_phases_100m.json" >> "$OUT/trainer.log" 2>&1
+part trainer_phases_100m $?
+fi
+if want phases1b; then
+timeout ${PHASES1B_TIMEOUT:-240} python3 benchmarks/bench_e2e.py --suites trainer --preset 1b --warmup 3 \
+  --steps 20 --interleave step --trainer-phases 20 --json "$OUT/trainer_phases_1b.json" >> "$OUT/trainer.log" 2>&1
+part trainer_phases_1b $?
+fi
+grep -h "^trainer\|^phases" "$OUT/trainer.log" 2>/dev/null | tee -a "$OUT/env.txt"

@@ -117,3 +117,30 @@ def test_operand_bytes_count_the_packed_weights(reference_quantizer):
                  for E, N, K in (ex.gate_up_proj.shape, ex.down_proj.shape))
     assert held["triton"] == packed
     assert held["reference"] == 2 * (ex.gate_up_proj.numel() + ex.down_proj.numel())
+
+
+def test_bench_trainer_phases_cpu(tmp_path):
+    """``--trainer-phases``: per configuration the phase steps' statistics (median, IQR) of every phase in
+    order, each step the sum of its phases, about as fast as a plainly timed step; QAT's refresh phase does the work
+    (BF16 has none: no ATen call in its profiled refresh), and its paired differences to BF16 are reported."""
+    out = tmp_path / "p.json"
+    assert _bench().main(["--suites", "trainer", "--preset", "tiny", "--device", "cpu", "--batch", "2", "--seq-len",
+                          "16", "--warmup", "1", "--steps", "2", "--trainer-phases", "3", "--trainer-profile",
+                          "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    phases = list(_bench().PHASES)
+    assert phases == ["refresh", "forward", "backward", "optimizer"]
+    for r in rows:
+        ph = r["phases"]
+        assert ph["steps"] == 3 and ph["timer"] == "perf_counter" and list(ph["ms"]) == phases
+        assert all(ph["ms"][n]["n"] == 3 and {"median", "iqr_pct"} <= set(ph["ms"][n]) for n in phases)
+        for i, total in enumerate(ph["step_raw_ms"]):
+            assert total == pytest.approx(sum(ph["raw_ms"][n][i] for n in phases), rel=1e-9)
+        assert ph["sum_of_medians_ms"] == pytest.approx(sum(ph["ms"][n]["median"] for n in phases), rel=1e-9)
+        # the same work as a plainly timed step: the fastest of each within 3x (mins: robust to a busy CPU)
+        assert 1 / 3 < ph["step"]["min"] / r["stats"]["min"] < 3, (ph["step"], r["stats"])
+        assert list(r["profile"]["phases"]) == phases
+    bf, qat = rows
+    assert "vs_bf16_delta_ms" not in bf["phases"] and set(qat["phases"]["vs_bf16_delta_ms"]) == {*phases, "step"}
+    assert qat["phases"]["ms"]["refresh"]["median"] > bf["phases"]["ms"]["refresh"]["median"]
+    assert bf["profile"]["phases"]["refresh"]["aten_calls"] == 0 < qat["profile"]["phases"]["refresh"]["aten_calls"]

@@ -169,6 +169,8 @@ def test_tuning_table_has_every_case():
     """Each launcher finds its launch configs in tuning.json (a missing entry is a clear error)."""
     for case in ("row_amax", "per_token", "amax_known", "tile16"):
         assert set(tuning.config("nvfp4_quantize", case)) == {"block_m", "block_k", "num_warps"}
+    for case in ("row_amax", "qdq", "tile16"):
+        assert set(tuning.config("weight_qdq", case)) == {"block_m", "block_k", "num_warps"}
     assert set(tuning.config("rac_quantize", "pass2")) == {"block_m", "block_k", "num_warps", "target_programs"}
     assert set(tuning.config("rac_quantize", "pass4")) == {"block_m", "block_s", "num_warps"}
     with pytest.raises(ValueError, match="no launch config w4a16_gemm.m3"):
@@ -228,6 +230,156 @@ def test_weight_stack_quantize_skips_the_amax_check_it_does_not_need(monkeypatch
     assert seen == [False, True]
     with dispatch.kernels("reference"):
         _same_q(q, ops.nvfp4_quantize_weight(w), "expert stack")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Equal shape, dtype and bits (NaN payloads included)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
+    ia, ib = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    assert torch.equal(ia, ib), f"{what}: {(ia != ib).sum()} bytes differ"
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Equal shape, dtype, NaN positions and the bits of every other element (a NaN block's NaNs may carry
+    another payload: the reference multiplies a NaN scale, the kernel decodes one)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
+    nan = b.isnan()
+    assert torch.equal(a.isnan(), nan), f"{what}: NaN at {(a.isnan() != nan).sum()} other places"
+    _same_bits(a[~nan], b[~nan], what)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("shape", [(5, 32, 48), (40, 32)], ids=lambda s: "x".join(map(str, s)))
+def test_slice_amax_ignores_nan_counts_inf(backend, shape):
+    """``dispatch.slice_amax`` (every expert's global amax, for a group of same-shape weights at once): one
+    value per expert (a 2-D weight: one), NaN ignored, Inf counted, all-zero and all-NaN experts 0; the
+    Triton row pass equals the reference."""
+    ws = [_awkward(shape, seed=4 + i, dtype=torch.float32) * 10.0 ** (3 * i) for i in range(3)]
+    if len(shape) == 3:
+        ws[0][3], ws[0][4], ws[2][1, 7, 9] = 0.0, float("nan"), float("inf")
+    else:
+        ws[1].zero_()
+    with dispatch.kernels(backend):
+        a = dispatch.slice_amax(ws)
+    e = shape[0] if len(shape) == 3 else 1
+    want = torch.stack([torch.stack([w.view(e, -1)[i].nan_to_num(nan=0.0, posinf=float("inf"), neginf=float("inf"))
+                                     .abs().max() for i in range(e)]) for w in ws]).float()
+    assert a.shape == (3, e) and a.dtype == torch.float32
+    _same_bits(a, want, f"{backend} slice amax")
+    if len(shape) == 3:
+        assert a[0, 3] == 0 and a[0, 4] == 0 and a[2, 1] == float("inf")
+    else:
+        assert a[1, 0] == 0
+
+
+QAT_CASES = {  # (shapes of the weights in one call, master dtype, operand dtype, tile)
+    "stacks": (((3, 32, 64),) * 3, torch.float32, torch.bfloat16, (1, 16)),
+    "two-shapes": (((2, 32, 64), (2, 64, 32), (2, 32, 64)), torch.float32, torch.bfloat16, (1, 16)),
+    "tile16": (((2, 32, 48),) * 2, torch.float32, torch.bfloat16, (16, 16)),
+    "linears-fp16": (((48, 32),) * 2, torch.float32, torch.float16, (1, 16)),
+    "bf16-masters": (((2, 16, 32),) * 2, torch.bfloat16, torch.bfloat16, (1, 16)),
+    "fp32-operands": (((2, 16, 32),) * 2, torch.float32, torch.float32, (1, 16)),
+}
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("case", list(QAT_CASES), ids=lambda c: c)
+def test_qat_weights_equal_the_per_weight_refresh(case, backend):
+    """``ops.qat_weights`` (the trainer's QAT cache refresh: on the Triton backend one grouped amax and one
+    fused quantize-dequantize launch per weight shape, on the reference the fused ``nvfp4.qdq`` expert by
+    expert) gives every weight bit for bit the operand of ``ops.quantize_weight``, the per-weight refresh
+    and the rollout's quantize-dequantize: weights of very different magnitudes (own global scale per
+    weight and expert), NaN, Inf, bf16 rounding ties of the fp32 masters and all-zero experts among them."""
+    from quads.quant import ops
+    from quads.quant.recipe import LinearSpec
+
+    shapes, master, dtype, tile = QAT_CASES[case]
+    spec = LinearSpec.of(weight="nvfp4", weight_tile=list(tile))
+    ws = [_awkward(s, seed=10 + i, dtype=torch.float32) * 10.0 ** (2 * i - 3) for i, s in enumerate(shapes)]
+    ws[0].view(-1)[40:44] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130])  # RNE ties, fp32 subnormal
+    if len(shapes[-1]) == 3:
+        ws[-1][0] = 0.0
+    ws = [w.to(master) for w in ws]
+    with dispatch.kernels(backend):
+        got = ops.qat_weights(ws, spec, dtype)
+        want = [ops.quantize_weight(w, spec, dtype)[0] for w in ws]
+    assert len(got) == len(ws)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        _same_bits(g, w, f"{case} {backend} weight {i}")
+    if backend == "triton":  # and the reference's values (NaN payloads aside)
+        with dispatch.kernels("reference"):
+            ref = ops.qat_weights(ws, spec, dtype)
+        for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+            _same_values(g, r, f"{case} weight {i}: Triton vs reference")
+
+
+@pytest.mark.parametrize("chunk", [1, 2 * 32 * 64, 2**18], ids=lambda c: f"chunk{c}")
+def test_qat_weights_reference_chunks_equal(chunk, monkeypatch):
+    """The CPU refresh's expert chunks (one expert: amax measured by ``qdq``; several: one amax each) give
+    ``quantize_weight``'s bits whatever the chunk size, a NaN expert and an all-zero one included."""
+    from quads.quant import ops
+    from quads.quant.recipe import LinearSpec
+
+    monkeypatch.setattr(ops, "QDQ_CHUNK_ELEMENTS", chunk)
+    spec = LinearSpec.of(weight="nvfp4")
+    w = _awkward((5, 32, 64), seed=3, dtype=torch.float32).cpu()
+    w[2], w[4, 1, 1] = 0.0, float("nan")
+    with dispatch.kernels("reference"):
+        _same_bits(ops.qat_weights([w], spec, torch.bfloat16)[0], ops.quantize_weight(w, spec, torch.bfloat16)[0],
+                   f"chunk {chunk}")
+
+
+@pytest.mark.parametrize("kw", [dict(block_m=1, block_k=16), dict(block_m=8, block_k=32, num_warps=2),
+                                dict(block_m=16, block_k=1024)], ids=str)
+def test_weight_qdq_launch_configs_bit_exact(kw):
+    """The grouped kernels give the reference's bits under any launch config (row / K tiles crossing
+    expert boundaries, a K tile wider than K)."""
+    from quads.kernels import weight_qdq
+
+    ws = [_awkward((3, 24, 48), seed=i, dtype=torch.float32) for i in range(2)]
+    amax = weight_qdq.group_amax(ws)
+    _same_bits(weight_qdq.group_row_amax(ws, **kw), weight_qdq.group_row_amax_reference(ws), f"row amax {kw}")
+    got = weight_qdq.nvfp4_qdq_group(ws, amax.bfloat16().float(), torch.bfloat16, **kw)
+    _same_values(got, weight_qdq.nvfp4_qdq_group_reference(ws, amax.bfloat16().float(), torch.bfloat16), f"qdq {kw}")
+
+
+def test_weight_qdq_misaligned_views_are_copied():
+    """Weights that start off a 16-byte boundary (views into a larger tensor) are quantized from aligned
+    copies (the kernels mark their addresses 16-byte aligned): the reference's bits all the same."""
+    from quads.kernels import weight_qdq
+
+    base = torch.randn(2 * 2 * 16 * 32 + 1).to(DEV)
+    ws = [base[1 + i * 1024 : 1 + (i + 1) * 1024].view(2, 16, 32) for i in range(2)]  # 4 bytes off
+    assert all(w.data_ptr() % 16 for w in ws)
+    amax = weight_qdq.group_amax(ws)
+    _same_bits(amax, weight_qdq.group_row_amax_reference(ws).view(2, 2, 16).amax(-1), "misaligned amax")
+    got = weight_qdq.nvfp4_qdq_group(ws, amax, torch.bfloat16)
+    _same_values(got, weight_qdq.nvfp4_qdq_group_reference(ws, amax, torch.bfloat16), "misaligned qdq")
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        weight_qdq.address_table(ws)
+
+
+def test_weight_qdq_rejects_mixed_groups_and_bad_amax():
+    from quads.kernels import weight_qdq
+
+    a, b = torch.randn(2, 16, 32).to(DEV), torch.randn(2, 32, 16).to(DEV)
+    with pytest.raises(ValueError, match="group them by"):
+        weight_qdq.nvfp4_qdq_group([a, b], torch.ones(2, 2, device=DEV), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"amax must be fp32 \[G, E\] = \[1, 2\]"):
+        weight_qdq.nvfp4_qdq_group([a], torch.ones(2, device=DEV), torch.bfloat16)
+    with pytest.raises(ValueError, match="16x16 tiles need block_m"):
+        weight_qdq.nvfp4_qdq_group([a], torch.ones(1, 2, device=DEV), torch.bfloat16, (16, 16), block_m=8)
+
+
+def test_qat_weights_other_specs_are_quantize_weight():
+    """Compatibility NVFP4 modes and FP8 weights: ``quantize_weight``'s operand, one call each."""
+    from quads.quant import ops
+    from quads.quant.recipe import LinearSpec
+
+    ws = [torch.randn(2, 16, 32), torch.randn(2, 32, 16)]
+    for spec in (LinearSpec.of(weight="nvfp4", nvfp4_mode="torchao"), LinearSpec.of(weight="fp8")):
+        for g, w in zip(ops.qat_weights(ws, spec, torch.bfloat16), ws, strict=True):
+            _same_bits(g, ops.quantize_weight(w, spec, torch.bfloat16)[0], spec.describe())
 
 
 def test_set_backend_is_the_default_and_blocks_override_it():

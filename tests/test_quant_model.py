@@ -251,6 +251,42 @@ def test_trainer_cache_quantizes_once_per_step():
     assert torch.equal(w_q, quantize_weight(ref, store.spec, store.dtype)[0])
 
 
+def test_trainer_cache_refreshes_changed_weights_at_once(monkeypatch):
+    """After an optimizer step, the first quantized layer's ``get`` refreshes every changed weight of the
+    model in one ``ops.qat_weights`` call (expert stacks and 2-D linears of every layer; Triton groups
+    them by shape), each with the bits of its own ``quantize_weight`` and no codes kept; a weight the step
+    left alone keeps its cache; ``refresh_stale`` (before a compiled forward) does the same at once."""
+    from quads.quant import ops
+    from quads.quant.layers import refresh_stale
+
+    m = _model("builtin")
+    quantize_model(m, get_recipe("w4a16-qat", targets=["*.mlp.experts", "*.self_attn.*_proj"]), "trainer",
+                   verbose=False)
+    calls = []
+    real = ops.qat_weights
+    monkeypatch.setattr(ops, "qat_weights", lambda ws, *a: calls.append(len(ws)) or real(ws, *a))
+    stores = {f"{n}.{k}": s for n, mod in m.named_modules() if isinstance(mod, (QuantizedExperts, QuantizedLinear))
+              for k, s in mod.stores.items()}
+    assert len(stores) == 12  # 2 layers x (gate_up, down, q, k, v, o)
+    frozen = m.model.layers[1].mlp.experts.down_proj
+    opt = torch.optim.SGD([p for p in m.parameters() if p is not frozen], lr=1e-2)
+    ids = _ids()
+    for step in range(2):
+        _logits(m, ids).square().mean().backward()
+        assert calls == ([12] if step == 0 else [11]), calls  # then all but the frozen one
+        assert all(s.n_quantize == step + 1 for n, s in stores.items() if "layers.1.mlp.experts.down" not in n)
+        assert stores["model.layers.1.mlp.experts.down_proj"].n_quantize == 1
+        for name, s in stores.items():
+            assert s.packed is None and torch.equal(s.w_q, ops.quantize_weight(s.param, s.spec, s.dtype)[0]), name
+        opt.step()
+        opt.zero_grad()
+        calls.clear()
+    refresh_stale(m)
+    assert calls == [11] and all(not s.stale() for s in stores.values())
+    refresh_stale(m)
+    assert calls == [11]  # nothing stale: no call
+
+
 def test_rollout_store_is_fixed_between_syncs():
     m = _model("builtin")
     quantize_model(m, "quads", "rollout", verbose=False)

@@ -39,9 +39,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _model(recipe: str, device: str = "cpu", seed: int = 0) -> MoEForCausalLM:
+def _model(recipe: str, device: str = "cpu", seed: int = 0, **fields) -> MoEForCausalLM:
     torch.manual_seed(seed)
-    cfg = ModelConfig.preset("tiny", n_layers=1, vocab_size=100, dtype="float32")
+    cfg = ModelConfig.preset("tiny", **{"n_layers": 1, "vocab_size": 100, "dtype": "float32", **fields})
     model = MoEForCausalLM(cfg).to(device)
     quantize_model(model, Recipe("t", trainer=SPECS[recipe], expert_path="grouped"), side="trainer", verbose=False)
     return model
@@ -124,6 +124,38 @@ def test_compiled_qat_sees_the_optimizer_step():
     assert not torch.equal(after["logprobs"], first["logprobs"])
     for key in ("loss", "logprobs", "model.layers.0.mlp.experts.down_proj"):
         assert torch.equal(after[key], want[key]), f"{key}: the compiled forward used stale QAT weights"
+
+
+def test_compiled_qat_with_the_grouped_refresh_equals_plain():
+    """The Triton refresh (``ops.qat_weights``, under Triton's interpreter on a CPU) makes the QAT operands
+    of every layer views of one buffer per weight shape; after an optimizer step the compiled forward
+    (``aot_eager``) with those operands gives the plain forward's loss, log-probs and gradients bit for
+    bit, and both the reference backend's."""
+    pytest.importorskip("triton")
+    from quads.kernels import dispatch
+    from quads.kernels._common import interpreter_on
+
+    if torch.cuda.is_available() or not interpreter_on():
+        pytest.skip("a CPU test under Triton's interpreter (TRITON_INTERPRET=1 before the kernels are imported); "
+                    "CUDA's scatter-add backward is not bit-reproducible")
+    small = dict(n_layers=2, hidden_size=64, n_experts=4, moe_intermediate_size=32)
+    batch = _batch()
+    res = {}
+    for name, backend, forward in (("plain", "triton", None),
+                                   ("compiled", "triton", CompiledForward("aot_eager", fullgraph=True)),
+                                   ("reference", "reference", None)):
+        model = _model("w4a16-qat", **small)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        with dispatch.kernels(backend):
+            _step(model, batch, forward)
+            opt.step()
+            res[name] = _step(model, batch, forward)
+        if backend == "triton":  # both layers' gate_up operands: views of one [2, E, 2I, H] buffer
+            a, b = (layer.mlp.experts.stores["gate_up_proj"].w_q for layer in model.model.layers)
+            assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    for other in ("compiled", "reference"):
+        for key, want in res["plain"].items():
+            assert torch.equal(res[other][key], want), f"{other}: {key} differs from the plain Triton-refreshed step"
 
 
 def test_graphs_are_bounded_over_sequence_widths():

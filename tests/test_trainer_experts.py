@@ -161,3 +161,33 @@ def test_sorted_experts_no_host_sync_cuda(recipe):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert used and torch.isfinite(x.grad).all() and torch.isfinite(m.gate_up_proj.grad).all()
+
+
+@CUDA
+@pytest.mark.parametrize("fresh_tables", [False, True], ids=["cached-tables", "fresh-tables"])
+def test_grouped_qat_refresh_cuda_no_host_sync_same_bits(fresh_tables):
+    """The trainer's per-step QAT cache refresh on CUDA (Triton): every changed expert stack of every layer
+    in one grouped launch pair per weight shape (``refresh_stale``), no host sync (a new address table
+    included: pinned, copied without a sync), each cached ``QDQ(W)`` bit for bit ``quantize_weight``'s
+    operand (the per-weight refresh and the rollout's quantize-dequantize), no codes kept."""
+    from quads.kernels import weight_qdq
+    from quads.quant import ops
+    from quads.quant.layers import refresh_stale
+
+    model = _tiny(SPECS["w4a16-qat"], True).cuda()
+    stores = [s for m in model.modules() if isinstance(m, QuantizedExperts) for s in m.stores.values()]
+    refresh_stale(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3)  # an optimizer step's in-place update
+    if fresh_tables:
+        weight_qdq._TABLES.clear()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        refresh_stale(model)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(stores) == 4 and all(s.n_quantize == 2 and s.packed is None for s in stores)
+    for s in stores:
+        assert torch.equal(s.w_q, ops.quantize_weight(s.param, s.spec, s.dtype)[0]), s.name

@@ -7,7 +7,8 @@ the kernels on CPU tensors under Triton's interpreter (tests, where Triton's own
 is set) and raises if Triton is missing; ``reference`` never uses Triton. The Triton modules are
 imported on first use, so importing this module costs nothing without a GPU.
 
-The ops here are the ones the product path calls (NVFP4 quantize / dequantize). They are bit-exact
+The ops here are the ones the product path calls (NVFP4 quantize / dequantize, and the trainer's grouped
+weight quantize-dequantize, ``slice_amax`` + ``nvfp4_qdq_group``). They are bit-exact
 with their references, so the backend never changes a quantized value. The rollout's W4A16 GEMMs
 (``quads.kernels.w4a16``) are chosen by the quant layers under the same backend (``use_triton``); the
 W4A4 GEMM and fused-RAC kernels that only tests and benchmarks call live in ``quads.prototype.kernels``.
@@ -16,7 +17,7 @@ W4A4 GEMM and fused-RAC kernels that only tests and benchmarks call live in ``qu
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -110,3 +111,27 @@ def nvfp4_dequantize(q: nvfp4.NVFP4Tensor, dtype: torch.dtype = torch.float32) -
 
         return dq(q, dtype)
     return nvfp4.dequantize(q, dtype)
+
+
+def slice_amax(ws: Sequence[torch.Tensor]) -> torch.Tensor:
+    """fp32 ``[G, E]``: ``max|w[e]|`` of every expert of every weight of a group (same shape ``[E, N, K]``,
+    dtype and device; a 2-D weight ``[N, K]`` is one expert), NaN ignored, +-Inf counted
+    (``nvfp4.nan_ignoring_amax``): the global amax of each expert's NVFP4 scale. Triton: one row-amax
+    launch for the whole group and a max over each expert's rows (a max is order-free: the same value)."""
+    if use_triton(*ws):
+        from quads.kernels.weight_qdq import group_amax
+
+        return group_amax(ws)
+    return torch.stack([nvfp4.nan_ignoring_amax(w.float(), dim=(-2, -1)).reshape(-1) for w in ws])
+
+
+def nvfp4_qdq_group(ws: Sequence[torch.Tensor], amax: torch.Tensor, dtype: torch.dtype,
+                    tile: tuple[int, int] = (1, 16)) -> torch.Tensor:
+    """``[G, *shape]``: the canonical NVFP4 quantize-dequantize of ``w.to(dtype)`` for every weight of a
+    group, expert e of weight g with the global amax ``amax[g, e]`` (``slice_amax`` of the cast weights);
+    Triton: one launch for the group, no codes written (``quads.kernels.weight_qdq``); same bits."""
+    if use_triton(*ws):
+        from quads.kernels.weight_qdq import nvfp4_qdq_group as qdq
+    else:
+        from quads.kernels.weight_qdq import nvfp4_qdq_group_reference as qdq
+    return qdq(ws, amax, dtype, tuple(tile))

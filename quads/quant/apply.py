@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from quads.quant.layers import QuantizedExperts, QuantizedLinear, _QuantizedBase
+from quads.quant.layers import QuantizedExperts, QuantizedLinear, _QuantizedBase, link_stores
 from quads.quant.recipe import Recipe, get_recipe
 
 PROTECTED_NAMES = ("gate", "router", "lm_head", "embed_tokens")
@@ -174,6 +174,8 @@ def quantize_model(
         n = sum(p.numel() for p in new.parameters())
         summary.modules.append(QuantizedModuleInfo(name, kind, spec.describe(), n))
         summary.n_quantized_params += n
+    if side == "trainer":
+        link_stores(model)  # the QAT cache refreshes every stale weight at once (WeightStore.get)
     model.quads_recipe = recipe
     model.quads_side = side
     if verbose:

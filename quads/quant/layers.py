@@ -8,6 +8,11 @@ Weight operands (``WeightStore``):
   its version counter (bumped by every in-place update: optimizer steps, ``load_state_dict``,
   ``copy_``) plus its data pointer, device and dtype; so the forward and backward of one step
   quantize each weight once. Writes through ``param.data`` bypass the counter: call ``refresh()``.
+  The stores of one model are peers (``link_stores``, by ``quantize_model``): the first one found stale
+  in a step refreshes every stale one (``refresh_stores``: ``ops.qat_weights``, on a Triton device two
+  kernel launches per weight shape for all layers), and a compiled forward refreshes them all before
+  its region (``refresh_stale``). Only the dequantized operand is kept (no codes: the trainer's GEMMs
+  read ``QDQ(W)``, the rollout's weight sync quantizes its own).
 - rollout side: the quantized weight (the ``NVFP4Tensor`` codes/scales and its dequantized copy in
   the recipe's ``weight_dtype``) is produced at sync time (``refresh()``) and used as is by every
   forward; it is only recomputed if the parameter moves to another device. W4A16 and W4A4(+RAC)
@@ -45,6 +50,8 @@ class WeightStore:
         self.kernel: w4a16.W4A16Weight | None = None  # rollout packed GEMMs: the weight (no w_q, no packed)
         self.key: tuple | None = None
         self.n_quantize = 0  # how many times this weight was quantized (tests, benchmarks)
+        # trainer side: the stores refreshed together when this one is found stale (``link_stores``)
+        self.peers: list[WeightStore] = [self]
 
     @property
     def param(self) -> torch.Tensor:
@@ -55,10 +62,21 @@ class WeightStore:
         p = self.param
         return (p._version, p.data_ptr(), p.device, p.dtype)
 
+    def stale(self) -> bool:
+        """Trainer side: whether the parameter changed since the cache was made (or there is none)."""
+        return self.w_q is None or self._key() != self.key
+
+    def _set(self, w_q: torch.Tensor) -> None:
+        """Trainer side: cache the operand ``w_q`` of the parameter as it is now."""
+        self.w_q, self.packed, self.kernel, self.w_q32 = w_q, None, None, None
+        self.key = self._key()
+        self.n_quantize += 1
+
     def refresh(self) -> torch.Tensor:
         """Quantize the current parameter now.
 
-        On the rollout side the new operand is copied into the existing tensors when their shapes
+        Trainer side: the operand only (``ops.qat_weights``; ``refresh_stores`` does many at once). On the
+        rollout side the new operand is copied into the existing tensors when their shapes
         match, so a CUDA graph that captured them (the engine's decode step) reads the synced weights
         with no re-capture. Returns the operand; None when only the packed weight is kept.
         """
@@ -70,6 +88,9 @@ class WeightStore:
             self.key = self._key()
             self.n_quantize += 1
             return None
+        if self.side == "trainer":
+            self._set(ops.qat_weights([self.param], self.spec, self.dtype)[0])
+            return self.w_q
         self.kernel = None
         w_q, packed = ops.quantize_weight(self.param, self.spec, self.dtype)
         if self.side == "rollout" and _same_layout(self.w_q, w_q) and (packed is None) == (self.packed is None):
@@ -126,17 +147,18 @@ class WeightStore:
     def get(self) -> torch.Tensor:
         if self.spec.weight == "none":
             return self.param.detach()
+        if self.side == "trainer":
+            if torch.compiler.is_compiling() and self.w_q is not None:
+                return self.w_q  # traced: the cache, checked eagerly before the call (``refresh_stale``)
+            if self.stale():  # with every stale peer, at once
+                refresh_stores([s for s in self.peers if s is self or (s.stale() and _local(s.param))])
+            return self.w_q
         if self.kernel is not None:  # the operand, decoded from the bytes the packed GEMM reads
             return w4a16.dequantize(self.get_packed())
         if self.w_q is None:
             w_q = self.refresh()
             return w_q if w_q is not None else w4a16.dequantize(self.kernel)
-        if self.side == "trainer":
-            if torch.compiler.is_compiling():
-                return self.w_q  # traced: the cache, checked eagerly before the call (``refresh_stale``)
-            if self._key() != self.key:
-                return self.refresh()
-        elif self.w_q.device != self.param.device:
+        if self.w_q.device != self.param.device:
             return self.refresh()
         return self.w_q
 
@@ -146,15 +168,56 @@ def _same_layout(a: torch.Tensor | None, b: torch.Tensor) -> bool:
             and a.data_ptr() != b.data_ptr())
 
 
+def _local(p: torch.Tensor) -> bool:
+    """Whether ``p`` holds its whole value here: not an FSDP2 shard (a ``DTensor``, which a module's
+    parameter is outside its own forward; quantizing it would gather it or read one shard)."""
+    if not torch.distributed.is_available():
+        return True
+    from torch.distributed.tensor import DTensor
+
+    return not isinstance(p, DTensor)
+
+
+def refresh_stores(stores: list[WeightStore]) -> None:
+    """Re-quantize the trainer-side ``stores`` now, the weights of one spec and operand dtype in one
+    ``ops.qat_weights`` call (Triton: two launches per weight shape; the same bits as one ``refresh`` each).
+    Their old operands are dropped first, so the new ones can take their memory."""
+    groups: dict[tuple, list[WeightStore]] = {}
+    for s in stores:
+        if s.side != "trainer":
+            raise ValueError(f"refresh_stores refreshes the trainer's QAT cache; {s.name} is on the {s.side} side, "
+                             "call its refresh()")
+        groups.setdefault((s.spec, s.dtype), []).append(s)
+    for (spec, dtype), group in groups.items():
+        for s in group:
+            s.w_q = None
+        for s, w_q in zip(group, ops.qat_weights([s.param for s in group], spec, dtype), strict=True):
+            s._set(w_q)
+
+
+def trainer_stores(model: nn.Module) -> list[WeightStore]:
+    """The quantized trainer-side weight stores of ``model`` (module order)."""
+    return [s for m in model.modules() if isinstance(m, _QuantizedBase) and m.side == "trainer"
+            for s in m.stores.values() if s.spec.weight != "none"]
+
+
+def link_stores(model: nn.Module) -> int:
+    """Make the trainer-side weight stores of ``model`` peers: the first one found stale in a step
+    (``WeightStore.get``: after an optimizer step, the first quantized layer of the forward) refreshes
+    every stale one at once (``refresh_stores``). Returns the number of stores linked."""
+    stores = trainer_stores(model)
+    for s in stores:
+        s.peers = stores
+    return len(stores)
+
+
 def refresh_stale(model: nn.Module) -> None:
     """Re-quantize every trainer-side weight of ``model`` whose parameter changed since its cache was
-    made (``WeightStore.get``'s check, run eagerly). A compiled forward calls this first: inside the
-    traced region ``get`` returns the cache as it is (its check reads ``data_ptr`` and the version
-    counter, which a graph cannot)."""
-    for m in model.modules():
-        if isinstance(m, _QuantizedBase) and m.side == "trainer":
-            for store in m.stores.values():
-                store.get()
+    made (``WeightStore.get``'s check, run eagerly), all at once (``refresh_stores``). A compiled forward
+    calls this first: inside the traced region ``get`` returns the cache as it is (its check reads
+    ``data_ptr`` and the version counter, which a graph cannot); the trainer benchmark times it as the
+    step's refresh phase."""
+    refresh_stores([s for s in trainer_stores(model) if s.stale() and _local(s.param)])
 
 
 class _QuantizedBase(nn.Module):
@@ -186,8 +249,10 @@ class _QuantizedBase(nn.Module):
 
     def refresh(self) -> None:
         """Re-quantize every weight now and refresh the static RAC orders (weight sync calls this)."""
-        for store in self.stores.values():
-            if self.spec.weight != "none":
+        if self.spec.weight != "none" and self.side == "trainer":
+            refresh_stores(list(self.stores.values()))
+        elif self.spec.weight != "none":
+            for store in self.stores.values():
                 store.refresh()
         self.refresh_static()
 

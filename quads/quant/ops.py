@@ -8,6 +8,8 @@ Shapes: weights ``[N, K]`` or expert stacks ``[E, N, K]``; activations ``[T, K]`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from quads.formats import fp8, nvfp4
@@ -114,6 +116,62 @@ def quantize_weight(w: torch.Tensor, spec: LinearSpec, dtype: torch.dtype) -> tu
         q = nvfp4_weight(w, spec, dtype)
         return nvfp4_dequantize(q, dtype), q
     return fp8_weight_qdq(w.to(dtype), spec.fp8_scheme), None
+
+
+def qat_weights(ws: Sequence[torch.Tensor], spec: LinearSpec, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The trainer's QAT weight operands of the masters ``ws``: ``[quantize_weight(w, spec, dtype)[0] for w
+    in ws]``, the same bits, without the codes and scales (the trainer multiplies only the dequantized
+    operand; the rollout's weight sync quantizes its own).
+
+    Canonical NVFP4 weights on a Triton device: the weights of one shape, dtype and device as one group,
+    two kernel launches per group (``dispatch.slice_amax``: every expert's amax; ``dispatch.nvfp4_qdq_group``:
+    the cast, quantize and dequantize fused tile by tile); the operands are views of one ``[G, *shape]``
+    buffer (alive while any of them is: the trainer replaces them all at each optimizer step). Elsewhere weight by weight and, for expert stacks, expert by expert with the fused ``nvfp4.qdq``
+    (no codes; the temporaries of ~1 MiB of experts, ``QDQ_CHUNK_ELEMENTS``, not of a whole stack: on a CPU
+    a temporary at malloc's mmap threshold, 32 MiB, is mapped and faulted in afresh at every refresh).
+    Other specs: ``quantize_weight``.
+    """
+    ws = [w.detach() for w in ws]
+    if spec.weight != "nvfp4" or spec.nvfp4_mode != "te":
+        return [quantize_weight(w, spec, dtype)[0] for w in ws]
+    tile = tuple(spec.weight_tile)
+    for w in ws:
+        check_k(w.shape[-1], "NVFP4 weight")
+        if w.dim() not in (2, 3):
+            raise ValueError(f"weights must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
+    if not ws or not dispatch.use_triton(*ws):
+        return [_qdq_by_expert(w, dtype, tile) for w in ws]
+    groups: dict[tuple, list[int]] = {}
+    for i, w in enumerate(ws):
+        groups.setdefault((w.shape, w.dtype, w.device), []).append(i)
+    out = list(ws)
+    for idx in groups.values():
+        group = [ws[i].contiguous() for i in idx]
+        amax = dispatch.slice_amax(group).to(dtype).float()  # = the amax of w.to(dtype): RNE is monotone
+        for i, w_q in zip(idx, dispatch.nvfp4_qdq_group(group, amax, dtype, tile).unbind(0), strict=True):
+            out[i] = w_q
+    return out
+
+
+# CPU refresh: experts per fused qdq call, so that each fp32 temporary stays near 1 MiB (2**18 elements), far
+# below malloc's mmap threshold (32 MiB): a whole 100m gate_up stack makes 32 MiB fp32 temporaries, which are
+# mapped and page-faulted afresh at every refresh (docs/PERF.md, trainer section: the CPU numbers)
+QDQ_CHUNK_ELEMENTS = 2**18
+
+
+def _qdq_by_expert(w: torch.Tensor, dtype: torch.dtype, tile: tuple[int, int]) -> torch.Tensor:
+    """``quantize_weight``'s operand of one canonical NVFP4 weight via the fused ``nvfp4.qdq``, a few
+    experts at a time (``QDQ_CHUNK_ELEMENTS``), each with its own global amax (one expert: measured by
+    ``qdq``; several: ``nan_ignoring_amax`` per expert, as ``nvfp4_quantize_weight`` takes it)."""
+    if w.dim() == 2:
+        return nvfp4.qdq(w.to(dtype), tile=tile, dtype=dtype)
+    out = torch.empty(w.shape, dtype=dtype, device=w.device)
+    step = max(1, QDQ_CHUNK_ELEMENTS // w[0].numel())
+    for e in range(0, w.shape[0], step):
+        x = w[e : e + step].to(dtype)
+        amax = nvfp4.nan_ignoring_amax(x.float(), dim=(-2, -1)) if x.shape[0] > 1 else None
+        out[e : e + step].copy_(nvfp4.qdq(x if amax is not None else x[0], tile=tile, amax=amax, dtype=dtype))
+    return out
 
 
 def nvfp4_weight(w: torch.Tensor, spec: LinearSpec, dtype: torch.dtype) -> nvfp4.NVFP4Tensor:
