@@ -67,6 +67,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quads.bench import cpu_name  # noqa: E402
+from quads.bench import timer as timer_of  # noqa: E402
 from quads.model import ModelConfig, MoEForCausalLM  # noqa: E402
 from quads.model.tokenizer import CharTokenizer  # noqa: E402
 from quads.quant import quantize_model  # noqa: E402
@@ -445,27 +446,6 @@ def phase_deltas(runs: dict, base: dict) -> dict[str, float]:
     return d
 
 
-class _Timer:
-    """Step timing: CUDA events on the GPU (read after the step's synchronize), perf_counter elsewhere."""
-
-    def __init__(self, device: str) -> None:
-        self.cuda = device.startswith("cuda")
-
-    def __call__(self, fn) -> float:
-        """Milliseconds of ``fn()`` (the device idle before it starts, finished when it returns)."""
-        if not self.cuda:
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
-
 PHASES = ("refresh", "forward", "backward", "optimizer")  # one trainer step, in order (module docstring)
 
 
@@ -523,7 +503,7 @@ def bench_trainer(args, rows: list) -> None:
     batch = SequenceBatch(ids, torch.ones(B, S, dtype=torch.bool, device=args.device), P,
                           torch.ones(B, S - P, dtype=torch.bool, device=args.device))
     adv = torch.randn(B, 1, generator=g).to(args.device)
-    timer = _Timer(args.device)
+    timer = timer_of(args.device)
     recipes = [n.strip() for n in args.trainer_recipes.split(",") if n.strip()]
     bad = set(recipes) - set(TRAINER_RECIPES)
     if bad:
@@ -565,7 +545,7 @@ def bench_trainer(args, rows: list) -> None:
                    "batch": B, "seq_len": S, "params": n_params, "active_params": cfg.num_params()["active"],
                    "model_tflop_per_step": flops / 1e12, "tflops": flops / (st["median"] * 1e-3) / 1e12,
                    "interleave": args.interleave, "warmup": args.warmup, "timer": "cuda_events"
-                   if timer.cuda else "perf_counter", "raw_ms": ms[name]}
+                   if args.device.startswith("cuda") else "perf_counter", "raw_ms": ms[name]}
             if args.device.startswith("cuda"):
                 row["mfu_h200_bf16"] = row["tflops"] * 1e12 / H200_BF16_DENSE_FLOPS
             if name in prof:

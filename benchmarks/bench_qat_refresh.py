@@ -34,14 +34,13 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quads.bench import cpu_name  # noqa: E402
+from quads.bench import cpu_name, timer  # noqa: E402
 from quads.kernels import dispatch  # noqa: E402
 from quads.model import ModelConfig, MoEForCausalLM  # noqa: E402
 from quads.quant import ops, quantize_model  # noqa: E402
@@ -109,31 +108,12 @@ def _counts(fn, inside: list[bool], triton_n: collections.Counter) -> dict:
             "compute_by_op": dict(sorted(compute.items(), key=lambda kv: -kv[1])), "triton_by_kernel": dict(triton_n)}
 
 
-def _timer(device: str):
-    cuda = device.startswith("cuda")
-
-    def timed(fn) -> float:
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    return timed
-
-
 def copy_bandwidth(device: str, mib: int = 512) -> float:
     """Bytes read + written per second by a device copy of ``mib`` MiB (median of 5)."""
     n = (mib if device.startswith("cuda") else min(mib, 128)) * 2**20
     a = torch.empty(n, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    timed = _timer(device)
+    timed = timer(device)
     b.copy_(a)
     return 2 * n / (statistics.median(timed(lambda: b.copy_(a)) for _ in range(5)) * 1e-3)
 
@@ -183,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     quantize_model(model, args.recipe, side="trainer", verbose=False)
     stores = trainer_stores(model)
     params = list(model.parameters())
-    timed = _timer(args.device)
+    timed = timer(args.device)
 
     def per_weight():
         return [ops.quantize_weight(s.param, s.spec, s.dtype) for s in stores]

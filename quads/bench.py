@@ -41,6 +41,31 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def timer(device: str):
+    """``timed(fn)``: milliseconds of ``fn()`` (the device idle before it starts, finished when it returns):
+    CUDA events on a CUDA device, ``perf_counter`` elsewhere; for the benchmarks' step and phase timings."""
+    import time
+
+    import torch
+
+    cuda = str(device).startswith("cuda")
+
+    def timed(fn) -> float:
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    return timed
+
+
 def _load_bench(name: str = "bench_kernels"):
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     if not path.exists():

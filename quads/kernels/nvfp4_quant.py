@@ -55,18 +55,23 @@ if HAS_TRITON:
     )
 
     @triton.jit
-    def _row_amax_kernel(x_ptr, out_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[r] = max |x[r, :]|, NaN ignored (CUDA fmaxf semantics, as the reference)."""
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < M
+    def rows_absmax(row_ptrs, rmask, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """max |x[r, :K]| of each row r (``row_ptrs[r]`` its first element, ``rmask`` the live rows), NaN
+        ignored (CUDA fmaxf semantics, as the reference); [BLOCK_M] fp32."""
         acc = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             m = rmask[:, None] & (cols[None, :] < K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            a = tl.where(x != x, 0.0, tl.abs(x))
-            acc = tl.maximum(acc, a)
-        tl.store(out_ptr + rows, tl.max(acc, axis=1), mask=rmask)
+            x = tl.load(row_ptrs[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, tl.where(x != x, 0.0, tl.abs(x)))
+        return tl.max(acc, axis=1)
+
+    @triton.jit
+    def _row_amax_kernel(x_ptr, out_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[r] = max |x[r, :]|, NaN ignored (CUDA fmaxf semantics, as the reference)."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        tl.store(out_ptr + rows, rows_absmax(x_ptr + rows * stride_xm, rmask, K, BLOCK_M, BLOCK_K), mask=rmask)
 
     @triton.jit
     def _global_scales(amax):

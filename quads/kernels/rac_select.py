@@ -148,6 +148,18 @@ if HAS_TRITON:
         tl.store(s_ptr + g * n + rank, c.to(tl.int64), mask=cmask & (rank < n))
 
     @triton.jit
+    def _zero_outside(u_ptr, rank_ptr, rows, gs, rmask, K, n, stride_um, BLOCK_M: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        """u[r, c] = 0 for the channels c outside row r's selection S (rank >= n in its group gs[r]),
+        disjoint from the channels the caller scattered."""
+        for c0 in range(0, K, BLOCK_K):
+            c = c0 + tl.arange(0, BLOCK_K)
+            m = rmask[:, None] & (c < K)[None, :]
+            rk = tl.load(rank_ptr + gs[:, None] * K + c[None, :], mask=m, other=0)
+            zero = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+            tl.store(u_ptr + rows[:, None] * stride_um + c[None, :], cast_out(zero, u_ptr), mask=m & (rk >= n))
+
+    @triton.jit
     def _rac_units_kernel(
         r_ptr, group_ptr, s_ptr, rank_ptr, cmax_ptr, u_ptr, g_ptr, M, K, n, G, stride_um, ONE_GROUP: tl.constexpr,
         PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -189,12 +201,7 @@ if HAS_TRITON:
             s16 = e4m3_to_f32(s_byte) * 16384.0  # the stored scale (NaN for a NaN block, as the reference)
             u = tl.reshape(e2m1_times_scale(c3, s16[:, :, None]), (BLOCK_M, BLOCK_K))
             tl.store(u_ptr + rows[:, None] * stride_um + ch, cast_out(u, u_ptr), mask=m)
-        for c0 in range(0, K, BLOCK_K):  # zero outside S (disjoint from the scattered channels)
-            c = c0 + tl.arange(0, BLOCK_K)
-            m = rmask[:, None] & (c < K)[None, :]
-            rk = tl.load(rank_ptr + gs[:, None] * K + c[None, :], mask=m, other=0)
-            zero = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-            tl.store(u_ptr + rows[:, None] * stride_um + c[None, :], cast_out(zero, u_ptr), mask=m & (rk >= n))
+        _zero_outside(u_ptr, rank_ptr, rows, gs, rmask, K, n, stride_um, BLOCK_M, BLOCK_K)
 
     @triton.jit
     def _swap_pairs(key, idx, S: tl.constexpr, J: tl.constexpr, LOG: tl.constexpr, INTERP: tl.constexpr):
@@ -299,12 +306,7 @@ if HAS_TRITON:
         s16 = e4m3_to_f32(s_byte) * 16384.0  # the stored scale (NaN for a NaN block, as the reference)
         u = tl.reshape(e2m1_times_scale(c3, s16[:, :, None]), (BLOCK_M, BLOCK_N))
         tl.store(u_ptr + rows[:, None] * stride_um + ch, cast_out(u, u_ptr), mask=m)
-        for c0 in range(0, K, BLOCK_K):  # zero outside S (disjoint from the scattered channels)
-            c = c0 + tl.arange(0, BLOCK_K)
-            cm = rmask[:, None] & (c < K)[None, :]
-            rk = tl.load(rank_ptr + gs[:, None] * K + c[None, :], mask=cm, other=0)
-            zero = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-            tl.store(u_ptr + rows[:, None] * stride_um + c[None, :], cast_out(zero, u_ptr), mask=cm & (rk >= n))
+        _zero_outside(u_ptr, rank_ptr, rows, gs, rmask, K, n, stride_um, BLOCK_M, BLOCK_K)
 
 
 def default_method(k: int, grouped: bool = True) -> RacMethod:

@@ -40,7 +40,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from quads.kernels._common import cast_out, e2m1_times_scale, e4m3_to_f32, f32_to_bf16_rne
-    from quads.kernels.nvfp4_quant import _global_scales, _quantize_tile
+    from quads.kernels.nvfp4_quant import _global_scales, _quantize_tile, rows_absmax
 
     @triton.jit
     def _weight_ptr(x_ptr, table_ptr, g):
@@ -66,13 +66,8 @@ if HAS_TRITON:
         src = _weight_ptr(x_ptr, table_ptr, g)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
-        acc = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            m = rmask[:, None] & (cols[None, :] < K)
-            x = tl.load(src + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, tl.where(x != x, 0.0, tl.abs(x)))
-        tl.store(out_ptr + g.to(tl.int64) * M + rows, tl.max(acc, axis=1), mask=rmask)
+        amax = rows_absmax(src + rows.to(tl.int64) * K, rmask, K, BLOCK_M, BLOCK_K)
+        tl.store(out_ptr + g.to(tl.int64) * M + rows, amax, mask=rmask)
 
     @triton.jit
     def _group_qdq_kernel(
