@@ -8,7 +8,9 @@ One RL step (``GRPOTrainer.step``):
    metrics compare them with the rollout's; the IS correction (``quads.rl.correction``) turns them
    into per-token weights and a loss mask;
 4. ``optim.ppo_epochs`` passes over ``optim.mini_batches`` mini-batches: forward with grad, clipped
-   loss (+ router aux loss), backward, grad clip, AdamW;
+   loss (+ router aux loss), backward, grad clip, AdamW; with ``optim.micro_batch_size`` each
+   mini-batch's forward + backward runs micro-batch by micro-batch, gradients accumulated before its
+   one optimizer step, and step 3's forward on the same micro-batches (``quads.rl.microbatch``);
 5. weight sync into the rollout backend (``load_weights``: copy or push + re-quantize + fingerprint
    check) once the step's last optimizer step is done (at most one sync per rollout: syncing between
    mini-batches would only cost time and reset static RAC statistics that no rollout has refreshed);
