@@ -102,7 +102,9 @@ SFT_TRAIN_SIZE=${SFT_TRAIN_SIZE:-$WS_TRAIN}
 NVAR=$(echo "$VARIANTS" | tr ';' '\n' | grep -c '[^[:space:]]')
 NRUNS=$(( $(echo "$RECIPES" | tr ',' '\n' | wc -l) * $(echo "$SEEDS" | tr ',' '\n' | wc -l) * (NVAR > 0 ? NVAR : 1) ))
 # runs that fit the visible GPUs at RUN_GB each (a 100m chain run peaks at ~15-19 GiB: 9 on one 140 GiB H200
-# ran out of memory): more runs than that would queue behind the first ones and get no time in this call
+# ran out of memory): more runs than that would queue behind the first ones and get no time in this call.
+# That was with whole mini-batches; CONFIG's optim.micro_batch_size 32 halves the saved activations (CPU
+# proxy: scripts/activation_memory.py), but RUN_GB stays 20 until perf/max_reserved_gib of a GPU run says less
 GPU_GB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | awk '{s += int($1 / 1024)} END {print s + 0}')
 if [ "$DEVICE" = cuda ] && [ "${GPU_GB:-0}" -gt 0 ]; then
   FIT=$(( GPU_GB * 9 / 10 / ${RUN_GB:-20} ))

@@ -59,10 +59,11 @@ def tiny_checkpoint(path: Path) -> Path:
     return save_tiny_checkpoint(path, n_layers=2)
 
 
-def worker(out: Path, ckpt: Path, die_at: int = 0, resume: bool = False) -> None:
+def worker(out: Path, ckpt: Path, die_at: int = 0, resume: bool = False, micro: int | None = None) -> None:
     """One rank of a run: 2 steps of the quads recipe (W4A16 QAT trainer, W4A4+RAC rollout), then dump
     this rank's rollout weight operands. ``die_at``: 3 steps, checkpoint every step, and rank 1 exits
-    hard right after step ``die_at`` (a dead peer); ``resume``: continue that run."""
+    hard right after step ``die_at`` (a dead peer); ``resume``: continue that run; ``micro``:
+    ``optim.micro_batch_size``."""
     from quads import tasks
     from quads.quant.apply import quantized_modules
     from quads.rl.config import (
@@ -82,7 +83,7 @@ def worker(out: Path, ckpt: Path, die_at: int = 0, resume: bool = False) -> None
         model=ModelSection(checkpoint=str(ckpt)), task=TaskSection(name="digits", train_size=64),
         recipe=RecipeSection(name="quads"),
         rollout=RolloutSection(prompts_per_step=4, n_samples=4, max_new_tokens=6),
-        optim=OptimSection(lr=2e-2), log=LogSection(tensorboard=False, probe_tokens=16, progress=False),
+        optim=OptimSection(lr=2e-2, micro_batch_size=micro), log=LogSection(tensorboard=False, probe_tokens=16, progress=False),
         steps=3 if die_at or resume else 2, eval_every=0, eval_n=4, dtype="float32", out_dir=str(out / "run"),
         resume=resume, dist_timeout_s=60.0 if die_at else 120.0)
     if die_at or resume:
@@ -148,19 +149,22 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The 1-process and the 2-process run, started together (each one is mostly start-up latency)."""
+    """The 1-process and the 2-process run, started together (each one is mostly start-up latency), and a
+    2-process run in micro-batches of 3 of each rank's 8 sequences (2, 3, 3: gradient accumulation under FSDP2)."""
     root = tmp_path_factory.mktemp("dist")
     ckpt = tiny_checkpoint(root / "ckpt")
-    procs = [(launch(root / name, ckpt, n), root / name, n) for name, n in (("one", 1), ("two", 2))]
-    for p, out, _ in procs:
+    procs = [(launch(root / name, ckpt, n, *extra), root / name) for name, n, extra in
+             (("one", 1, ()), ("two", 2, ()), ("two-micro", 2, ("--micro", "3")))]
+    for p, out in procs:
         wait(p, out)
     return root / "one", root / "two"
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_process(runs):
-    one, two = runs
-    m1, m2 = read_metrics(one / "run"), read_metrics(two / "run")
+@pytest.mark.parametrize("name", ["two", "two-micro"])
+def test_two_ranks_match_one_process(runs, name):
+    one, _ = runs
+    m1, m2 = read_metrics(one / "run"), read_metrics(one.parent / name / "run")
     assert sorted(m1) == sorted(m2) == [0, 1, 2]
     for step in (1, 2):
         keys = sorted(k for k in m1[step] if k.startswith(DETERMINISTIC_PREFIXES))
@@ -270,4 +274,5 @@ def test_dead_peer_names_rank_step_and_checkpoint_then_resumes(tmp_path):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     worker(Path(sys.argv[2]), Path(sys.argv[3]), die_at=int(sys.argv[5]) if "--die-at" in sys.argv else 0,
-           resume="--resume" in sys.argv)
+           resume="--resume" in sys.argv,
+           micro=int(sys.argv[sys.argv.index("--micro") + 1]) if "--micro" in sys.argv else None)

@@ -217,6 +217,36 @@ def test_trainer_honours_the_field(tmp_path, monkeypatch, setting):
         assert not made and not calls
 
 
+@pytest.mark.slow  # ~15 s: Dynamo traces four graphs with dynamic shapes
+def test_micro_batches_compiled_equal_plain(tmp_path, monkeypatch):
+    """``optim.micro_batch_size`` 3 on mini-batches of 8 rows (micro-batches of 2 and 3: the batch dimension is
+    marked dynamic): a one-step run with ``trainer_compile=true`` (Dynamo, the eager backend) ends with the
+    plain run's parameters bit for bit, every forward through one graph per kind of call (old log-probs,
+    update) and padding, whatever its rows."""
+    import torch._dynamo.testing
+
+    from quads.rl.config import OptimSection, RecipeSection
+    from quads.rl.trainer import GRPOTrainer
+
+    monkeypatch.setitem(tasks.TASKS, "digits", DigitsTask)
+    counter = torch._dynamo.testing.CompileCounter()
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": counter}))
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt")
+    params = {}
+    for setting in (False, True):
+        cfg = tiny_config(tmp_path / str(setting), ckpt, steps=1, eval_every=0, trainer_compile=setting, dtype="bfloat16",
+                          recipe=RecipeSection(name="bf16", expert_path="grouped"),  # the loop breaks the graph
+                          optim=OptimSection(lr=2e-2, mini_batches=2, micro_batch_size=3))
+        trainer = GRPOTrainer(cfg, quiet=True)
+        trainer.run()
+        params[setting] = [p.detach().clone() for p in trainer.params]
+    assert trainer.policy_forward.dynamic_batch
+    assert 2 <= counter.frame_count <= 4, f"{counter.frame_count} graphs for 2 kinds of call x padded/unpadded"
+    for got, want in zip(params[True], params[False]):
+        assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------------- GPU (Inductor)
 
 
@@ -273,3 +303,4 @@ def test_trainer_compiles_with_auto_on_cuda(tmp_path, monkeypatch):
     res = trainer.run()
     assert trainer.compile and calls == ["inductor", "inductor"], calls
     assert res.steps == 1
+    assert 0 < res.last["perf/max_mem_gib"] <= res.last["perf/max_reserved_gib"]  # the step's CUDA memory peaks

@@ -9,8 +9,9 @@ that must read the host before the region: whether the batch has padding (SDPA's
 and whether an optimizer step changed a QAT weight (``quads.quant.layers.refresh_stale``).
 
 Shapes. The batch size is fixed by the config (``rollout.prompts_per_step * n_samples /
-optim.mini_batches``; the old log-probs take the whole batch, without grad: a second graph), but the
-sequence width ``P + R`` (widest prompt + longest response of the step) changes every step. The
+optim.mini_batches``; the old log-probs take the whole batch, without grad: a second graph; with
+``optim.micro_batch_size`` every forward takes one micro-batch, of at most two sizes, then the batch
+dimension is dynamic too: ``CompiledForward(dynamic_batch=True)``), but the sequence width ``P + R`` (widest prompt + longest response of the step) changes every step. The
 sequence dimension is marked dynamic (``torch._dynamo.maybe_mark_dynamic``) on every input, so one
 graph per (grad mode, autocast, routing replay, padding, ``return_routing``) case serves every width,
 compiled at its first use. Static shapes would compile once per (P, R) pair (hundreds in a run, past
@@ -61,10 +62,14 @@ class CompiledForward:
     Each call first brings the QAT weight caches up to date eagerly (``refresh_stale``), marks the
     sequence dimension of every input dynamic, then runs the compiled region. ``backend``: Inductor in
     the product; ``eager`` / ``aot_eager`` in tests. ``fullgraph``: raise on a graph break (tests).
+    ``dynamic_batch``: mark the batch dimension dynamic too, for micro-batches of two sizes
+    (``optim.micro_batch_size`` not dividing a mini-batch, ``quads.rl.microbatch``): one graph serves
+    both instead of a static one per size (a batch of one row is still specialised).
     """
 
-    def __init__(self, backend: str = "inductor", *, fullgraph: bool = False) -> None:
+    def __init__(self, backend: str = "inductor", *, fullgraph: bool = False, dynamic_batch: bool = False) -> None:
         self.backend = backend
+        self.dynamic_batch = dynamic_batch
         gemm.mark_compile_constants()
         self.fn = torch.compile(policy_forward, backend=backend, fullgraph=fullgraph, dynamic=None)
 
@@ -75,4 +80,6 @@ class CompiledForward:
         for t, dim in ((input_ids, 1), (attention_mask, 1), (position_ids, 1), (routing, 2), (response_mask, 1)):
             if t is not None:
                 torch._dynamo.maybe_mark_dynamic(t, dim)
+                if self.dynamic_batch:
+                    torch._dynamo.maybe_mark_dynamic(t, dim - 1)  # the rows: dimension 1 of routing, else 0
         return self.fn(model, input_ids, attention_mask, position_ids, routing, response_mask, return_routing)

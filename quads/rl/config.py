@@ -142,7 +142,15 @@ class RolloutSection:
 
 @dataclass
 class OptimSection:
-    """AdamW on the trainer's master weights."""
+    """AdamW on the trainer's master weights.
+
+    ``micro_batch_size`` (gradient accumulation, ``quads.rl.microbatch``) counts sequences, as verl's
+    ``ppo_micro_batch_size_per_gpu`` and TRL's ``per_device_train_batch_size`` do, not tokens (verl's
+    ``use_dynamic_bsz``): the trainer pads every row of a step to the step's widest prompt plus longest
+    response (no packing), so a forward's activations are rows x that width, at most
+    ``micro_batch_size x (prompt + rollout.max_new_tokens)`` tokens, and a row count splits every step the
+    same way (the same shapes for ``trainer_compile``, whatever lengths were sampled).
+    """
 
     lr: float = 3e-5  # learning rate (constant after warmup); AdamW moves every weight ~lr per step
     warmup_steps: int = 0  # linear warmup optimizer steps
@@ -152,9 +160,16 @@ class OptimSection:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     mini_batches: int = 1  # optimizer steps per PPO epoch (the batch is split in this many mini-batches)
     ppo_epochs: int = 1  # passes over each step's batch
+    # gradient accumulation: every trainer forward (+ backward) takes at most this many sequences, a mini-batch's
+    # gradients are summed over its micro-batches before its one optimizer step (the same step up to summation order)
+    micro_batch_size: int | None = None  # sequences per trainer forward/backward; None = the whole mini-batch
 
     def __post_init__(self) -> None:
         _positive("optim", lr=self.lr, eps=self.eps, mini_batches=self.mini_batches, ppo_epochs=self.ppo_epochs)
+        m = self.micro_batch_size
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"optim.micro_batch_size must be a whole number of sequences >= 1, or None for the whole "
+                             f"mini-batch in one forward/backward; got {m!r}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"optim.betas must be two numbers in [0, 1); got {self.betas}")
         if self.weight_decay < 0 or self.grad_clip < 0 or self.warmup_steps < 0:

@@ -318,13 +318,14 @@ def reduce_loss_metrics(m: dict[str, float], info: DistInfo) -> dict[str, float]
 
 
 def reduce_timings(m: dict[str, float], info: DistInfo) -> dict[str, float]:
-    """``time/*``: the slowest rank (it sets the step time); ``perf/*``: summed (aggregate throughput)."""
+    """``time/*``: the slowest rank (it sets the step time); ``perf/max_*`` (peak memory): the largest rank's;
+    the other ``perf/*``: summed (aggregate throughput)."""
     if not info.enabled:
         return m
     keys = sorted(k for k in m if k.startswith(("time/", "perf/")))
     out = dict(m)
     for k in keys:
-        out[k] = all_reduce(m[k], info, "max" if k.startswith("time/") else "sum")
+        out[k] = all_reduce(m[k], info, "max" if k.startswith(("time/", "perf/max_")) else "sum")
     return out
 
 

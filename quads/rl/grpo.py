@@ -92,10 +92,13 @@ class GRPOLossConfig:
 
 
 def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: LossAgg,
-               denom: float | None) -> torch.Tensor:
+               denom: float | torch.Tensor | None) -> torch.Tensor:
     """Reduce [B, L] to a scalar. ``denom``: tokens (token_mean) or sequences (seq_mean) of the full batch."""
-    if agg == "token_mean":  # this batch's count stays on the device (no host read between forward and backward)
-        d = mask.sum().clamp(min=1.0) if denom is None else max(float(denom), 1.0)
+    if agg == "token_mean":  # a count on the device stays there (no host read between forward and backward)
+        if denom is None:
+            d = mask.sum().clamp(min=1.0)
+        else:
+            d = denom.clamp(min=1.0) if isinstance(denom, torch.Tensor) else max(float(denom), 1.0)
         return (per_token * mask).sum() / d
     seq_len = mask.sum(dim=1).clamp(min=1.0)  # [B]
     per_seq = (per_token * mask).sum(dim=1) / seq_len
@@ -113,15 +116,16 @@ def grpo_loss(
     is_weights: torch.Tensor | None = None,
     logp_ref: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
-    denom: float | None = None,
+    denom: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped GRPO loss over response tokens.
 
     logp [B, L] (with grad), logp_old [B, L] (trainer, no grad), advantages [B] or [B, L],
     mask [B, L] (0/1), is_weights [B, L] (detached, 1 by default), logp_ref [B, L], entropy [B, L].
     ``denom``: the normaliser of the *whole* step batch (response tokens for ``token_mean``, sequences
-    for ``seq_mean``) so that summing the losses of its mini-batches gives the full-batch loss; the
-    default is this batch's own count.
+    for ``seq_mean``; a 0-dim tensor keeps a token count on the device) so that summing the losses of its
+    mini-batches or micro-batches gives the full-batch loss; the default is this batch's own count. The
+    metrics of such parts combine with ``merge_loss_metrics``.
 
     per token: ``ratio = exp(logp - logp_old)``,
     ``pg = w * max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))``,
@@ -177,3 +181,18 @@ def grpo_loss(
         # one read-back for all of them (fp64 holds every fp32 value exactly: the floats .item() would give)
         metrics = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist()))
     return loss, metrics
+
+
+# ``grpo_loss`` metrics that add up over the parts of a batch (with the batch's ``denom``); the others are token means
+SUMMED_METRICS = ("loss/total", "loss/policy", "loss/tokens")
+
+
+def merge_loss_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The ``grpo_loss`` metrics of a batch from those of its micro-batches, each computed with the batch's
+    ``denom``: the losses and ``loss/tokens`` summed, the token means weighted by their ``loss/tokens``
+    (``sum_i mean_i n_i / sum_i n_i``, the batch's token mean). One part is returned as it is."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    n = sum(p["loss/tokens"] for p in parts)
+    return {k: sum(p[k] for p in parts) if k in SUMMED_METRICS
+            else sum(p[k] * p["loss/tokens"] for p in parts) / max(n, 1.0) for k in parts[0]}

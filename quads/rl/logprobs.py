@@ -32,6 +32,12 @@ class SequenceBatch:
             raise ValueError(f"expected 0 < prompt_len < {S} and response_mask [B, S - prompt_len]; got "
                              f"prompt_len {self.prompt_len}, response_mask {list(self.response_mask.shape)}")
 
+    def select(self, rows: slice) -> SequenceBatch:
+        """The sequences ``rows`` (a mini-batch or micro-batch), same columns."""
+        pos = None if self.position_ids is None else self.position_ids[rows]
+        return SequenceBatch(self.input_ids[rows], self.attention_mask[rows], self.prompt_len,
+                             self.response_mask[rows], pos)
+
     def to(self, device: torch.device | str) -> SequenceBatch:
         pos = self.position_ids.to(device) if self.position_ids is not None else None
         return SequenceBatch(self.input_ids.to(device), self.attention_mask.to(device), self.prompt_len,

@@ -8,7 +8,9 @@ One RL step (``GRPOTrainer.step``):
    metrics compare them with the rollout's; the IS correction (``quads.rl.correction``) turns them
    into per-token weights and a loss mask;
 4. ``optim.ppo_epochs`` passes over ``optim.mini_batches`` mini-batches: forward with grad, clipped
-   loss (+ router aux loss), backward, grad clip, AdamW;
+   loss (+ router aux loss), backward, grad clip, AdamW; with ``optim.micro_batch_size`` each
+   mini-batch's forward + backward runs micro-batch by micro-batch, gradients accumulated before its
+   one optimizer step, and step 3's forward on the same micro-batches (``quads.rl.microbatch``);
 5. weight sync into the rollout backend (``load_weights``: copy or push + re-quantize + fingerprint
    check) once the step's last optimizer step is done (at most one sync per rollout: syncing between
    mini-batches would only cost time and reset static RAC statistics that no rollout has refreshed);
@@ -44,7 +46,7 @@ from quads.metrics.mismatch import mismatch_metrics
 from quads.metrics.report import write_report
 from quads.model.checkpoint import save_checkpoint
 from quads.model.transformer import MoEForCausalLM
-from quads.rl import build, compiled, distributed
+from quads.rl import build, compiled, distributed, microbatch
 from quads.rl.checkpoint import (
     latest_checkpoint,
     load_train_state,
@@ -54,7 +56,7 @@ from quads.rl.checkpoint import (
 )
 from quads.rl.config import TrainConfig
 from quads.rl.correction import is_correction
-from quads.rl.grpo import group_advantages, group_stats, grpo_loss
+from quads.rl.grpo import group_advantages, group_stats, grpo_loss, merge_loss_metrics
 from quads.rl.interrupt import StopRequest
 from quads.rl.logprobs import SequenceBatch, forward_logprobs, to_sequence_batch
 from quads.rl.sampler import PromptSampler
@@ -174,6 +176,7 @@ class GRPOTrainer:
         distributed.barrier(self.dist)  # every rank checked the run folder before rank 0 writes to it
         with distributed.rank0_first(self.dist):  # rank 0 warm-starts into the cache, the others reuse it
             self.res = build.resolve(cfg)  # every input checked before the run folder is written
+        microbatch.check(cfg, self.res.recipe, self.res.model_config, self.dist.world)
         if self.resume_state is not None:
             check_resume(cfg, self.resume_state, self.res.model_config.to_dict(), self.run_dir)
 
@@ -188,8 +191,13 @@ class GRPOTrainer:
         self.task = self.res.task
         self.trainer, self.rollout_model, self.tokenizer = build.build_models(self.res, cfg)
         distributed.shard_model(self.trainer, self.dist)  # FSDP2 under torchrun; the rollout model stays full
-        # the policy forward of every trainer log-prob (old, reference, training): compiled, or None = plain
-        self.policy_forward = compiled.CompiledForward() if self.compile else None
+        # the policy forward of every trainer log-prob (old, reference, training): compiled, or None = plain;
+        # micro-batches of two sizes (optim.micro_batch_size not dividing a mini-batch) share a graph
+        r = cfg.rollout
+        rows = {c.stop - c.start for mb in microbatch.step_chunks(r.prompts_per_step // self.dist.world * r.n_samples,
+                                                                  cfg.optim.mini_batches, cfg.optim.micro_batch_size)
+                for c in mb}
+        self.policy_forward = compiled.CompiledForward(dynamic_batch=len(rows) > 1) if self.compile else None
         self.ref = None
         if cfg.grpo.kl_coef > 0:
             self.ref, _, _ = build.build_models(self.res, cfg)
@@ -308,11 +316,16 @@ class GRPOTrainer:
         seq = to_sequence_batch(batch, device=cfg.device)
         routing = batch.routing if cfg.routing_replay else None
         t1 = time.perf_counter()
+        # with optim.micro_batch_size, on the update's micro-batches (no trainer forward takes more rows)
+        chunks = (None if cfg.optim.micro_batch_size is None else
+                  [c for mb in self._chunks(seq.input_ids.shape[0]) for c in mb])
         with torch.no_grad(), build.autocast(cfg):
-            old = forward_logprobs(self.trainer, seq, routing, r.temperature, return_routing=True, forward=self.policy_forward)
+            old = microbatch.forward_chunks(self.trainer, seq, routing, r.temperature, chunks, return_routing=True,
+                                            forward=self.policy_forward)
             ref = None
             if self.ref is not None:
-                ref = forward_logprobs(self.ref, seq, routing, r.temperature, forward=self.policy_forward).logprobs
+                ref = microbatch.forward_chunks(self.ref, seq, routing, r.temperature, chunks,
+                                                forward=self.policy_forward).logprobs
         mask = seq.response_mask
         P = seq.prompt_len
         fed = mask & (batch.routing[0, :, P:, 0] >= 0) if batch.routing is not None else None
@@ -350,35 +363,53 @@ class GRPOTrainer:
         o = self.cfg.optim
         return o.lr * min(1.0, (self.opt_steps + 1) / o.warmup_steps) if o.warmup_steps else o.lr
 
+    def _chunks(self, rows: int) -> list[list[slice]]:
+        """The row slices of each mini-batch's micro-batches (one per mini-batch without micro_batch_size)."""
+        o = self.cfg.optim
+        return microbatch.step_chunks(rows, o.mini_batches, o.micro_batch_size)
+
+    def _backward(self, d: StepData, micro: list[slice]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Forward + backward of one mini-batch, micro-batch by micro-batch (``quads.rl.microbatch``): the
+        gradients add up in ``.grad``. Returns [loss + aux loss, aux loss, real tokens] of the mini-batch
+        (fp64, on the device: no host read) and its loss metrics."""
+        cfg = self.cfg
+        whole = slice(micro[0].start, micro[-1].stop)
+        denom = microbatch.loss_denom(d.loss_mask[whole], cfg.grpo.agg, self.dist, len(micro))
+        sums, parts = [], []
+        for rows in micro:
+            sub = d.seq.select(rows)
+            with build.autocast(cfg):
+                res = forward_logprobs(self.trainer, sub, None if d.routing is None else d.routing[:, rows],
+                                       cfg.rollout.temperature, return_entropy=True, forward=self.policy_forward)
+            loss, m = grpo_loss(res.logprobs, d.logp_old[rows], d.advantages[rows], d.loss_mask[rows],
+                                cfg.grpo, is_weights=d.is_weights[rows],
+                                logp_ref=None if d.logp_ref is None else d.logp_ref[rows], entropy=res.entropy,
+                                denom=denom)
+            # the aux loss is a mean over the forward's tokens: weighted by rows (exact for one micro-batch; a split
+            # with a load-balance loss is refused by microbatch.check)
+            share = (rows.stop - rows.start) / (whole.stop - whole.start)
+            aux = res.aux_loss if len(micro) == 1 else res.aux_loss * share
+            total = loss + aux
+            total.backward()
+            sums.append(torch.stack([t.detach().double() for t in (total, aux, sub.attention_mask.sum())]))
+            parts.append(m)
+        return torch.stack(sums).sum(0), merge_loss_metrics(parts)
+
     def _update(self, d: StepData) -> dict[str, float]:
         cfg, o = self.cfg, self.cfg.optim
-        B = d.seq.input_ids.shape[0]
-        mb = B // o.mini_batches
+        chunks = self._chunks(d.seq.input_ids.shape[0])
         sums: dict[str, float] = {}
         count = 0
         t0 = time.perf_counter()
         tokens = skipped = 0
         for _ in range(o.ppo_epochs):
-            for i in range(o.mini_batches):
-                rows = slice(i * mb, (i + 1) * mb)
-                s = d.seq
-                sub = SequenceBatch(s.input_ids[rows], s.attention_mask[rows], s.prompt_len, s.response_mask[rows],
-                                    None if s.position_ids is None else s.position_ids[rows])
-                with build.autocast(cfg):
-                    res = forward_logprobs(self.trainer, sub, None if d.routing is None else d.routing[:, rows],
-                                           cfg.rollout.temperature, return_entropy=True, forward=self.policy_forward)
-                loss, m = grpo_loss(res.logprobs, d.logp_old[rows], d.advantages[rows], d.loss_mask[rows],
-                                    cfg.grpo, is_weights=d.is_weights[rows],
-                                    logp_ref=None if d.logp_ref is None else d.logp_ref[rows], entropy=res.entropy,
-                                    denom=distributed.loss_denom(d.loss_mask[rows], cfg.grpo.agg, self.dist))
-                total = loss + res.aux_loss
+            for i, micro in enumerate(chunks):
                 self.opt.zero_grad(set_to_none=True)
-                total.backward()
+                totals, m = self._backward(d, micro)
                 clip = o.grad_clip if o.grad_clip > 0 else float("inf")
                 gn = distributed.full_tensor(torch.nn.utils.clip_grad_norm_(self.params, clip))  # DTensor under FSDP2
                 # one host read for the step's scalars (fp64 holds each exactly)
-                loss_value, gn, aux, n_tok = torch.stack([t.detach().double() for t in (
-                    total, gn, res.aux_loss, sub.attention_mask.sum())]).tolist()
+                loss_value, aux, n_tok, gn = torch.cat([totals, gn.detach().double()[None]]).tolist()
                 # every rank takes (or skips) the same optimizer steps
                 if distributed.all_reduce(float(not (math.isfinite(loss_value) and math.isfinite(gn))),
                                           self.dist, "max") > 0:
@@ -423,9 +454,15 @@ class GRPOTrainer:
 
     def step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
+        cuda = torch.device(self.cfg.device).type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.cfg.device)
         data, metrics = self._rollout(step)
         metrics.update(self._update(data))
         metrics["time/step_s"] = time.perf_counter() - t0
+        if cuda:  # the step's peaks (rollout, old log-probs, update, sync; not the held-out eval)
+            metrics["perf/max_mem_gib"] = torch.cuda.max_memory_allocated(self.cfg.device) / 2**30
+            metrics["perf/max_reserved_gib"] = torch.cuda.max_memory_reserved(self.cfg.device) / 2**30
         return distributed.reduce_timings(metrics, self.dist)  # slowest rank's times, summed throughput
 
     # ------------------------------------------------------------------ the run
