@@ -351,7 +351,9 @@ def test_qdq_with_measured_amax_moves_at_most_ulps(vals, log_scale):
     x = torch.tensor(vals, dtype=torch.float32).reshape(-1, 16) * 2.0**log_scale
     q = nvfp4.quantize(x, amax=x.abs().max())
     s = q.scales.float()
-    if ((s > 0) & (s < 2.0**-6)).any():
+    # subnormal E4M3 block scales, or a subnormal FP32 global decode scale (amax ~ FLT_MIN: the dequantized
+    # values lose bits, test_qdq_not_idempotent_with_subnormal_global_scale): no ulp bound holds
+    if ((s > 0) & (s < 2.0**-6)).any() or 0 < float(q.global_scale) < torch.finfo(torch.float32).tiny:
         return
     y = nvfp4.qdq(x)
     z = nvfp4.qdq(y)
