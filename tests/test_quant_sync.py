@@ -143,3 +143,66 @@ def test_calibrate_static_channels_and_parameter_swap():
     e = trainer.model.layers[0].mlp.experts
     e.down_proj = torch.nn.Parameter(e.down_proj.detach() * 2)
     assert torch.equal(e.stores["down_proj"].get(), quantize_weight(e.down_proj, e.spec, e.weight_dtype)[0])
+
+
+# ------------------------------------------------------------------ batched fingerprints (one host sync)
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000, 1_000_003, 1_000_004, 3 * 1_000_003 + 17], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float8_e4m3fn], ids=str)
+def test_batched_fingerprint_equals_the_definition(n, dtype, monkeypatch):
+    """``FingerprintBatch`` (column sums over rows of P, a few rows at a time) gives the numbers of the
+    one-pass int64 definition exactly, across row and chunk boundaries (chunk of 2 rows here)."""
+    from quads.quant import sync
+
+    monkeypatch.setattr(sync, "FINGERPRINT_CHUNK", 2 * 1_000_003)
+    g = torch.Generator().manual_seed(n)
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * size,), generator=g, dtype=torch.int64).to(torch.uint8)
+    t, swapped = raw.view(dtype), raw.view(-1, size).flip(0).reshape(-1).view(dtype)  # elements reversed
+    assert sync.fingerprint(t) == sync.fingerprint_reference(t)
+    got = sync.fingerprints({"a": t, "b": swapped})
+    assert got == {"a": sync.fingerprint_reference(t), "b": sync.fingerprint_reference(swapped)}
+    assert n < 2 or got["a"].weighted != got["b"].weighted  # a permutation changes the weighted sum
+
+
+def _tiny_pair(recipe):
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny", vocab_size=64, dtype="float32")
+    trainer = MoEForCausalLM(cfg)
+    rollout = MoEForCausalLM(ModelConfig.preset("tiny", vocab_size=64, dtype="bfloat16"))
+    quantize_model(trainer, recipe, "trainer", verbose=False)
+    quantize_model(rollout, recipe, "rollout", verbose=False)
+    return trainer, rollout
+
+
+@pytest.mark.parametrize("recipe", list(PRESETS))
+def test_sync_matches_the_per_tensor_definition(recipe):
+    """Tiny preset, fp32 trainer, BF16 rollout: every rollout operand equals the old path's
+    ``ops.quantize_weight(master)[0]`` (or the master in the rollout dtype) and the sync's fingerprints,
+    reference and rollout side, equal ``fingerprint_reference`` of those operands; then a single flipped
+    bit in one rollout operand is caught."""
+    from quads.quant.sync import fingerprint_reference
+
+    trainer, rollout = _tiny_pair(recipe)
+    _train_step(trainer)
+    report = sync_weights(trainer, rollout)
+    assert report.ok and report.n_checked == 8
+    params = dict(trainer.named_parameters())
+    for key, fp in report.fingerprints.items():
+        mod, _, pname = key.rpartition(".")
+        m = rollout.get_submodule(mod)
+        if m.spec.weight == "none":
+            want = params[key].detach().to(torch.bfloat16)
+        else:
+            want = quantize_weight(params[key], m.spec, m.weight_dtype)[0]
+        got = m.stores[pname].get()
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.int16), want.view(torch.int16)), key
+        assert fp == fingerprint_reference(want), key
+    e = rollout.model.layers[2].mlp.experts
+    store = e.stores["gate_up_proj"]
+    w = e.gate_up_proj if e.spec.weight == "none" else store.w_q
+    with torch.no_grad():
+        w.view(torch.int16).view(-1)[4321] ^= 1  # the lowest mantissa bit of one element
+    with pytest.raises(WeightSyncError, match="layers.2.mlp.experts.gate_up_proj"):
+        verify_sync(trainer, rollout)

@@ -104,9 +104,8 @@ def _move_signs(words: torch.Tensor, src: tuple[int, ...], dst: tuple[int, ...])
     """int32 code words with the sign of code i moved from bit ``src[i]`` to bit ``dst[i]`` (magnitudes,
     bits 4i..4i+2, stay)."""
     out = words & 0x77777777
-    for a, b in zip(src, dst):
-        bit = torch.tensor(-(1 << 31) if b == 31 else 1 << b, dtype=torch.int32, device=words.device)
-        out = out | torch.where(((words >> a) & 1).bool(), bit, 0)
+    for a, b in zip(src, dst):  # the bit's value as a Python int32 scalar: no host-to-device copy per bit
+        out = out | (((words >> a) & 1) * (-(1 << 31) if b == 31 else 1 << b))
     return out
 
 

@@ -154,13 +154,19 @@ class WeightStore:
                 refresh_stores([s for s in self.peers if s is self or (s.stale() and _local(s.param))])
             return self.w_q
         if self.kernel is not None:  # the operand, decoded from the bytes the packed GEMM reads
-            return w4a16.dequantize(self.get_packed())
+            return _decode(self.get_packed())
         if self.w_q is None:
             w_q = self.refresh()
-            return w_q if w_q is not None else w4a16.dequantize(self.kernel)
+            return w_q if w_q is not None else _decode(self.kernel)
         if self.w_q.device != self.param.device:
             return self.refresh()
         return self.w_q
+
+
+def _decode(w: w4a16.W4A16Weight) -> torch.Tensor:
+    """The BF16 operand of a packed weight: the GEMMs' own decode on a Triton device (one launch,
+    ``w4a16.dequantize_bf16``), else its PyTorch twin ``w4a16.dequantize`` (the same bits)."""
+    return w4a16.dequantize_bf16(w) if dispatch.use_triton(w.codes) else w4a16.dequantize(w)
 
 
 def _same_layout(a: torch.Tensor | None, b: torch.Tensor) -> bool:

@@ -61,7 +61,10 @@ def nvfp4_quantize_weight(w: torch.Tensor, *, tile=(1, 16), mode: str = "te") ->
     if w.dim() != 3:
         raise ValueError(f"weights must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
     if mode == "te":
-        amax = nvfp4.nan_ignoring_amax(w.float(), dim=(-2, -1))  # [E, 1, 1], never NaN or negative
+        if dispatch.use_triton(w):  # one row-amax launch, no fp32 copy of the stack (a max: the same value)
+            amax = dispatch.slice_amax([w.contiguous()]).reshape(-1, 1, 1)
+        else:
+            amax = nvfp4.nan_ignoring_amax(w.float(), dim=(-2, -1))  # [E, 1, 1], never NaN or negative
         return nvfp4_quantize(w, tile=tile, mode=mode, amax=amax, amax_checked=True)
     qs = [nvfp4_quantize(w[e], tile=tile, mode=mode) for e in range(w.shape[0])]
     return nvfp4.NVFP4Tensor(

@@ -21,9 +21,16 @@ One component, ``WeightSync(source, target).run()``, does every sync of the proj
 
 Fingerprint: the tensor's bytes viewed as integers (int16 for 2-byte dtypes, int32 for 4-byte ones,
 ...), widened to int64, then two sums: the plain sum, and a position-weighted sum
-``sum(v_i * (i mod 1_000_003 + 1))``. Changing any one element by any bit changes the plain sum (the
-difference of two distinct integers is nonzero, and int64 wrap-around cannot cancel it); the weighted
-sum also catches permutations. Together with shape and dtype this is cheap (one pass) and exact.
+``sum(v_i * (i mod 1_000_003 + 1))``, both modulo 2**64 (int64 wrap-around). Changing any one element by
+any bit changes the plain sum (the difference of two distinct integers is nonzero, and wrap-around cannot
+cancel it); the weighted sum also catches permutations. Together with shape and dtype this is cheap (one
+pass) and exact. How it is computed (``FingerprintBatch``): the elements are read as rows of P =
+1_000_003 (the last one short) and summed per column in int64, a few rows at a time (``FINGERPRINT_CHUNK``:
+int64 temporaries of at most ~32 MiB, not 8 bytes per element of the tensor), ``S_r = sum_q v_{qP+r}``;
+then ``total = sum_r S_r`` and ``weighted = sum_r (r + 1) * S_r``: the same two sums modulo 2**64 (a ring:
+the regrouping is exact). The two sums of every tensor stay on its device until ``result()``, which reads
+all of them back in one transfer per device: a sync checks all its operands with two host syncs (the
+references', then the rollout's), where a read-back per tensor waits for the device queue each time.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ from quads.quant.recipe import LinearSpec
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _PRIME = 1_000_003
+# elements widened to int64 at a time when fingerprinting (4 rows of _PRIME: ~32 MiB of int64)
+FINGERPRINT_CHUNK = 4 * _PRIME
+_POSITIONS: dict[torch.device, torch.Tensor] = {}  # device -> int64 [1, ..., _PRIME], the column weights
 
 
 class WeightSyncError(RuntimeError):
@@ -57,12 +67,80 @@ class Fingerprint:
     weighted: int  # position-weighted sum of the integer view
 
 
-def fingerprint(t: torch.Tensor) -> Fingerprint:
-    """Exact fingerprint of ``t``'s bytes (see the module docstring)."""
+def fingerprint_reference(t: torch.Tensor) -> Fingerprint:
+    """The fingerprint of ``t`` by the definition (module docstring): one int64 pass over the whole
+    tensor, two host syncs. ``FingerprintBatch`` computes the same numbers (tests compare them)."""
     flat = t.detach().contiguous().reshape(-1)
     v = flat.view(_INT_VIEW[flat.element_size()]).to(torch.int64)
     pos = torch.arange(v.numel(), device=v.device, dtype=torch.int64) % _PRIME + 1
     return Fingerprint(tuple(t.shape), str(t.dtype), int(v.sum()), int((v * pos).sum()))
+
+
+def _positions(device: torch.device) -> torch.Tensor:
+    pos = _POSITIONS.get(device)
+    if pos is None:
+        pos = _POSITIONS[device] = torch.arange(1, _PRIME + 1, dtype=torch.int64, device=device)
+    return pos
+
+
+def fingerprint_sums(t: torch.Tensor) -> torch.Tensor:
+    """int64 ``[2]`` on ``t``'s device: ``(total, weighted)`` of ``t`` (module docstring), no host sync."""
+    flat = t.detach().contiguous().reshape(-1)
+    v = flat.view(_INT_VIEW[flat.element_size()])
+    n, p = v.numel(), _PRIME
+    if n == 0:
+        return torch.zeros(2, dtype=torch.int64, device=v.device)
+    rows = n // p  # full rows of P elements; the rest is the short last row
+    if rows == 0:
+        cols = v.to(torch.int64)  # [n]: S_r = v_r
+    else:
+        full = v[: rows * p].view(rows, p)
+        step = max(1, FINGERPRINT_CHUNK // p)
+        cols = full[:step].sum(dim=0, dtype=torch.int64)  # [P]
+        for r in range(step, rows, step):
+            cols += full[r : r + step].sum(dim=0, dtype=torch.int64)
+        if n > rows * p:
+            cols[: n - rows * p] += v[rows * p :]
+    pos = _positions(v.device)[: cols.numel()]
+    return torch.stack([cols.sum(), (cols * pos).sum()])
+
+
+class FingerprintBatch:
+    """Fingerprints of many tensors, computed on their devices as they are added (``add``: no host sync,
+    only two int64 numbers kept per tensor, so the tensor may be freed after), read back by ``result``
+    in one transfer per device."""
+
+    def __init__(self) -> None:
+        self._meta: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._sums: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self._meta[name] = (tuple(t.shape), str(t.dtype))
+        self._sums[name] = fingerprint_sums(t)
+
+    def result(self) -> dict[str, Fingerprint]:
+        by_device: dict[torch.device, list[str]] = {}
+        for name, s in self._sums.items():
+            by_device.setdefault(s.device, []).append(name)
+        out: dict[str, Fingerprint] = {}
+        for names in by_device.values():
+            values = torch.stack([self._sums[n] for n in names]).tolist()  # the one host sync of the device
+            for name, (total, weighted) in zip(names, values, strict=True):
+                out[name] = Fingerprint(*self._meta[name], total, weighted)
+        return {name: out[name] for name in self._sums}  # in the order added
+
+
+def fingerprints(tensors: dict[str, torch.Tensor]) -> dict[str, Fingerprint]:
+    """``{name: fingerprint(t)}`` with one host sync per device (``FingerprintBatch``)."""
+    batch = FingerprintBatch()
+    for name, t in tensors.items():
+        batch.add(name, t)
+    return batch.result()
+
+
+def fingerprint(t: torch.Tensor) -> Fingerprint:
+    """Exact fingerprint of ``t``'s bytes (see the module docstring)."""
+    return fingerprints({"": t})[""]
 
 
 def mismatching(got: dict[str, Fingerprint], want: dict[str, Fingerprint]) -> list[str]:
@@ -102,7 +180,9 @@ def reference_operand(master: torch.Tensor, trainer_module: nn.Module | None, pn
 
     Unquantized weights: the master cast to ``op.plain_dtype`` (what the copy produces). Quantized: the
     trainer module's cached ``QDQ(W)`` when ``master`` is that module's parameter and it quantizes with
-    the same weight spec and dtype, else the rollout spec's ``ops.quantize_weight`` of the master.
+    the same weight spec and dtype, else the rollout spec's ``ops.quantize_weight(master)[0]``, computed as
+    the trainer's QAT computes it (``ops.qat_weights``: the same bits, on a Triton device two launches and
+    no codes, by other kernels than the rollout's quantize, pack and decode).
     """
     if op.spec.weight == "none":
         return master.detach().to(op.plain_dtype)
@@ -114,18 +194,18 @@ def reference_operand(master: torch.Tensor, trainer_module: nn.Module | None, pn
         and getattr(tm, pname) is master
     ):
         return tm.stores[pname].get()  # the trainer's cached QDQ(W)
-    return ops.quantize_weight(master, op.spec, op.weight_dtype)[0]
+    return ops.qat_weights([master], op.spec, op.weight_dtype)[0]
 
 
 def reference_fingerprints(trainer_model: nn.Module, operands: dict[str, OperandSpec]) -> dict[str, Fingerprint]:
     """Fingerprints of ``reference_operand`` for ``operands``, from a trainer model in this process (the
     check of a target's current weights without a sync)."""
     params, modules = dict(trainer_model.named_parameters()), dict(trainer_model.named_modules())
-    out = {}
+    batch = FingerprintBatch()
     for key, op in operands.items():
         mod, _, pname = key.rpartition(".")
-        out[key] = fingerprint(reference_operand(params[key], modules.get(mod), pname, op))
-    return out
+        batch.add(key, reference_operand(params[key], modules.get(mod), pname, op))
+    return batch.result()
 
 
 # --------------------------------------------------------------------------- sources
@@ -240,8 +320,11 @@ class ReplicaTarget:
         return sum(1 for m in self.quantized.values() if len(m.selectors))
 
     def verify(self, want: dict[str, Fingerprint]) -> tuple[dict[str, Fingerprint], list[str]]:
-        got = {f"{name}.{pname}": fingerprint(operand) for name, m in self.quantized.items()
-               for pname, (_, operand) in m.weight_operands().items()}
+        batch = FingerprintBatch()
+        for name, m in self.quantized.items():
+            for pname, store in m.stores.items():
+                batch.add(f"{name}.{pname}", store.get())  # one operand alive at a time
+        got = batch.result()
         return got, mismatching(got, want)
 
 
@@ -260,17 +343,17 @@ class WeightSync:
         report = SyncReport()
         wanted = self.target.operands()
         self.target.check_keys(set(self.source.model.state_dict().keys()))
-        want: dict[str, Fingerprint] = {}
+        want = FingerprintBatch()
         for key, full in self.source.tensors():
             self.target.receive(key, full)
             report.n_tensors += 1
             report.n_bytes += full.numel() * full.element_size()
             if key in wanted:
                 mod, _, pname = key.rpartition(".")
-                want[key] = fingerprint(reference_operand(full, self.source.module(mod), pname, wanted[key]))
+                want.add(key, reference_operand(full, self.source.module(mod), pname, wanted[key]))
             del full
         report.n_static_refreshed = self.target.commit(self.source)
-        report.fingerprints, report.mismatches = self.target.verify(want)
+        report.fingerprints, report.mismatches = self.target.verify(want.result())
         report.n_checked = len(report.fingerprints)
         report.mismatches += self.source.agree(report.fingerprints)
         report.seconds = time.perf_counter() - t0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from quads.quant.recipe import Recipe
-from quads.quant.sync import Fingerprint, fingerprint, mismatching
+from quads.quant.sync import Fingerprint, FingerprintBatch, mismatching
 from quads.rollout.vllm.methods import QuadsFusedMoEMethod, QuadsLinearMethod
 
 _QUADS_METHODS = (QuadsLinearMethod, QuadsFusedMoEMethod)
@@ -50,8 +50,12 @@ def operands(worker) -> dict[str, torch.Tensor]:
 
 
 def fingerprints(worker) -> dict[str, Fingerprint]:
-    """``{quads weight name: Fingerprint}`` of every rollout weight operand."""
-    return {name: fingerprint(t) for name, t in operands(worker).items()}
+    """``{quads weight name: Fingerprint}`` of every rollout weight operand (one host sync per device)."""
+    batch = FingerprintBatch()
+    for layer, method in quads_layers(get_model(worker)):
+        for name, t in method.operands(layer).items():  # one layer's operands alive at a time
+            batch.add(name, t)
+    return batch.result()
 
 
 def weight_dtype_of_masters(worker) -> dict[str, str]:
