@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quads.bench import cpu_name, timer  # noqa: E402
+from quads.bench import add_model_overrides, cpu_name, model_overrides, timer  # noqa: E402
 from quads.kernels import dispatch  # noqa: E402
 from quads.model import ModelConfig, MoEForCausalLM  # noqa: E402
 from quads.quant import ops, quantize_model  # noqa: E402
@@ -137,10 +137,7 @@ def env_info(device: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="100m", help="model preset (quads.model.config.PRESETS)")
-    ap.add_argument("--hidden", type=int, default=0, help="override hidden_size (0 = the preset's)")
-    ap.add_argument("--intermediate", type=int, default=0, help="override moe_intermediate_size (0 = the preset's)")
-    ap.add_argument("--experts", type=int, default=0, help="override n_experts (0 = the preset's)")
-    ap.add_argument("--layers", type=int, default=0, help="override n_layers (0 = the preset's)")
+    add_model_overrides(ap)
     ap.add_argument("--kernels", default="auto", choices=dispatch.BACKENDS,
                     help="kernel backend (quads.kernels.dispatch); triton on a CPU needs TRITON_INTERPRET=1")
     ap.add_argument("--recipe", default="w4a16-qat", help="trainer-side recipe")
@@ -154,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"expected --reps >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    over = {k: v for k, v in (("hidden_size", args.hidden), ("moe_intermediate_size", args.intermediate),
-                              ("n_experts", args.experts), ("n_layers", args.layers)) if v}
+    over = model_overrides(args)
     cfg = ModelConfig.preset(args.preset, vocab_size=128, dtype="float32", **over)
     torch.manual_seed(0)
     with torch.device(args.device):

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_qat_refresh import VIEW_OPS, _count_triton, env_info  # noqa: E402
 
-from quads.bench import timer  # noqa: E402
+from quads.bench import add_model_overrides, model_overrides, timer  # noqa: E402
 from quads.kernels import dispatch  # noqa: E402
 from quads.model import ModelConfig, MoEForCausalLM  # noqa: E402
 from quads.quant import quantize_model  # noqa: E402
@@ -162,11 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="100m", help="model preset (quads.model.config.PRESETS)")
     ap.add_argument("--recipes", default="nvfp4,quads", help="comma list of recipe presets")
-    ap.add_argument("--hidden", type=int, default=0, help="override hidden_size (0 = the preset's)")
-    ap.add_argument("--intermediate", type=int, default=0, help="override moe_intermediate_size (0 = the preset's)")
-    ap.add_argument("--experts", type=int, default=0, help="override n_experts (0 = the preset's)")
-    ap.add_argument("--layers", type=int, default=0, help="override n_layers (0 = the preset's)")
-    ap.add_argument("--vocab", type=int, default=0, help="override vocab_size (0 = the preset's)")
+    add_model_overrides(ap, vocab=True)
     ap.add_argument("--rollout-dtype", default="bfloat16", help="the rollout model's dtype (quads train: dtype)")
     ap.add_argument("--kernels", default="auto", choices=dispatch.BACKENDS,
                     help="kernel backend (quads.kernels.dispatch); triton on a CPU needs TRITON_INTERPRET=1")
@@ -180,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"expected --reps >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    over = {k: v for k, v in (("hidden_size", args.hidden), ("moe_intermediate_size", args.intermediate),
-                              ("n_experts", args.experts), ("n_layers", args.layers), ("vocab_size", args.vocab)) if v}
+    over = model_overrides(args)
     cfg = ModelConfig.preset(args.preset, **{**over, "dtype": "float32"})
     triton_n: collections.Counter = collections.Counter()
     inside = [False]

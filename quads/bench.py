@@ -41,6 +41,22 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+MODEL_OVERRIDES = (("hidden", "hidden_size"), ("intermediate", "moe_intermediate_size"), ("experts", "n_experts"),
+                   ("layers", "n_layers"), ("vocab", "vocab_size"))
+
+
+def add_model_overrides(ap: argparse.ArgumentParser, *, vocab: bool = False) -> None:
+    """``--hidden --intermediate --experts --layers`` (and ``--vocab``): ModelConfig fields over a preset's."""
+    for flag, field in MODEL_OVERRIDES:
+        if flag != "vocab" or vocab:
+            ap.add_argument(f"--{flag}", type=int, default=0, help=f"override {field} (0 = the preset's)")
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The ModelConfig fields ``add_model_overrides``' flags set (nonzero)."""
+    return {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES if getattr(args, flag, 0)}
+
+
 def timer(device: str):
     """``timed(fn)``: milliseconds of ``fn()`` (the device idle before it starts, finished when it returns):
     CUDA events on a CUDA device, ``perf_counter`` elsewhere; for the benchmarks' step and phase timings."""

@@ -291,7 +291,8 @@ def _train(cfg: PretrainConfig, log_every: int, evals: list[dict[str, Any]] | No
                       file=sys.stderr)
             if cfg.target_pass is not None and res["heldout_pass@1"] >= cfg.target_pass:
                 res["target_reached"] = True
-                history.append((step, ce))
+                if history[-1][0] != step:  # the stopping step's loss ends the history
+                    history.append((step, ce))
                 break
     return model, tok, task, history
 

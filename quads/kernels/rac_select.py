@@ -148,6 +148,16 @@ if HAS_TRITON:
         tl.store(s_ptr + g * n + rank, c.to(tl.int64), mask=cmask & (rank < n))
 
     @triton.jit
+    def _row_groups(group_ptr, rows, rmask, G, ONE_GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+        """``(grp, gs)`` of ``rows``: each row's group id (G for a masked row), and the group whose channel
+        selection it takes (a masked row takes the last group's)."""
+        if ONE_GROUP:
+            grp = tl.zeros((BLOCK_M,), tl.int32)
+        else:
+            grp = tl.load(group_ptr + rows, mask=rmask, other=0).to(tl.int32)
+        return grp, tl.minimum(grp, G - 1)
+
+    @triton.jit
     def _zero_outside(u_ptr, rank_ptr, rows, gs, rmask, K, n, stride_um, BLOCK_M: tl.constexpr,
                       BLOCK_K: tl.constexpr):
         """u[r, c] = 0 for the channels c outside row r's selection S (rank >= n in its group gs[r]),
@@ -167,11 +177,7 @@ if HAS_TRITON:
         """Rows ``[BLOCK_M]``: amax of R[:, S], NVFP4(R[:, S]) scattered into u (zero outside S), S_dec."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
-        if ONE_GROUP:
-            grp = tl.zeros((BLOCK_M,), tl.int32)
-        else:
-            grp = tl.load(group_ptr + rows, mask=rmask, other=0).to(tl.int32)
-        gs = tl.minimum(grp, G - 1)  # masked rows (group G) take the last group's channels
+        grp, gs = _row_groups(group_ptr, rows, rmask, G, ONE_GROUP, BLOCK_M)
         s_rows = s_ptr + gs[:, None] * n  # [BLOCK_M, 1] each row's channel list
         if PER_TOKEN:
             width = n
@@ -287,11 +293,7 @@ if HAS_TRITON:
         zero outside S, S_dec."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
-        if ONE_GROUP:
-            grp = tl.zeros((BLOCK_M,), tl.int32)
-        else:
-            grp = tl.load(group_ptr + rows, mask=rmask, other=0).to(tl.int32)
-        gs = tl.minimum(grp, G - 1)  # the masked rows (group G) take the last group's channels
+        grp, gs = _row_groups(group_ptr, rows, rmask, G, ONE_GROUP, BLOCK_M)
         j = tl.arange(0, BLOCK_N)
         m = rmask[:, None] & (j < n)[None, :]
         ch = tl.load(s_ptr + gs[:, None] * n + j[None, :], mask=m, other=0)  # [BLOCK_M, BLOCK_N]

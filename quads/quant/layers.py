@@ -274,7 +274,8 @@ class _QuantizedBase(nn.Module):
         return n
 
     def weight_operands(self) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
-        """``{param_name: (master parameter, weight operand)}`` (what weight sync fingerprints)."""
+        """``{param_name: (master parameter, weight operand)}``, all operands at once (tests; weight sync
+        fingerprints the stores' operands one at a time, ``ReplicaTarget.verify``)."""
         return {name: (getattr(self, name), store.get()) for name, store in self.stores.items()}
 
     def _gemm(

@@ -59,13 +59,23 @@ def batch_statistic(spec: LinearSpec) -> str | None:
     return None
 
 
+def config_rows(cfg: TrainConfig, world: int = 1) -> int:
+    """Sequences of one rank's step: its share of the prompts times the samples per prompt."""
+    return cfg.rollout.prompts_per_step // world * cfg.rollout.n_samples
+
+
+def config_chunks(cfg: TrainConfig, world: int = 1) -> list[list[slice]]:
+    """``step_chunks`` of one rank's step under ``cfg`` (the same split in every step)."""
+    return step_chunks(config_rows(cfg, world), cfg.optim.mini_batches, cfg.optim.micro_batch_size)
+
+
 def check(cfg: TrainConfig, recipe: Recipe, model_config: ModelConfig, world: int = 1) -> None:
     """Refuse ``optim.micro_batch_size`` where splitting would change more than the summation order."""
     size = cfg.optim.micro_batch_size
     if size is None:
         return
-    rows = cfg.rollout.prompts_per_step // world * cfg.rollout.n_samples
-    chunks = step_chunks(rows, cfg.optim.mini_batches, size)
+    rows = config_rows(cfg, world)
+    chunks = config_chunks(cfg, world)
     why = batch_statistic(recipe.trainer)
     if why is not None and sum(map(len, chunks)) > 1:
         raise ValueError(f"optim.micro_batch_size={size}: recipe {recipe.name!r}'s trainer {why}, so a micro-batch "

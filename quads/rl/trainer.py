@@ -193,10 +193,7 @@ class GRPOTrainer:
         distributed.shard_model(self.trainer, self.dist)  # FSDP2 under torchrun; the rollout model stays full
         # the policy forward of every trainer log-prob (old, reference, training): compiled, or None = plain;
         # micro-batches of two sizes (optim.micro_batch_size not dividing a mini-batch) share a graph
-        r = cfg.rollout
-        rows = {c.stop - c.start for mb in microbatch.step_chunks(r.prompts_per_step // self.dist.world * r.n_samples,
-                                                                  cfg.optim.mini_batches, cfg.optim.micro_batch_size)
-                for c in mb}
+        rows = {c.stop - c.start for mb in microbatch.config_chunks(cfg, self.dist.world) for c in mb}
         self.policy_forward = compiled.CompiledForward(dynamic_batch=len(rows) > 1) if self.compile else None
         self.ref = None
         if cfg.grpo.kl_coef > 0:

@@ -7,6 +7,8 @@ work with an in-process engine and with spawned workers (cloudpickle).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from quads.quant.recipe import Recipe
@@ -41,20 +43,22 @@ def adopt_recipe(worker) -> int:
     return len(layers)
 
 
+def _operand_items(worker) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(quads weight name, rollout operand)`` layer by layer (one layer's operands made at a time)."""
+    for layer, method in quads_layers(get_model(worker)):
+        yield from method.operands(layer).items()
+
+
 def operands(worker) -> dict[str, torch.Tensor]:
     """``{quads weight name: rollout operand}`` (views into the worker; use in-process only)."""
-    out: dict[str, torch.Tensor] = {}
-    for layer, method in quads_layers(get_model(worker)):
-        out.update(method.operands(layer))
-    return out
+    return dict(_operand_items(worker))
 
 
 def fingerprints(worker) -> dict[str, Fingerprint]:
     """``{quads weight name: Fingerprint}`` of every rollout weight operand (one host sync per device)."""
     batch = FingerprintBatch()
-    for layer, method in quads_layers(get_model(worker)):
-        for name, t in method.operands(layer).items():  # one layer's operands alive at a time
-            batch.add(name, t)
+    for name, t in _operand_items(worker):
+        batch.add(name, t)
     return batch.result()
 
 
