@@ -26,7 +26,7 @@
 #   (add RECIPES=bf16 LRS=1e-5,2e-5 for the sweep's)
 #
 # Knobs (env): OUT (runs/collapse), BUDGET_S (560: seconds from the start by which every run has stopped;
-#   a device call allows 600), CONFIG (configs/chain_100m.yaml), TASK (arithmetic), LEVEL (8),
+#   a device call allows 600), CONFIG (configs/chain_100m.yaml; its warm_start.outliers, if any, go to the SFT: configs/chain_100m_outliers.yaml), TASK (arithmetic), LEVEL (8),
 #   MAX_NEW_TOKENS (400), PRESET (100m), SFT_STEPS, SFT_LR, SFT_BATCH, SFT_TRAIN_SIZE (default: CONFIG's
 #   warm_start.steps / lr / batch_size / train_size), SFT_EVAL (200, with a target CONFIG's warm_start.eval_size: held-out prompts of the SFT's pass@1),
 #   EVAL_AT (empty: SFT steps at which pass@1 is also measured, e.g. 100,200,300; CONFIG's warm_start.eval_at
@@ -85,6 +85,14 @@ import sys, yaml
 ws = (yaml.safe_load(open(sys.argv[1])) or {}).get('warm_start') or {}
 print(ws.get('steps', 600), ws.get('lr', 3e-3), ws.get('batch_size', 32), ws.get('train_size', 20000),
       ws.get('target_pass') or '-', ','.join(map(str, ws.get('eval_at') or [])) or '-', ws.get('eval_size', 100))" "$CONFIG")"
+# CONFIG's warm_start.outliers (configs/chain_100m_outliers.yaml): the same flags for quads pretrain, so that the
+# checkpoint the runs start from carries them (model.checkpoint below bypasses quads train's own warm start)
+OUTLIER_FLAGS=$($PY -c "
+import sys, yaml
+o = ((yaml.safe_load(open(sys.argv[1])) or {}).get('warm_start') or {}).get('outliers') or {}
+if o.get('mode', 'none') != 'none':
+    print('--outliers.mode', o['mode'], '--outliers.channels', ','.join(map(str, o.get('channels') or [])),
+          '--outliers.scale', o.get('scale', 32.0), '--outliers.sites', ','.join(o.get('sites') or ['mlp']))" "$CONFIG")
 [ "$WS_TARGET" = - ] && WS_TARGET=
 [ "$WS_EVAL_AT" = - ] && WS_EVAL_AT=
 TARGET_PASS=${TARGET_PASS-$WS_TARGET}
@@ -140,10 +148,10 @@ PY
   cat "$S/pick.txt"
 fi
 if [ -z "${CKPT:-}" ]; then
-  echo "== 1. warm start: $PRESET on $TASK level $LEVEL, $SFT_STEPS SFT steps (lr $SFT_LR, batch $SFT_BATCH, compute $COMPUTE_DTYPE) at $(elapsed)s"
+  echo "== 1. warm start: $PRESET on $TASK level $LEVEL, $SFT_STEPS SFT steps (lr $SFT_LR, batch $SFT_BATCH, compute $COMPUTE_DTYPE${OUTLIER_FLAGS:+, $OUTLIER_FLAGS}) at $(elapsed)s"
   $PY -m quads.cli pretrain --task "$TASK" --difficulty "$LEVEL" --preset "$PRESET" --steps "$SFT_STEPS" --lr "$SFT_LR" \
     --batch-size "$SFT_BATCH" --train-size "$SFT_TRAIN_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" --eval-size "$SFT_EVAL" \
-    --compute-dtype "$COMPUTE_DTYPE" ${EVAL_AT:+--eval-at "$EVAL_AT"} ${TARGET_PASS:+--target-pass "$TARGET_PASS"} \
+    --compute-dtype "$COMPUTE_DTYPE" ${EVAL_AT:+--eval-at "$EVAL_AT"} ${TARGET_PASS:+--target-pass "$TARGET_PASS"} $OUTLIER_FLAGS \
     --device "$DEVICE" --cache-dir "$WARM_DIR" \
     --progress false > "$S/pretrain.log" 2>&1
   tail -3 "$S/pretrain.log" | cut -c1-600
