@@ -39,8 +39,9 @@
 #   VARIANTS (empty; instead of LRS, any sweep: quads compare --variants, ";" between variants, e.g.
 #   "optim.lr=2e-5;optim.lr=2e-5,optim.warmup_steps=20"), WARMUP (empty: CONFIG's optim.warmup_steps, linear lr
 #   warmup in optimizer steps, for every run),
-#   CORRECTION (none), MINI_BATCHES (2), MARGIN_S (120: seconds kept after a run's time limit for the step in
-#   flight, its final held-out eval and checkpoint, and the report), EXTRA_SET (more TrainConfig overrides
+#   CORRECTION (none), MINI_BATCHES (2), MARGIN_S (45: seconds of BUDGET_S kept out of the runs' train.time_limit_s, a deadline each run meets with its
+#   closing held-out eval and checkpoint written, for the runs' start-up before training and the report and packing
+#   after; quads compare kills what is still running 10 s before BUDGET_S), EXTRA_SET (more TrainConfig overrides
 #   "k=v,k=v"), WORK (runs/collapse-work: warm start and run folders), WARM_DIR ($WORK/warm_start),
 #   RUN_GB (20: GPU memory per run; the script refuses more runs than fit 90% of the visible GPUs' memory),
 #   DEVICE (cuda), PY (python3), CONTINUE (0; 1: continue the runs of an earlier call on the SAME machine:
@@ -72,7 +73,7 @@ VARIANTS=${VARIANTS:-}
 WARMUP=${WARMUP:-}
 CORRECTION=${CORRECTION:-none}
 MINI_BATCHES=${MINI_BATCHES:-2}
-MARGIN_S=${MARGIN_S:-120}
+MARGIN_S=${MARGIN_S:-45}
 SFT_EVAL=${SFT_EVAL:-}
 COMPUTE_DTYPE=${COMPUTE_DTYPE:-auto}
 EXTRA_SET=${EXTRA_SET:-}
@@ -167,7 +168,7 @@ SET="$SET,optim.mini_batches=$MINI_BATCHES,optim.ppo_epochs=1${WARMUP:+,optim.wa
 echo "== 2. compare: $RECIPES x seeds $SEEDS${VARIANTS:+ x variants $VARIANTS} ($NRUNS runs in parallel), at most $STEPS steps, time limit ${TLIMIT}s per run, at $(elapsed)s" | tee "$S/plan.txt"
 echo "config $CONFIG; warm start $CKPT; --set $SET${VARIANTS:+; --variants $VARIANTS}" | tee -a "$S/plan.txt"
 $PY -m quads.cli compare --train-config "$CONFIG" --recipes "$RECIPES" --seeds "$SEEDS" --set "$SET" --variants "$VARIANTS" --parallel "$NRUNS" \
-  --timeout-s $(( BUDGET_S - $(elapsed) + 15 )) --reuse "$CONT" --resume "$CONT" --out-dir "$WORK/compare" > "$S/compare.log" 2>&1
+  --timeout-s $(( BUDGET_S - $(elapsed) - 10 )) --reuse "$CONT" --resume "$CONT" --out-dir "$WORK/compare" > "$S/compare.log" 2>&1
 echo "compare exit $? at $(elapsed)s"; tail -15 "$S/compare.log"
 
 # per run: metrics.jsonl (every step), config.yaml, the run's log; the compare report (no checkpoints, policies, tb)

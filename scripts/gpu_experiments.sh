@@ -153,7 +153,7 @@ echo "== 4. compare ($STEPS steps, time limit ${TLIMIT}s per run) at $(elapsed)s
 EVAL_EVERY=${EVAL_EVERY:-$(( STEPS / 4 > 5 ? STEPS / 4 : 5 ))}  # held-out evals cost about a step each: keep them few
 $PY -m quads.cli compare --train-config configs/experiments/gpu.yaml --recipes "$RECIPES" \
   --set "$SET_COMMON,model.checkpoint=$CKPT,steps=$STEPS,eval_every=$EVAL_EVERY,time_limit_s=$TLIMIT" --seeds "$SEEDS" \
-  --parallel "$NRUNS" --timeout-s $(( BUDGET_S - $(elapsed) + 20 )) --out-dir "$WORK/compare" 2>&1 | tail -15
+  --parallel "$NRUNS" --timeout-s $(( BUDGET_S - $(elapsed) - 10 )) --out-dir "$WORK/compare" 2>&1 | tail -15
 [ -n "$DIAG_PID" ] && { wait $DIAG_PID; tail -25 "$OUT/diagnose.log"; }
 echo "== done at $(elapsed)s"
 # what comes back (at most 8 files of 16 MiB): the results tarball (metrics, configs, logs, reports, plots: no

@@ -366,3 +366,24 @@ def test_the_first_adamw_step_moves_every_weight_by_lr_unless_warmed_up(tmp_path
     assert moved.numel() > 1000
     lr = 1e-3 / (warmup or 1)
     assert moved.median().item() == pytest.approx(lr, rel=1e-2) and moved.max().item() <= lr * 1.001
+
+
+def test_time_limit_is_a_deadline_for_the_next_step_eval_and_save():
+    """time_limit_s stops a run when one more step (the longest of the last three) + the closing eval and
+    checkpoint (as long as the latest ones; an untimed eval counts as a step) would end past the limit."""
+    from quads.rl.trainer import _StopClock
+
+    clock = _StopClock()
+    assert not clock.past_deadline(0.0, 1.0)  # nothing timed yet: only the elapsed time counts
+    assert clock.past_deadline(1.0, 1.0)
+    for dt in (1.0, 3.0, 2.0, 0.5):
+        clock.steps = (clock.steps + [dt])[-3:]
+    assert clock.steps == [3.0, 2.0, 0.5]
+    assert not clock.past_deadline(10.0, 16.1)  # 10 + 3 (step) + 3 (untimed eval = a step) < 16.1
+    assert clock.past_deadline(10.0, 16.0)
+    clock.last.update(eval=5.0, save=1.0)
+    assert not clock.past_deadline(10.0, 19.5)  # 10 + 3 + 5 + 1 = 19
+    assert clock.past_deadline(10.0, 19.0)
+    with clock.timing("step"):
+        pass
+    assert len(clock.steps) == 3 and clock.steps[-1] < 0.5 and clock.last["step"] == clock.steps[-1]

@@ -226,7 +226,7 @@ class TrainConfig:
     log: LogSection = field(default_factory=LogSection)
     routing_replay: bool = False  # trainer forward reuses the rollout's expert ids (R3 routing replay)
     steps: int = 20  # RL steps (one rollout batch each)
-    time_limit_s: float = 0  # stop early after this many seconds of RL (held-out eval, checkpoint, policy); 0 = none
+    time_limit_s: float = 0  # wall-clock deadline of this call of the run, from the start of training (setup and the first eval included): it stops early, held-out eval, checkpoint and policy written, when another step would not fit before it; 0 = none
     eval_every: int = 10  # held-out pass@1 every N steps (and at step 0 and the end); 0 = start and end only
     eval_n: int = 200  # held-out prompts (the first eval_n of the test split drawn with task.eval_seed), greedy
     seed: int = 0  # seeds python, torch, the prompt sampler and the engine's generator

@@ -24,6 +24,7 @@ one (timings aside).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -489,10 +490,13 @@ class GRPOTrainer:
         from tqdm import tqdm
 
         cfg = self.cfg
+        t_start = time.monotonic()  # time_limit_s counts from here: setup and the start-of-RL eval included
+        clock = _StopClock()
         self.eval_history: list[float] = []
         self.setup()
         if self.resume_state is None:
-            ev = self.evaluate()
+            with clock.timing("eval"):
+                ev = self.evaluate()
             self.eval_history.append(ev["eval/pass@1"])
             self._log(0, ev)
             self._say(f"step 0: held-out pass@1 {ev['eval/pass@1']:.3f} (start of RL)")
@@ -504,21 +508,22 @@ class GRPOTrainer:
         if self.start_step >= cfg.steps:
             self._say(f"the run already has {self.start_step} steps (steps={cfg.steps}); pass --steps N with "
                       f"N > {self.start_step} to continue it")
-        t_start = time.monotonic()
         stop = StopRequest.install(enabled=not self.dist.enabled)  # Ctrl-C: finish the step, save, stop
         try:
             for step in bar:
                 before = self._step_state()  # the end of the previous step, for a non-finite abort
                 with distributed.collective_guard(self.dist, f"step {step}", latest_checkpoint(self.run_dir)):
                     try:
-                        metrics = self.step(step)
+                        with clock.timing("step"):
+                            metrics = self.step(step)
                     except NonFiniteError as e:
                         self._abort_nonfinite(step, before, e)
                 last = step
                 out_of_time = cfg.time_limit_s > 0 and step < cfg.steps and distributed.all_reduce(
-                    float(time.monotonic() - t_start >= cfg.time_limit_s), self.dist, "max") > 0
+                    float(clock.past_deadline(time.monotonic() - t_start, cfg.time_limit_s)), self.dist, "max") > 0
                 if self._eval_due(step) or out_of_time:
-                    metrics.update(self.evaluate())
+                    with clock.timing("eval"):
+                        metrics.update(self.evaluate())
                     self.eval_history.append(metrics["eval/pass@1"])
                 tripped = check_guard(metrics, cfg)
                 metrics["guard/tripped"] = float(bool(tripped))
@@ -535,14 +540,16 @@ class GRPOTrainer:
                                                  f"checkpoint and report in {self.run_dir}")
                 if ((cfg.log.save_every and step % cfg.log.save_every == 0) or step == cfg.steps or out_of_time
                         or stop.requested):
-                    self.save(step)
+                    with clock.timing("save"):
+                        self.save(step)
                 if self.on_step_end is not None:
                     self.on_step_end(step, metrics)
                 if stop.requested and step < cfg.steps:
                     raise KeyboardInterrupt(f"stopped after step {step} with a checkpoint; continue with quads train "
                                             f"--out-dir {self.run_dir} --resume true")
                 if out_of_time:
-                    self._say(f"step {step}: time limit of {cfg.time_limit_s:g}s reached; stopping early "
+                    self._say(f"step {step}: time limit of {cfg.time_limit_s:g}s: {time.monotonic() - t_start:.0f}s "
+                              f"used, another step + the closing eval and checkpoint would not fit; stopping early "
                               f"(resume=true continues from step {step}, with time_limit_s counted afresh)")
                     break
         finally:
@@ -592,3 +599,32 @@ def remove_stale_temps(run_dir: Path) -> None:
                 shutil.rmtree(stale, ignore_errors=True)
             else:
                 stale.unlink(missing_ok=True)
+
+
+class _StopClock:
+    """Durations of a run's steps, evals and checkpoint saves, for ``time_limit_s`` as a deadline.
+
+    ``past_deadline(elapsed, limit)`` is true when one more step (as long as the longest of the last three)
+    followed by the closing held-out eval and checkpoint (as long as the latest ones; an eval not timed yet
+    counts as a step, a save as nothing) would end after ``limit`` seconds: the run stops now, so that it
+    ends, eval and checkpoint written, before its limit rather than one step plus an eval after it.
+    """
+
+    def __init__(self) -> None:
+        self.last: dict[str, float] = {}
+        self.steps: list[float] = []
+
+    @contextlib.contextmanager
+    def timing(self, what: str):
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            dt = time.monotonic() - t0
+            self.last[what] = dt
+            if what == "step":
+                self.steps = (self.steps + [dt])[-3:]
+
+    def past_deadline(self, elapsed: float, limit: float) -> bool:
+        step = max(self.steps, default=0.0)
+        return elapsed + step + self.last.get("eval", step) + self.last.get("save", 0.0) >= limit
