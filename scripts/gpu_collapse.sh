@@ -37,7 +37,8 @@
 #   cap), EVAL_EVERY (10; 0: held-out evals at the start and the end only), EVAL_N (CONFIG's eval_n: held-out prompts of the RL evals),
 #   LRS (empty: learning rates to sweep, "2e-6,5e-6": every recipe x lr x seed runs, as the run group <recipe>-lr<lr>),
 #   VARIANTS (empty; instead of LRS, any sweep: quads compare --variants, ";" between variants, e.g.
-#   "optim.lr=2e-5;optim.lr=2e-5,optim.warmup_steps=20"), WARMUP (empty: CONFIG's optim.warmup_steps, linear lr
+#   "optim.lr=2e-5;optim.lr=2e-5,optim.warmup_steps=20"; "base" = CONFIG's settings alone, and an "r+r:" prefix limits a
+#   variant to those recipes: RECIPES=bf16,nvfp4,quads VARIANTS="base;nvfp4:recipe.rollout_error_scale=4" = 4 groups), WARMUP (empty: CONFIG's optim.warmup_steps, linear lr
 #   warmup in optimizer steps, for every run),
 #   CORRECTION (none), MINI_BATCHES (2), MARGIN_S (45: seconds of BUDGET_S kept out of the runs' train.time_limit_s, a deadline each run meets with its
 #   closing held-out eval and checkpoint written, for the runs' start-up before training and the report and packing
@@ -108,8 +109,12 @@ SFT_BATCH=${SFT_BATCH:-$WS_BATCH}
 SFT_TRAIN_SIZE=${SFT_TRAIN_SIZE:-$WS_TRAIN}
 [ -n "$LRS" ] && [ -n "$VARIANTS" ] && { echo "pass LRS or VARIANTS, not both"; exit 2; }
 [ -n "$LRS" ] && VARIANTS=$(echo "$LRS" | tr ',' '\n' | sed '/^$/d; s/^/optim.lr=/' | paste -sd';' -)
-NVAR=$(echo "$VARIANTS" | tr ';' '\n' | grep -c '[^[:space:]]')
-NRUNS=$(( $(echo "$RECIPES" | tr ',' '\n' | wc -l) * $(echo "$SEEDS" | tr ',' '\n' | wc -l) * (NVAR > 0 ? NVAR : 1) ))
+# runs = (recipe, variant) groups x seeds, as quads compare plans them ("r+r:" variants apply to some recipes only)
+NRUNS=$($PY -c "
+import sys
+from quads.experiments.compare import CompareConfig
+c = CompareConfig(recipes=sys.argv[1], seeds=sys.argv[2], variants=sys.argv[3])
+print(len(c.groups()) * len(c.seed_list()))" "$RECIPES" "$SEEDS" "$VARIANTS") || { echo "bad RECIPES / SEEDS / VARIANTS"; exit 2; }
 # runs that fit the visible GPUs at RUN_GB each (a 100m chain run peaks at ~15-19 GiB: 9 on one 140 GiB H200
 # ran out of memory): more runs than that would queue behind the first ones and get no time in this call.
 # That was with whole mini-batches; CONFIG's optim.micro_batch_size 32 halves the saved activations (CPU
@@ -167,7 +172,7 @@ SET="$SET,steps=$STEPS,eval_every=$EVAL_EVERY${EVAL_N:+,eval_n=$EVAL_N},time_lim
 SET="$SET,optim.mini_batches=$MINI_BATCHES,optim.ppo_epochs=1${WARMUP:+,optim.warmup_steps=$WARMUP},log.save_every=0${EXTRA_SET:+,$EXTRA_SET}"
 echo "== 2. compare: $RECIPES x seeds $SEEDS${VARIANTS:+ x variants $VARIANTS} ($NRUNS runs in parallel), at most $STEPS steps, time limit ${TLIMIT}s per run, at $(elapsed)s" | tee "$S/plan.txt"
 echo "config $CONFIG; warm start $CKPT; --set $SET${VARIANTS:+; --variants $VARIANTS}" | tee -a "$S/plan.txt"
-$PY -m quads.cli compare --train-config "$CONFIG" --recipes "$RECIPES" --seeds "$SEEDS" --set "$SET" --variants "$VARIANTS" --parallel "$NRUNS" \
+$PY -m quads.cli compare --train-config "$CONFIG" --recipes "$RECIPES" --seeds "$SEEDS" --set "$SET" --variants="$VARIANTS" --parallel "$NRUNS" \
   --timeout-s $(( BUDGET_S - $(elapsed) - 10 )) --reuse "$CONT" --resume "$CONT" --out-dir "$WORK/compare" > "$S/compare.log" 2>&1
 echo "compare exit $? at $(elapsed)s"; tail -15 "$S/compare.log"
 

@@ -73,6 +73,23 @@ def test_bad_variants():
         with pytest.raises(ValueError, match=match):
             CompareConfig(recipes="bf16", variants=bad)
     assert CompareConfig(recipes="bf16", variants=" ; ").groups() == [("bf16", "bf16", {})]
+    for bad, match in (("nvfp4:optim.lr=1e-5", "not among"), ("bf16+fp8:optim.lr=1e-5", "not among"),
+                       ("base;base", "same tag"), ("quads:optim.lr=1e-5", "no variant applies to recipe")):
+        with pytest.raises(ValueError, match=match):
+            CompareConfig(recipes="bf16,quads" if bad.startswith("quads") else "bf16", variants=bad)
+
+
+def test_variants_limited_to_recipes_beside_the_shared_config():
+    """'base' is the shared config alone; a 'r+r:' prefix runs a variant for those recipes only."""
+    cfg = CompareConfig(recipes="bf16,nvfp4,quads", variants=(
+        "base; nvfp4+quads: recipe.rollout_error_scale=4; nvfp4:correction.kind=tis,correction.cap=2.0"))
+    groups = cfg.groups()
+    assert [g for g, _, _ in groups] == ["bf16", "nvfp4", "nvfp4-rollout_error_scale4", "nvfp4-kindtis-cap2.0",
+                                         "quads", "quads-rollout_error_scale4"]
+    over = {g: o for g, _, o in groups}
+    assert over["bf16"] == {} and over["quads-rollout_error_scale4"] == {"recipe": {"rollout_error_scale": 4}}
+    assert over["nvfp4-kindtis-cap2.0"] == {"correction": {"kind": "tis", "cap": 2.0}}
+    assert {r for g, r, _ in groups if g.startswith("nvfp4")} == {"nvfp4"}
 
 
 def test_bad_inputs():

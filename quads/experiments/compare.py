@@ -13,7 +13,11 @@ held-out split per seed, so its runs are scored on their own seed's records).
 recipe then runs every variant and seed, in the run group ``<recipe>-<tag>`` (the tag: each override's
 last key part and value as written, ``-``-joined: ``bf16-lr5e-6``, ``bf16-lr2e-5-warmup_steps20``);
 the report's rows are those groups. A variant cannot change what is shared by construction (the seed,
-the recipe, the starting checkpoint and its warm start).
+the recipe, the starting checkpoint and its warm start). ``base`` is the shared config alone (the group
+``<recipe>``), and a ``<recipe>+<recipe>:`` prefix runs a variant for those recipes only, so one compare
+can hold the plain recipes beside an ablation of one of them:
+``"base;nvfp4:recipe.rollout_error_scale=4;nvfp4:correction.kind=tis"`` with recipes ``bf16,nvfp4,quads``
+runs ``bf16``, ``nvfp4``, ``quads``, ``nvfp4-rollout_error_scale4`` and ``nvfp4-kindtis``.
 
 Each (recipe, variant, seed) is one ``quads train --config <run>.yaml`` subprocess; ``parallel`` of them
 run at once. A run that exits non-zero (or passes ``timeout_s``) is reported with its exit code and the tail
@@ -87,7 +91,7 @@ class CompareConfig:
     seeds: str = "0"  # comma-separated seeds; every recipe runs every seed
     train_config: str | None = None  # YAML with TrainConfig fields shared by every run
     set: str = ""  # extra shared TrainConfig overrides: "steps=50,optim.lr=1e-3,rollout.max_new_tokens=48"
-    variants: str = ""  # ";"-separated override sets, each a run group per recipe: "optim.lr=5e-6;optim.lr=2e-5" (runs <recipe>-lr5e-6-s<seed> ...)
+    variants: str = ""  # ";"-separated override sets, each a run group per recipe: "optim.lr=5e-6;optim.lr=2e-5" (runs <recipe>-lr5e-6-s<seed> ...); "base" = the shared config alone; a "nvfp4+quads:" prefix limits a variant to those recipes
     parallel: int = 2  # runs at once (processes)
     threads: int = 1  # torch CPU threads per run (train.threads), unless the config sets it
     gpus: str = "auto"  # CUDA devices to spread runs over, e.g. "0,1" (each run sees one); auto: all visible, none: off
@@ -110,10 +114,23 @@ class CompareConfig:
             raise ValueError(f"unknown recipe(s) {bad}; valid: {', '.join(PRESETS)}")
         self.variant_list()  # raises on a malformed one
 
-    def variant_list(self) -> list[tuple[str, dict[str, Any]]]:
-        """``[(tag, nested overrides)]`` of ``variants``; ``[("", {})]`` (the shared config alone) when unset."""
-        out: list[tuple[str, dict[str, Any]]] = []
+    def variant_list(self) -> list[tuple[str, dict[str, Any], tuple[str, ...] | None]]:
+        """``[(tag, nested overrides, recipes)]`` of ``variants`` (recipes: those a ``<r>+<r>:`` prefix limits
+        the variant to, None = all); ``[("", {}, None)]`` (the shared config alone) when unset."""
+        out: list[tuple[str, dict[str, Any], tuple[str, ...] | None]] = []
         for text in [v for v in self.variants.split(";") if v.strip()]:
+            only = None
+            head, sep, rest = text.partition(":")
+            if sep and "=" not in head:  # "nvfp4+quads: recipe.rollout_error_scale=4"
+                only = tuple(r.strip() for r in head.split("+") if r.strip())
+                unknown = [r for r in only if r not in self.recipe_list()]
+                if not only or unknown:
+                    raise ValueError(f"variants: {text.strip()!r} names recipes {list(only) or head!r} that are "
+                                     f"not among the compare's recipes {self.recipe_list()}")
+                text = rest
+            if text.strip() == "base":  # the shared config alone, as the run group <recipe>
+                out.append(("", {}, only))
+                continue
             items = [i.strip() for i in text.split(",") if i.strip()]
             keys = [i.partition("=")[0].strip() for i in items]
             fixed = [k for k in keys if k in VARIANT_FIXED or k.startswith("warm_start.")]
@@ -124,15 +141,22 @@ class CompareConfig:
             if not re.fullmatch(r"[A-Za-z0-9._+-]+", tag):
                 raise ValueError(f"variants: {text.strip()!r} gives the run-name tag {tag!r}; use values made of "
                                  "letters, digits and . _ + - (they name the run folders)")
-            out.append((tag, _parse_set(text)))
-        tags = [t for t, _ in out]
+            out.append((tag, _parse_set(text), only))
+        tags = [t for t, _, _ in out]
         if len(set(tags)) < len(tags):
-            raise ValueError(f"variants: two variants give the same tag ({tags}); make them differ")
-        return out or [("", {})]
+            raise ValueError(f"variants: two variants give the same tag ({tags}; 'base' is the shared config's); "
+                             "make them differ")
+        idle = [r for r in self.recipe_list() if out and not any(o is None or r in o for _, _, o in out)]
+        if idle:
+            raise ValueError(f"variants: no variant applies to recipe(s) {idle}; add 'base' (the shared config) "
+                             "or drop them from recipes")
+        return out or [("", {}, None)]
 
     def groups(self) -> list[tuple[str, str, dict[str, Any]]]:
-        """``[(group, recipe, overrides)]``: every recipe x variant; group = ``<recipe>`` or ``<recipe>-<tag>``."""
-        return [(f"{r}-{tag}" if tag else r, r, over) for r in self.recipe_list() for tag, over in self.variant_list()]
+        """``[(group, recipe, overrides)]``: every recipe x the variants that apply to it; group = ``<recipe>``
+        or ``<recipe>-<tag>``."""
+        return [(f"{r}-{tag}" if tag else r, r, over) for r in self.recipe_list()
+                for tag, over, only in self.variant_list() if only is None or r in only]
 
     def recipe_list(self) -> list[str]:
         return [r.strip() for r in self.recipes.split(",") if r.strip()]
@@ -201,7 +225,7 @@ def base_train_config(cfg: CompareConfig):
     data = _merge(data, _parse_set(cfg.set))
     data.setdefault("threads", cfg.threads)
     base = from_dict(TrainConfig, data, "train config")
-    for tag, over in cfg.variant_list():  # every variant's config is valid before anything is resolved or run
+    for tag, over, _ in cfg.variant_list():  # every variant's config is valid before anything is resolved or run
         if over:
             try:
                 from_dict(TrainConfig, _merge(data, over), f"variant {tag}")
