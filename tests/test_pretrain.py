@@ -266,6 +266,15 @@ def test_target_pass_stops_at_the_first_eval_step_reaching_it_and_saves_that_mod
     assert [e["step"] for e in res["heldout_by_step"]] == [2, 4] and res["loss_history"][-1][0] == 3
     model, _ = load_checkpoint(folder)
     assert all(torch.equal(at_step4[k], v) for k, v in model.state_dict().items())
+    # outliers injected into that warm start: the base's stop and records kept, the injected model evaluated afresh
+    from quads.model.outliers import OutlierConfig
+
+    scores = iter([0.45])
+    inj = pretrain.warm_start(_tiny_cfg(tmp_path, **base, target_pass=0.4,
+                                        outliers=OutlierConfig(mode="inject", channels=[1, 5], scale=4.0)))
+    res_inj = read_checkpoint_config(inj)[1]["pretrain_result"]
+    assert res_inj["stopped_at_step"] == 4 and res_inj["heldout_by_step"] == res["heldout_by_step"]
+    assert res_inj["heldout_pass@1"] == 0.45 and res_inj["base_heldout_pass@1"] == 0.5
     # never reached: all steps are trained and the final evaluation is the checkpoint's
     scores = iter([0.1, 0.2, 0.3, 0.35])
     res = read_checkpoint_config(pretrain.warm_start(_tiny_cfg(tmp_path, **base, target_pass=0.99)))[1]["pretrain_result"]
