@@ -117,8 +117,9 @@ c = CompareConfig(recipes=sys.argv[1], seeds=sys.argv[2], variants=sys.argv[3])
 print(len(c.groups()) * len(c.seed_list()))" "$RECIPES" "$SEEDS" "$VARIANTS") || { echo "bad RECIPES / SEEDS / VARIANTS"; exit 2; }
 # runs that fit the visible GPUs at RUN_GB each (a 100m chain run peaks at ~15-19 GiB: 9 on one 140 GiB H200
 # ran out of memory): more runs than that would queue behind the first ones and get no time in this call.
-# That was with whole mini-batches; CONFIG's optim.micro_batch_size 32 halves the saved activations (CPU
-# proxy: scripts/activation_memory.py), but RUN_GB stays 20 until perf/max_reserved_gib of a GPU run says less
+# That was with whole mini-batches; with CONFIG's optim.micro_batch_size 32 a run allocates at most 9.5 GiB
+# (perf/max_mem_gib) but the caching allocator holds up to 18.0 GiB (perf/max_reserved_gib; the outlier chain
+# runs, results/gpu/collapse/2026-12-02_chain100m_outliers), so RUN_GB stays 20
 GPU_GB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | awk '{s += int($1 / 1024)} END {print s + 0}')
 if [ "$DEVICE" = cuda ] && [ "${GPU_GB:-0}" -gt 0 ]; then
   FIT=$(( GPU_GB * 9 / 10 / ${RUN_GB:-20} ))
