@@ -66,6 +66,21 @@ def test_variants_sweep_one_setting_per_run_group(checkpoint, tmp_path):
         base_train_config(dataclasses.replace(cfg, variants="optim.lr=-1"))
 
 
+def test_a_group_quads_train_would_refuse_fails_before_the_warm_start(tmp_path):
+    """Micro-batches with a batch-statistic trainer (w4a4-qat) are refused for that group before anything runs
+    (no model.checkpoint: the warm start would be the next thing base_train_config does)."""
+    s = "optim.micro_batch_size=2,rollout.prompts_per_step=2,rollout.n_samples=4"
+    with pytest.raises(ValueError, match="run group w4a4-qat: optim.micro_batch_size=2: recipe 'w4a4-qat'"):
+        base_train_config(CompareConfig(recipes="bf16,w4a4-qat", set=s, out_dir=str(tmp_path)))
+    cfg = CompareConfig(recipes="bf16,w4a4-qat", set=s, out_dir=str(tmp_path),
+                        variants="bf16:base;w4a4-qat:optim.micro_batch_size=null")
+    assert [g for g, _, _ in cfg.groups()] == ["bf16", "w4a4-qat-micro_batch_sizenull"]
+    from quads.experiments import compare as compare_mod
+
+    compare_mod._check_groups(cfg, compare_mod._parse_set(s))  # the group without micro-batches passes
+    assert not list(tmp_path.iterdir())
+
+
 def test_bad_variants():
     for bad, match in (("seed=3", "cannot vary"), ("warm_start.steps=5", "cannot vary"),
                        ("model.checkpoint=x", "cannot vary"), ("task.dataset=a/b.jsonl", "run-name tag"),

@@ -231,6 +231,7 @@ def base_train_config(cfg: CompareConfig):
                 from_dict(TrainConfig, _merge(data, over), f"variant {tag}")
             except ValueError as e:
                 raise ValueError(f"variants: {tag}: {e}") from None
+    _check_groups(cfg, data)
     if base.task.difficulty is None and base.task.dataset is None:
         # pin the task's current default level: every run (and a rerun later) must see the same prompts
         from quads.rl.build import build_task
@@ -247,6 +248,22 @@ def base_train_config(cfg: CompareConfig):
         ckpt = warm_start_checkpoint(base)
         base = dataclasses.replace(base, model=dataclasses.replace(base.model, checkpoint=str(ckpt)))
     return base
+
+
+def _check_groups(cfg: CompareConfig, data: dict) -> None:
+    """Every run group's recipe resolves and allows its settings (``microbatch.check_recipe``), before the
+    warm start or any run: a group that ``quads train`` would refuse fails the compare, not its runs."""
+    from quads.rl import microbatch
+    from quads.rl.build import build_recipe
+    from quads.rl.config import TrainConfig
+
+    for group, recipe, over in cfg.groups():
+        merged = _merge(_merge(data, over), {"recipe": {"name": recipe}})
+        try:
+            tc = from_dict(TrainConfig, merged, f"run group {group}")
+            microbatch.check_recipe(tc, build_recipe(tc))
+        except ValueError as e:
+            raise ValueError(f"run group {group}: {e}") from None
 
 
 def plan_runs(cfg: CompareConfig, base) -> list[tuple[str, Any]]:

@@ -71,22 +71,30 @@ def config_chunks(cfg: TrainConfig, world: int = 1) -> list[list[slice]]:
 
 def check(cfg: TrainConfig, recipe: Recipe, model_config: ModelConfig, world: int = 1) -> None:
     """Refuse ``optim.micro_batch_size`` where splitting would change more than the summation order."""
+    check_recipe(cfg, recipe, world)
     size = cfg.optim.micro_batch_size
     if size is None:
         return
     rows = config_rows(cfg, world)
     chunks = config_chunks(cfg, world)
-    why = batch_statistic(recipe.trainer)
-    if why is not None and sum(map(len, chunks)) > 1:
-        raise ValueError(f"optim.micro_batch_size={size}: recipe {recipe.name!r}'s trainer {why}, so a micro-batch "
-                         f"would be quantized with other scales than the step's {rows} sequences together; use "
-                         "recipe.act_scale=token (and no trainer RAC) for micro-batches, or leave "
-                         "optim.micro_batch_size unset")
     if model_config.router_aux_loss_coef > 0 and max(map(len, chunks)) > 1:
         raise ValueError(f"optim.micro_batch_size={size} splits the mini-batches of {rows // cfg.optim.mini_batches} "
                          f"sequences, but the model's router load-balance loss (router_aux_loss_coef "
                          f"{model_config.router_aux_loss_coef:g}) is a product of batch means, not a sum over "
                          "micro-batches; leave optim.micro_batch_size unset (or at least the mini-batch size)")
+
+
+def check_recipe(cfg: TrainConfig, recipe: Recipe, world: int = 1) -> None:
+    """The recipe's part of ``check`` (no model needed: ``quads compare`` runs it before any warm start)."""
+    size = cfg.optim.micro_batch_size
+    if size is None:
+        return
+    why = batch_statistic(recipe.trainer)
+    if why is not None and sum(map(len, config_chunks(cfg, world))) > 1:
+        raise ValueError(f"optim.micro_batch_size={size}: recipe {recipe.name!r}'s trainer {why}, so a micro-batch "
+                         f"would be quantized with other scales than the step's {config_rows(cfg, world)} sequences "
+                         "together; use recipe.act_scale=token (and no trainer RAC) for micro-batches, or leave "
+                         "optim.micro_batch_size unset")
 
 
 def loss_denom(loss_mask: torch.Tensor, agg: str, info: distributed.DistInfo,
