@@ -371,9 +371,9 @@ def test_the_first_adamw_step_moves_every_weight_by_lr_unless_warmed_up(tmp_path
 def test_time_limit_is_a_deadline_for_the_next_step_eval_and_save():
     """time_limit_s stops a run when one more step (the longest of the last three) + the closing eval and
     checkpoint (as long as the latest ones; an untimed eval counts as a step) would end past the limit."""
-    from quads.rl.trainer import _StopClock
+    from quads.rl.interrupt import StopClock
 
-    clock = _StopClock()
+    clock = StopClock()
     assert not clock.past_deadline(0.0, 1.0)  # nothing timed yet: only the elapsed time counts
     assert clock.past_deadline(1.0, 1.0)
     for dt in (1.0, 3.0, 2.0, 0.5):

@@ -6,13 +6,18 @@ sets ``requested``; the loop checks it after each step, saves a resumable checkp
 checkpoint stays resumable: checkpoints are written atomically). ``restore()`` puts the previous
 handler back. Off the main thread, and under torchrun (where every rank would have to agree), the
 handler is left alone.
+
+``StopClock`` times a run's steps, evals and checkpoint saves, so that ``time_limit_s`` stops a run
+before its deadline, closing eval and checkpoint included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 
@@ -38,3 +43,32 @@ class StopRequest:
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
             self._old = None
+
+
+class StopClock:
+    """Durations of a run's steps, evals and checkpoint saves, for ``time_limit_s`` as a deadline.
+
+    ``past_deadline(elapsed, limit)`` is true when one more step (as long as the longest of the last three)
+    followed by the closing held-out eval and checkpoint (as long as the latest ones; an eval not timed yet
+    counts as a step, a save as nothing) would end after ``limit`` seconds: the run stops now, so that it
+    ends, eval and checkpoint written, before its limit rather than one step plus an eval after it.
+    """
+
+    def __init__(self) -> None:
+        self.last: dict[str, float] = {}
+        self.steps: list[float] = []
+
+    @contextlib.contextmanager
+    def timing(self, what: str):
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            dt = time.monotonic() - t0
+            self.last[what] = dt
+            if what == "step":
+                self.steps = (self.steps + [dt])[-3:]
+
+    def past_deadline(self, elapsed: float, limit: float) -> bool:
+        step = max(self.steps, default=0.0)
+        return elapsed + step + self.last.get("eval", step) + self.last.get("save", 0.0) >= limit

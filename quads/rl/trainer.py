@@ -24,7 +24,6 @@ one (timings aside).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
@@ -58,7 +57,7 @@ from quads.rl.checkpoint import (
 from quads.rl.config import TrainConfig
 from quads.rl.correction import is_correction
 from quads.rl.grpo import group_advantages, group_stats, grpo_loss, merge_loss_metrics
-from quads.rl.interrupt import StopRequest
+from quads.rl.interrupt import StopClock, StopRequest
 from quads.rl.logprobs import SequenceBatch, forward_logprobs, to_sequence_batch
 from quads.rl.sampler import PromptSampler
 from quads.rollout import RolloutBatch, SamplingParams, make_backend
@@ -491,7 +490,7 @@ class GRPOTrainer:
 
         cfg = self.cfg
         t_start = time.monotonic()  # time_limit_s counts from here: setup and the start-of-RL eval included
-        clock = _StopClock()
+        clock = StopClock()
         self.eval_history: list[float] = []
         self.setup()
         if self.resume_state is None:
@@ -600,31 +599,3 @@ def remove_stale_temps(run_dir: Path) -> None:
             else:
                 stale.unlink(missing_ok=True)
 
-
-class _StopClock:
-    """Durations of a run's steps, evals and checkpoint saves, for ``time_limit_s`` as a deadline.
-
-    ``past_deadline(elapsed, limit)`` is true when one more step (as long as the longest of the last three)
-    followed by the closing held-out eval and checkpoint (as long as the latest ones; an eval not timed yet
-    counts as a step, a save as nothing) would end after ``limit`` seconds: the run stops now, so that it
-    ends, eval and checkpoint written, before its limit rather than one step plus an eval after it.
-    """
-
-    def __init__(self) -> None:
-        self.last: dict[str, float] = {}
-        self.steps: list[float] = []
-
-    @contextlib.contextmanager
-    def timing(self, what: str):
-        t0 = time.monotonic()
-        try:
-            yield
-        finally:
-            dt = time.monotonic() - t0
-            self.last[what] = dt
-            if what == "step":
-                self.steps = (self.steps + [dt])[-3:]
-
-    def past_deadline(self, elapsed: float, limit: float) -> bool:
-        step = max(self.steps, default=0.0)
-        return elapsed + step + self.last.get("eval", step) + self.last.get("save", 0.0) >= limit
