@@ -87,38 +87,83 @@ def test_bad_alpha_and_fast_paths_refused():
             RecipeSection(rollout_error_scale=bad)
         with pytest.raises(ValueError, match="error_scale"):
             LinearSpec.of(weight="nvfp4", act="nvfp4", error_scale=bad)
-    with pytest.raises(ValueError, match="grouped"):
-        get_recipe("nvfp4", rollout_error_scale=4.0, expert_path="grouped")
-    # auto: the experts loop (the batched path has no amplified GEMM); only the rollout side is amplified
+    # only the rollout side is amplified; the batched expert path has the amplifier too (grouped_linear)
     r = get_recipe("quads", rollout_error_scale=4.0)
-    assert r.expert_path == "loop" and r.rollout.error_scale == 4.0 and r.trainer.error_scale == 1.0
-    assert get_recipe("bf16", rollout_error_scale=4.0).expert_path == "auto"  # nothing quantized: nothing to amplify
+    assert r.expert_path == "auto" and r.rollout.error_scale == 4.0 and r.trainer.error_scale == 1.0
+    assert get_recipe("nvfp4", rollout_error_scale=4.0, expert_path="grouped").expert_path == "grouped"
     with pytest.raises(ValueError, match="rollout_backend=quads"):
         TrainConfig(recipe=RecipeSection(rollout_error_scale=4.0), rollout_backend="vllm")
 
 
-def test_engine_refuses_the_capturable_expert_path_and_config_records_alpha(tmp_path):
-    """The static decode's device-side expert dispatch (forward_static, the batched layout) has no amplifier:
-    an amplified rollout model dispatches experts on the host, to the loop, and refuses moe_dispatch=device."""
-    from conftest import tiny_model
+@pytest.mark.parametrize("spec", [LinearSpec.of(weight="nvfp4"), W4A4, RAC, LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5, act_scale="token"),
+                                  LinearSpec.of(weight="fp8", act="fp8", fp8_scheme="row")],
+                         ids=["W4A16", "W4A4", "W4A4+RAC", "W4A4+RAC-token", "FP8"])
+@pytest.mark.parametrize("alpha", [0.0, 4.0])
+def test_batched_amplified_experts_equal_the_loop(spec, alpha):
+    """grouped_linear (the padded [E, C, K] layout of the captured decode step) forms the same amplified
+    operands as amplified_linear per expert: equal outputs up to the fp32 GEMMs' accumulation order."""
+    from quads.quant.grouped import grouped_linear
 
-    from quads.model.tokenizer import CharTokenizer
-    from quads.quant import quantize_model
+    g = torch.Generator().manual_seed(1)
+    E, C, K, N = 3, 10, 64, 32
+    counts = [10, 4, 0]  # a full expert, a padded one, an empty one
+    x = torch.zeros(E, C, K)
+    for e, c in enumerate(counts):
+        x[e, :c] = torch.randn(c, K, generator=g)
+        x[e, :c, 5] *= 30  # an outlier channel
+    w = torch.randn(E, N, K, generator=g) * 0.1
+    amp = replace(spec, error_scale=alpha)
+    w_q = ops.quantize_weight(w, spec, BF16)[0]
+    got = grouped_linear(x, w, w_q, amp)
+    assert torch.equal(got, grouped_linear(x, w, w_q, amp, w_amp=_amp_weight(w, w_q, amp)))  # a kept operand
+    for e, c in enumerate(counts):
+        if c:
+            ref = spec_linear(x[e, :c], w[e], amp, w_q=w_q[e])
+            torch.testing.assert_close(got[e, :c], ref, atol=1e-5 * max(1.0, ref.abs().max().item()), rtol=0)
+        assert (got[e, c:] == 0).all()  # zero rows stay zero (no bias, zero operands)
+    if alpha != 1.0:
+        assert not torch.allclose(got, grouped_linear(x, w, w_q, spec), atol=1e-3)
+
+
+def _amp_weight(w, w_q, spec):
+    from quads.quant.amplify import amplify_weight
+
+    return amplify_weight(w, w_q, spec)
+
+
+def test_captured_expert_path_runs_the_amplifier_and_sync_updates_it_in_place():
+    """The static decode's device-side expert dispatch implements the amplifier: its tokens equal the eager
+    loop's, the rollout engine keeps device dispatch, and a weight sync refreshes the kept amplified weight
+    in place (a captured graph reads it)."""
+    from test_engine_static import PROMPTS, TOK, finishing_params, tiny
+
+    from quads.quant.sync import sync_weights
     from quads.rollout import RolloutEngine
-    from quads.rollout.decode import supports_device_dispatch
+    from quads.rollout.decode import supports_device_dispatch, weights_key
 
-    def rollout_model(recipe):
-        model = tiny_model()
-        quantize_model(model, recipe, side="rollout", verbose=False)
-        return model
+    spec = replace(RAC, error_scale=4.0)
+    model = tiny(spec, dtype="float32")
+    assert supports_device_dispatch(model)
+    params = finishing_params(model, 1.0)
+    ref = RolloutEngine(model, TOK, decode="eager").generate(PROMPTS, params)
+    got = RolloutEngine(model, TOK, decode="static", moe_dispatch="device").generate(PROMPTS, params)
+    assert got.response_ids == ref.response_ids and got.finish_reasons == ref.finish_reasons
+    assert torch.equal(got.routing, ref.routing) and got.stats.decode_path == "static/device"
+    torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+    plain = RolloutEngine(tiny(RAC, dtype="float32"), TOK, decode="static", moe_dispatch="device").generate(
+        PROMPTS, params)
+    assert not torch.allclose(plain.logprobs, got.logprobs, atol=1e-4)  # the amplifier changes the sampler
+    store = model.model.layers[0].mlp.experts.stores["gate_up_proj"]
+    kept, key = store.get_amplified(), weights_key(model)
+    before = kept.clone()
+    source = tiny(None, dtype="float32", seed=3)
+    sync_weights(source, model)
+    assert store.get_amplified() is kept and weights_key(model) == key  # same storage: no re-capture
+    assert not torch.equal(kept, before)
+    torch.testing.assert_close(kept, _amp_weight(store.param, store.get(), spec), atol=0, rtol=0)
 
+
+def test_config_records_alpha(tmp_path):
     cfg = TrainConfig(recipe=RecipeSection(name="nvfp4", rollout_error_scale=8.0), device="cpu")
-    amplified = rollout_model(get_recipe(cfg.recipe.name, **cfg.recipe.overrides()))
-    assert supports_device_dispatch(rollout_model(get_recipe("nvfp4")))
-    assert not supports_device_dispatch(amplified)
-    assert all(m.mlp.experts.grouped is False for m in amplified.model.layers)  # the loop, not the batched path
-    assert RolloutEngine(amplified, CharTokenizer(), decode="static").decode_plan()[1] == "host"
-    with pytest.raises(ValueError, match="capturable"):
-        RolloutEngine(amplified, CharTokenizer(), moe_dispatch="device").decode_plan()
     save_config(cfg, tmp_path / "config.yaml")
     assert "rollout_error_scale: 8.0" in (tmp_path / "config.yaml").read_text()

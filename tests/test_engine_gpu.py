@@ -29,6 +29,8 @@ SPECS = {
     "w4a16": LinearSpec.of(weight="nvfp4"),
     "w4a4": LinearSpec.of(weight="nvfp4", act="nvfp4"),
     "w4a4+rac50": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
+    # the mismatch amplifier: the captured step's padded fp32 GEMMs of quads.quant.amplify's operands
+    "w4a4+rac50x4": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5, error_scale=4.0),
 }
 
 
@@ -85,7 +87,7 @@ def test_static_tokens_match_eager_reference_greedy(recipe):
     assert same >= len(ref.response_ids) // 2, same
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "w4a16", "w4a4+rac50"])  # w4a16: the packed weights of kernels.w4a16
+@pytest.mark.parametrize("recipe", ["bf16", "w4a16", "w4a4+rac50", "w4a4+rac50x4"])  # w4a16: packed weights
 def test_weight_sync_reaches_captured_graph(recipe):
     model = model_for(recipe)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=12, ignore_eos=True)
@@ -109,7 +111,7 @@ def test_weight_sync_reaches_captured_graph(recipe):
     assert not torch.equal(after.logprobs, first.logprobs)
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8", "w4a16", "w4a4+rac50"])
+@pytest.mark.parametrize("recipe", ["bf16", "fp8", "w4a16", "w4a4+rac50", "w4a4+rac50x4"])
 def test_decode_step_has_no_host_sync(recipe):
     model = model_for(recipe).eval()
     B, P = 8, 4

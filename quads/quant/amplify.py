@@ -13,10 +13,12 @@ compensated operand ``X_eff = Xq + scatter_S(QDQ(R[:, S]))``, kept as one GEMM o
 ``alpha = 1`` the spec itself.
 
 ``spec_linear`` calls this module only when ``alpha != 1``, so ``alpha = 1`` is the unamplified path
-bit for bit. The weight store and the weight sync are untouched (the synced operand stays ``QDQ(W)``;
-the amplified weight is formed here, per GEMM), and only this eager, per-expert path implements it:
-with ``alpha != 1`` the recipe takes the experts loop (``Recipe``) and the rollout engine dispatches
-experts on the host, to that loop (``quads.rollout.decode.supports_device_dispatch``).
+bit for bit. The weight sync is untouched (the synced operand stays ``QDQ(W)``). Two implementations of
+the same operands: ``amplified_linear`` per GEMM (the experts loop and dense layers; the amplified weight
+formed per call) and ``quads.quant.grouped.grouped_linear`` batched over experts (the padded layout of the
+eager grouped path and of the captured decode step, ``QuantizedExperts.forward_static``; the amplified
+weight kept by its ``WeightStore.get_amplified`` and refreshed in place at every sync). They agree to
+the fp32 GEMMs' accumulation order.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ def amplify(x: torch.Tensor, q: torch.Tensor, alpha: float) -> torch.Tensor:
     return xf + alpha * (q.float() - xf)
 
 
+def amplify_weight(w: torch.Tensor, w_q: torch.Tensor, spec: LinearSpec) -> torch.Tensor:
+    """The amplified weight operand (fp32): ``W + alpha (QDQ(W) - W)`` with ``W`` the master weight cast to
+    the operand's dtype, or ``W`` itself when the spec leaves the weight unquantized."""
+    if spec.weight == "none":
+        return w.detach().float()
+    return amplify(w.detach().to(w_q.dtype), w_q, spec.error_scale)
+
+
 def amplified_linear(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -51,7 +61,7 @@ def amplified_linear(
     """``x`` ``[..., K]`` times master weight ``w`` ``[N, K]`` (synced operand ``w_q``) under ``spec`` with
     every quantization error scaled by ``spec.error_scale`` (module docstring); fp32 GEMM, ``x.dtype`` out."""
     alpha = spec.error_scale
-    w_op = amplify(w.detach().to(w_q.dtype), w_q, alpha) if spec.weight != "none" else w.detach().float()
+    w_op = amplify_weight(w, w_q, spec)
 
     def compute(x2: torch.Tensor, need: bool):
         xf = x2.detach().float()

@@ -35,6 +35,7 @@ from quads.formats import nvfp4
 from quads.kernels import dispatch
 from quads.model import gemm, moe
 from quads.quant import factored, ops
+from quads.quant.amplify import amplify, amplify_weight
 from quads.quant.rac import rac_channels, residual_norms
 from quads.quant.recipe import LinearSpec
 
@@ -162,27 +163,37 @@ def grouped_linear(
     *,
     static_order: torch.Tensor | None = None,
     observe: Callable[[torch.Tensor], None] | None = None,
+    w_amp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` ``[E, C, K]`` times each expert's weight -> ``[E, C, N]`` in ``x.dtype``, under ``spec``.
 
     ``w``: the master stack ``[E, N, K]``; ``w_q``: its operand (``quantize_weight``). ``static_order``
     ``[E, >= |S|]``: calibrated RAC orders (``selection="static"``); ``observe(R [E, C, K])``: RAC
-    calibration statistics. Numerics: see the module docstring.
+    calibration statistics. Numerics: see the module docstring. A spec with ``error_scale != 1`` (the
+    mismatch amplifier) runs ``quads.quant.amplify``'s operands batched (``w_amp``: the amplified
+    weight operand ``amplify_weight(w, w_q, alpha)`` if the caller keeps it, else formed here).
     """
     if spec.is_identity:
         return gemm.bmm(x, w.to(x.dtype).mT)
+    alpha = spec.error_scale
+    if alpha != 1.0:
+        w_op = w_amp if w_amp is not None else amplify_weight(w, w_q, spec)
     if spec.act == "none":
+        if alpha != 1.0:
+            return torch.bmm(x.float(), w_op.mT).to(x.dtype)
         return gemm.bmm(x, w_q.to(x.dtype).mT)
     xf = x.float()
     if spec.act == "fp8":
         x_op = ops.fp8_act_qdq(xf.reshape(-1, xf.shape[-1]), spec.fp8_scheme).reshape(xf.shape)
+        if alpha != 1.0:
+            return torch.bmm(amplify(xf, x_op, alpha), w_op.mT).to(x.dtype)
         return torch.bmm(x_op, w_q.float().mT).to(x.dtype)
     E, C, K = xf.shape
     per_token = spec.act_scale == "token"
     ops.check_k(K, "NVFP4 activation")
     xq = _nvfp4_qdq(xf, per_token)
     n = rac_channels(K, spec.rac_ratio)
-    a, b = xq, w_q.float()
+    rq = s = None
     if n or observe is not None:
         r = xf - xq
         if observe is not None:
@@ -195,8 +206,12 @@ def grouped_linear(
                     raise ValueError(f"static RAC selection needs orders of at least {n} channels per expert")
                 s = static_order[:, :n].to(device=x.device, dtype=torch.long)
             rq = _nvfp4_qdq(r.gather(2, s[:, None, :].expand(E, C, n)), per_token)  # own global scale
-            a = torch.cat([xq, rq], dim=2)
-            b = torch.cat([w_q, w_q.gather(2, s[:, None, :].expand(E, w_q.shape[1], n))], dim=2).float()
+    if alpha != 1.0:  # [x + alpha (Xq - x) | alpha Rq_S] x [W_alpha | W_alpha[:, S]]
+        xq, rq, w_q = amplify(xf, xq, alpha), None if rq is None else alpha * rq, w_op
+    a, b = xq, w_q.float()
+    if s is not None:
+        a = torch.cat([xq, rq], dim=2)
+        b = torch.cat([w_q, w_q.gather(2, s[:, None, :].expand(E, w_q.shape[1], n))], dim=2).float()
     return torch.bmm(a, b.mT).to(x.dtype)
 
 

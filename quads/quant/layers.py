@@ -32,6 +32,7 @@ from torch import nn
 from quads.kernels import dispatch, w4a16
 from quads.model import moe
 from quads.quant import factored, grouped, ops, qat
+from quads.quant.amplify import amplify_weight
 from quads.quant.linear import spec_linear
 from quads.quant.rac import StaticChannelSelector, rac_channels
 from quads.quant.recipe import LinearSpec
@@ -46,6 +47,7 @@ class WeightStore:
         self.owner, self.name, self.spec, self.dtype, self.side = owner, name, spec, dtype, side
         self.w_q: torch.Tensor | None = None  # dequantized operand, [N, K] or [E, N, K]
         self.w_q32: torch.Tensor | None = None  # its fp32 copy for fp32 GEMMs (``get_f32``; rollout side)
+        self.w_amp: torch.Tensor | None = None  # the amplified fp32 operand (``get_amplified``; rollout side)
         self.packed = None  # NVFP4Tensor for NVFP4 weights (codes, scales, global scales), beside w_q
         self.kernel: w4a16.W4A16Weight | None = None  # rollout packed GEMMs: the weight (no w_q, no packed)
         self.key: tuple | None = None
@@ -68,7 +70,7 @@ class WeightStore:
 
     def _set(self, w_q: torch.Tensor) -> None:
         """Trainer side: cache the operand ``w_q`` of the parameter as it is now."""
-        self.w_q, self.packed, self.kernel, self.w_q32 = w_q, None, None, None
+        self.w_q, self.packed, self.kernel, self.w_q32, self.w_amp = w_q, None, None, None, None
         self.key = self._key()
         self.n_quantize += 1
 
@@ -84,7 +86,7 @@ class WeightStore:
             new = w4a16.pack(ops.nvfp4_weight(self.param, self.spec, self.dtype))
             if self.kernel is None or not self.kernel.copy_(new):
                 self.kernel = new
-            self.packed, self.w_q, self.w_q32 = None, None, None  # w4a16.unpack(kernel) gives the codes back
+            self.packed, self.w_q, self.w_q32, self.w_amp = None, None, None, None  # unpack(kernel): the codes
             self.key = self._key()
             self.n_quantize += 1
             return None
@@ -109,6 +111,11 @@ class WeightStore:
                 self.w_q32.copy_(self.w_q)
             else:
                 self.w_q32 = None
+        if self.w_amp is not None:  # in place too: a captured step reads it
+            if self.w_amp.shape == self.w_q.shape and self.w_amp.device == self.w_q.device:
+                self.w_amp.copy_(amplify_weight(self.param, self.w_q, self.spec))
+            else:
+                self.w_amp = None
         self.key = self._key()
         self.n_quantize += 1
         return self.w_q
@@ -122,6 +129,15 @@ class WeightStore:
         if self.w_q32 is None or self.w_q32.shape != w.shape or self.w_q32.device != w.device:
             self.w_q32 = w.float()
         return self.w_q32
+
+    def get_amplified(self) -> torch.Tensor:
+        """The mismatch amplifier's weight operand ``W + alpha (QDQ(W) - W)`` in fp32
+        (``quads.quant.amplify.amplify_weight``; ``spec.error_scale`` = alpha), kept beside the operand and
+        refreshed in place with it, so the captured decode step neither forms it per step nor re-captures."""
+        w = self.get()
+        if self.w_amp is None or self.w_amp.shape != w.shape or self.w_amp.device != w.device:
+            self.w_amp = amplify_weight(self.param, w, self.spec)
+        return self.w_amp
 
     def packed_gemm(self) -> bool:
         """Whether this weight's GEMMs read the packed 4-bit weight (``quads.kernels.w4a16``): rollout
@@ -468,9 +484,10 @@ class QuantizedExperts(_QuantizedBase):
         on the sorted rows (per-expert global scales and RAC channel sets by masked reductions, one
         grouped GEMM of the exact NVFP4 values per projection, fp32 global scales on its output; the
         quantized operands are the loop's bit for bit, see ``quads.quant.factored``; a packed weight is
-        read by the grouped W4A16 kernel). FP8 activations:
-        the padded layout of ``quads.quant.grouped`` at the fixed capacity C = T (zero rows change no
-        amax) and ``grouped_linear``. Outputs summed per token in ascending expert order, as the loop does.
+        read by the grouped W4A16 kernel). FP8 activations, and any spec under the mismatch amplifier
+        (``error_scale != 1``: the operands of ``quads.quant.amplify``, the weight's kept amplified by its
+        store): the padded layout of ``quads.quant.grouped`` at the fixed capacity C = T (zero rows change
+        no amax) and ``grouped_linear``. Outputs summed per token in ascending expert order, as the loop does.
         """
         if not self.supports_static():
             raise ValueError(f"forward_static: spec {self.spec.describe()} on the {self.side} side has no "
@@ -479,13 +496,14 @@ class QuantizedExperts(_QuantizedBase):
         routes = moe.static_routes(top_k_index, self.num_experts)
         xs = hidden_states[routes.order // k]  # [T*k, H] sorted by expert, masked slots last
 
-        sorted_rows = self.spec.act == "nvfp4" and self.spec.nvfp4_mode == "te"
+        amplified = self.spec.error_scale != 1.0 and not self.spec.is_identity
+        sorted_rows = self.spec.act == "nvfp4" and self.spec.nvfp4_mode == "te" and not amplified
         segs = factored.Segments.of(routes.expert, self.num_experts) if sorted_rows else None
         stacked = grouped.stacked_routes(routes, 2 if self.spec.rac_ratio > 0 else 1) if sorted_rows else None
 
         def gemm(name: str, a: torch.Tensor) -> torch.Tensor:
             store = self.stores[name]
-            if self.spec.act == "none":
+            if self.spec.act == "none" and not amplified:
                 if store.use_packed(a):
                     return w4a16.grouped_op(a, store.get_packed(), routes.ends)
                 return moe.grouped_mm(a, store.get(), routes)
@@ -507,7 +525,8 @@ class QuantizedExperts(_QuantizedBase):
                 counts = routes.offsets[1:] - routes.offsets[:-1]
                 observe = lambda r: sel.observe_all(r, counts)  # noqa: E731
             y = grouped.grouped_linear(routes.pad(a), getattr(self, name), store.get_f32(), self.spec,
-                                       static_order=order, observe=observe)
+                                       static_order=order, observe=observe,
+                                       w_amp=store.get_amplified() if amplified else None)
             return routes.unpad(y)
 
         gate, up = gemm("gate_up_proj", xs).chunk(2, dim=-1)

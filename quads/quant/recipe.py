@@ -320,12 +320,6 @@ class Recipe:
         object.__setattr__(self, "targets", targets)
         _choice("weight_dtype", self.weight_dtype, tuple(WEIGHT_DTYPES))
         _choice("expert_path", self.expert_path, EXPERT_PATHS)
-        if self.rollout.error_scale != 1.0 and not self.rollout.is_identity:
-            # the amplifier (quads.quant.amplify) exists on the experts loop only
-            if self.expert_path == "grouped":
-                raise ValueError(f"recipe {self.name!r}: expert_path='grouped' has no amplified rollout GEMM "
-                                 f"(rollout error_scale={self.rollout.error_scale:g}); use expert_path 'auto' or 'loop'")
-            object.__setattr__(self, "expert_path", "loop")
         t, r = self.trainer, self.rollout
         if t.weight != "none" and r.weight != "none" and t.weight_key() != r.weight_key():
             raise ValueError(

@@ -64,7 +64,7 @@ def make_backend(cfg, rollout_model: nn.Module, tokenizer: Tokenizer, recipe: Re
     ``rollout_model``: a full (never sharded) quads rollout model: the quads engine generates from it;
     the vLLM engine takes its architecture from it (the weights come with the first ``load_weights``).
     A rollout recipe with ``error_scale != 1`` (the mismatch amplifier, ``quads.quant.amplify``) needs the
-    quads engine, which then dispatches experts on the host, to their loop (``supports_device_dispatch``).
+    quads engine (its captured decode step runs the amplified operands batched over experts).
     """
     name = cfg.rollout_backend
     check_backend(name)

@@ -51,8 +51,6 @@ def supports_device_dispatch(model: torch.nn.Module) -> bool:
             return False
         if hasattr(experts, "supports_static") and not experts.supports_static():
             return False
-        if getattr(getattr(experts, "spec", None), "error_scale", 1.0) != 1.0:
-            return False  # the mismatch amplifier (quads.quant.amplify) runs in the experts loop only
     return True
 
 
@@ -67,7 +65,7 @@ def weights_key(model: torch.nn.Module) -> tuple:
         if isinstance(m, _QuantizedBase):
             for store in m.stores.values():
                 packed = store.kernel.tensors() if store.kernel is not None else ()
-                key += [None if t is None else t.data_ptr() for t in (store.w_q, store.w_q32, *packed)]
+                key += [None if t is None else t.data_ptr() for t in (store.w_q, store.w_q32, store.w_amp, *packed)]
             key += [bool(getattr(sel, "observing", False)) for sel in m.selectors.values()]
     return tuple(key)
 
