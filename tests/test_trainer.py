@@ -387,3 +387,29 @@ def test_time_limit_is_a_deadline_for_the_next_step_eval_and_save():
     with clock.timing("step"):
         pass
     assert len(clock.steps) == 3 and clock.steps[-1] < 0.5 and clock.last["step"] == clock.steps[-1]
+
+
+def test_eval_trainer_scores_the_trainers_own_policy(tmp_path, digits_task):
+    """eval_trainer: the held-out prompts also go through the trainer's model (eval/trainer_pass@1). For
+    bf16 that is the rollout's function (the same greedy texts); under an amplified W4A4 rollout it is not."""
+    from quads.evaluation import evaluate_backend
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    res = GRPOTrainer(tiny_config(tmp_path, ckpt, steps=3, eval_every=3, eval_trainer=True), quiet=True).run()
+    m = read_metrics(res.run_dir)
+    assert {0, 3} <= {s for s, r in m.items() if "eval/trainer_pass@1" in r}
+    assert all(0.0 <= m[s]["eval/trainer_pass@1"] <= 1.0 for s in (0, 3))
+
+    def texts(recipe, **rec):
+        cfg = tiny_config(tmp_path / recipe, ckpt, eval_trainer=True, recipe=RecipeSection(name=recipe, **rec))
+        t = GRPOTrainer(cfg, quiet=True)
+        t.setup()
+        ex = t.eval_set[:4]
+        kw = dict(max_new_tokens=6, batch_size=None, seed=0)
+        own = evaluate_backend(t.trainer_engine, t.task, ex, **kw)
+        return evaluate_backend(t.engine, t.task, ex, **kw), own
+
+    roll, own = texts("bf16")
+    assert [s["response"] for s in roll.samples] == [s["response"] for s in own.samples]
+    roll, own = texts("nvfp4", rollout_error_scale=16.0)
+    assert [s["response"] for s in roll.samples] != [s["response"] for s in own.samples]

@@ -229,6 +229,7 @@ class TrainConfig:
     time_limit_s: float = 0  # wall-clock deadline of this call of the run, from the start of training (setup and the first eval included): it stops early, held-out eval, checkpoint and policy written, when another step would not fit before it; 0 = none
     eval_every: int = 10  # held-out pass@1 every N steps (and at step 0 and the end); 0 = start and end only
     eval_n: int = 200  # held-out prompts (the first eval_n of the test split drawn with task.eval_seed), greedy
+    eval_trainer: bool = False  # at every held-out eval also score the trainer's own policy (its weights and forward: no rollout quantization, no amplifier) as eval/trainer_pass@1; one process only
     seed: int = 0  # seeds python, torch, the prompt sampler and the engine's generator
     device: str = "cpu"  # torch device (cpu, cuda, cuda:1)
     dtype: Literal["float32", "bfloat16", "float64"] = "bfloat16"  # compute dtype of both forwards

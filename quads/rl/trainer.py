@@ -60,7 +60,7 @@ from quads.rl.grpo import group_advantages, group_stats, grpo_loss, merge_loss_m
 from quads.rl.interrupt import StopClock, StopRequest
 from quads.rl.logprobs import SequenceBatch, forward_logprobs, to_sequence_batch
 from quads.rl.sampler import PromptSampler
-from quads.rollout import RolloutBatch, SamplingParams, make_backend
+from quads.rollout import RolloutBatch, SamplingParams, make_backend, policy_engine
 from quads.tasks import examples_up_to
 
 # config fields that may differ when resuming (they do not change what the next steps compute)
@@ -203,6 +203,12 @@ class GRPOTrainer:
         # the rollout backend (quads.rollout.make_backend): quads' engine on the full (never sharded) rollout
         # replica, or vLLM, which takes the replica's architecture; weights come with the first sync
         self.engine = make_backend(cfg, self.rollout_model, self.tokenizer, self.res.recipe, self.run_dir)
+        self.trainer_engine = None
+        if cfg.eval_trainer:
+            if self.dist.enabled:
+                raise ValueError("eval_trainer generates from the trainer's model, which torchrun shards; "
+                                 "run it in one process (or leave eval_trainer false)")
+            self.trainer_engine = policy_engine(self.trainer, self.tokenizer, cfg.device)
         self.weight_source = distributed.trainer_weights(self.trainer, self.dist)  # full tensors, gathered under FSDP2
         self.params = [p for p in self.trainer.parameters() if p.requires_grad]
         o = cfg.optim
@@ -439,15 +445,22 @@ class GRPOTrainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Held-out pass@1: greedy decoding with the rollout backend on the fixed test subset, one
-        generation per rank (``quads.evaluation.evaluate_backend``)."""
+        generation per rank (``quads.evaluation.evaluate_backend``); with ``eval_trainer`` the same prompts
+        also through the trainer's own policy (``eval/trainer_pass@1``)."""
         t0 = time.perf_counter()
         mine = self.eval_set[self.dist.rank::self.dist.world]  # under torchrun each rank scores a share
         res = evaluate_backend(self.engine, self.task, mine, max_new_tokens=self.cfg.rollout.max_new_tokens,
                                batch_size=None, seed=None)
         n = distributed.all_reduce(len(res.correct), self.dist)
-        return {"eval/pass@1": distributed.all_reduce(sum(res.correct), self.dist) / n, "eval/n": n,
-                "eval/len_mean": distributed.all_reduce(res.response_tokens, self.dist) / n,
-                "time/eval_s": distributed.all_reduce(time.perf_counter() - t0, self.dist, "max")}
+        out = {"eval/pass@1": distributed.all_reduce(sum(res.correct), self.dist) / n, "eval/n": n,
+               "eval/len_mean": distributed.all_reduce(res.response_tokens, self.dist) / n}
+        if self.trainer_engine is not None:  # the trained policy itself, in the trainer's precision
+            with torch.no_grad(), build.autocast(self.cfg):
+                own = evaluate_backend(self.trainer_engine, self.task, mine,
+                                       max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=None, seed=None)
+            out["eval/trainer_pass@1"] = sum(own.correct) / max(len(own.correct), 1)
+        out["time/eval_s"] = distributed.all_reduce(time.perf_counter() - t0, self.dist, "max")
+        return out
 
     def step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -5,7 +5,7 @@ Importing the package loads the seam and the batch types only; ``RolloutEngine``
 load quads' engine (a backend) on first use, so the trainer, which imports this package, never loads a
 backend module it did not choose (``tests/test_import_graph.py``)."""
 
-from quads.rollout.backend import RolloutBackend, make_backend
+from quads.rollout.backend import RolloutBackend, make_backend, policy_engine
 from quads.rollout.types import RolloutBatch, RolloutStats, SamplingParams
 
 _ENGINE = ("RolloutEngine", "sample_tokens")  # quads' engine, loaded on first use
@@ -20,4 +20,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["RolloutBackend", "RolloutBatch", "RolloutEngine", "RolloutStats", "SamplingParams", "make_backend",
-           "sample_tokens"]
+           "policy_engine", "sample_tokens"]

@@ -57,6 +57,15 @@ class RolloutBackend(Protocol):
         ...
 
 
+def policy_engine(model: nn.Module, tokenizer: Tokenizer, device: str) -> RolloutBackend:
+    """quads' engine generating from ``model`` as it is (a trainer's policy: its own layers and forward, no
+    rollout quantization), without CUDA graphs or compile (its expert layers need not be capturable): the
+    trainer's ``eval_trainer`` scores the held-out prompts with it."""
+    from quads.rollout.engine import RolloutEngine
+
+    return RolloutEngine(model, tokenizer, device=device, cuda_graphs=False, compile=False)
+
+
 def make_backend(cfg, rollout_model: nn.Module, tokenizer: Tokenizer, recipe: Recipe, run_dir: str | Path
                  ) -> RolloutBackend:
     """The rollout backend ``cfg.rollout_backend`` names (``cfg``: a ``TrainConfig``).
