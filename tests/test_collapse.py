@@ -193,6 +193,23 @@ def test_report_from_landed_runs(tmp_path):
     assert "| bf16 | n/a | 0,1,2 | 60 | none |" in md
     data = json.loads((out / "collapse.json").read_text())
     assert data["runs"]["nvfp4-s0"]["onset"] == 40 and data["runs"]["bf16-s1"]["collapsed"] is False
+    assert "trainer's policy pass@1 start" not in md.split("Columns:")[0]  # no run logged eval_trainer
+    assert data["runs"]["bf16-s0"]["trainer_last"] is None
+
+
+def test_report_shows_the_trainers_own_policy_when_logged(tmp_path):
+    """With eval_trainer the runs log eval/trainer_pass@1: the run table gains its start and last values."""
+    recs = records(30, lambda t: 0.5 - 0.015 * t, lambda t: 0.4)
+    for r in recs:
+        if "eval/pass@1" in r:
+            r["eval/trainer_pass@1"] = 0.6 + 0.005 * r["step"]  # the sampler degrades, the policy does not
+    dest = tmp_path / "landed"
+    land(make_tarball(tmp_path / "a.tar.gz", {"nvfp4-s0": recs, "bf16-s0": stable(30)}), dest, say=lambda s: None)
+    md = (write_report(dest) / "collapse.md").read_text()
+    assert "| trainer's policy pass@1 start | trainer's policy pass@1 last |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| nvfp4-s0 |"))
+    assert row.endswith("| 0.600 | 0.750 |"), row
+    assert judge(recs).trainer_last == pytest.approx(0.75) and math.isnan(judge(stable(30)).trainer_start)
 
 
 def test_report_of_a_learning_rate_sweep_has_one_row_per_lr(tmp_path):

@@ -78,6 +78,7 @@ TAIL_EVALS = 3  # held-out pass@1 at the end of a run: the mean of its last this
 CALL_FILES = ("env.txt", "plan.txt", "summary.txt", "pick.txt", "pretrain.log", "compare.log", "compare.md",
               "compare.json")
 EVAL_KEY, GAP_KEY, REWARD_KEY = "eval/pass@1", "mismatch/seq_gap_mean", "reward/mean"
+TRAINER_EVAL_KEY = "eval/trainer_pass@1"  # the trainer's own policy (``eval_trainer``), when the runs logged it
 PANELS = ((EVAL_KEY, "held-out pass@1 (greedy)", "linear"),
           (GAP_KEY, "per-sequence gap: sum_t |dlogp| (trailing mean)", "log"),
           (REWARD_KEY, "train reward (trailing mean)", "linear"))
@@ -243,6 +244,8 @@ class Verdict:
     collapsed: bool
     onset: int | None
     criteria: str  # which of "eval", "reward", "nonfinite" held, or "none"
+    trainer_start: float = math.nan  # held-out pass@1 of the trainer's own policy (NaN: not logged)
+    trainer_last: float = math.nan
 
 
 def judge(records: list[dict[str, Any]], rule: CollapseRule = CollapseRule()) -> Verdict:
@@ -268,6 +271,7 @@ def judge(records: list[dict[str, Any]], rule: CollapseRule = CollapseRule()) ->
     onset = min(met.values()) if met else None
     before = [(x, y) for x, y in zip(gap_steps, gap) if onset is None or x < onset]
     w = rule.window
+    _, own = series(records, TRAINER_EVAL_KEY)
     return Verdict(
         steps=int(records[-1]["step"]) if records else 0, evals=len(ev),
         eval_start=ev[0] if ev else math.nan, eval_best=max(ev) if ev else math.nan,
@@ -276,7 +280,8 @@ def judge(records: list[dict[str, Any]], rule: CollapseRule = CollapseRule()) ->
         gap_start=finite_mean(gap[:w]), gap_last=finite_mean(gap[-w:]),
         gap_slope=slope(gap_steps, gap),
         gap_slope_before=slope([x for x, _ in before], [y for _, y in before]),
-        collapsed=bool(met), onset=onset, criteria=", ".join(sorted(met)) or "none")
+        collapsed=bool(met), onset=onset, criteria=", ".join(sorted(met)) or "none",
+        trainer_start=own[0] if own else math.nan, trainer_last=own[-1] if own else math.nan)
 
 
 # ---------------------------------------------------------------------- the report
@@ -308,6 +313,10 @@ RUN_COLUMNS: list[Column] = [
     ("collapsed", "collapsed", "{}"),
     ("onset step", "onset", "{}"),
     ("criteria", "criteria", "{}"),
+]
+TRAINER_COLUMNS: list[Column] = [  # added when a run logged eval/trainer_pass@1 (eval_trainer)
+    ("trainer's policy pass@1 start", "trainer_start", "{:.3f}"),
+    ("trainer's policy pass@1 last", "trainer_last", "{:.3f}"),
 ]
 RECIPE_COLUMNS: list[Column] = [
     ("group", "recipe", "{}"),
@@ -401,11 +410,15 @@ def write_report(dest: str | Path, rule: CollapseRule = CollapseRule(), command:
         + (f" Made by `{command}`." if command else ""),
         f"Rule: {rule.text()}.",
         table(rows, RECIPE_COLUMNS),
-        table([{"run": n, **asdict(v)} for n, v in verdicts.items()], RUN_COLUMNS),
+        table([{"run": n, **asdict(v)} for n, v in verdicts.items()],
+              RUN_COLUMNS + (TRAINER_COLUMNS if any(not math.isnan(v.trainer_last) for v in verdicts.values())
+                             else [])),
         "Columns: lr = the groups' learning rate (with its linear warmup in optimizer steps) from the runs' "
         f"config.yaml; pass@1 = held-out greedy pass@1 (`eval/pass@1`; start = step 0, the start of RL; last {TAIL_EVALS} = "
         f"mean of the last {TAIL_EVALS} evaluations after the start; gain = that minus the start, mean over seeds); reward = "
-        f"`reward/mean`, trailing mean over {rule.window} steps, best over full windows; seq gap = "
+        f"`reward/mean`, trailing mean over {rule.window} steps, best over full windows; "
+        "trainer's policy pass@1 (when logged) = the same prompts decoded with the trainer's own weights and "
+        "forward (`eval/trainer_pass@1`, `eval_trainer`); seq gap = "
         f"`mismatch/seq_gap_mean` (mean over responses of sum_t |logp_train - logp_rollout|), first / last = mean "
         f"over the first / last {rule.window} steps, slope = least-squares slope per step (before onset: the "
         "steps before the collapse onset; every step when none). Figure: mean over seeds (steps every seed "
