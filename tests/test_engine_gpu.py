@@ -13,7 +13,7 @@ from quads.model.tokenizer import CharTokenizer
 from quads.quant import quantize_model
 from quads.quant.recipe import LinearSpec, Recipe
 from quads.quant.sync import sync_weights
-from quads.rollout import RolloutEngine, SamplingParams
+from quads.rollout import RolloutEngine, SamplingParams, policy_engine
 from quads.rollout.decode import StaticDecoder
 from quads.rollout.score import score_rollout
 
@@ -183,3 +183,18 @@ def test_w4a4_layers_read_only_packed_weights(recipe):
     assert on.response_ids == off.response_ids and on.finish_reasons == off.finish_reasons
     assert torch.equal(on.logprobs, off.logprobs) and torch.equal(on.routing, off.routing)
     assert packed_only()
+
+
+def test_policy_engine_generates_from_a_trainer_side_model():
+    """eval_trainer's engine: an fp32 trainer-side (W4A16-QAT) model under BF16 autocast, as the trainer
+    scores it: the static path with host dispatch (its experts have no capturable path), no graphs."""
+    torch.manual_seed(0)
+    model = MoEForCausalLM(ModelConfig(**{**CFG, "dtype": "float32"})).cuda()
+    quantize_model(model, Recipe("t", trainer=LinearSpec.of(weight="nvfp4")), side="trainer", verbose=False)
+    eng = policy_engine(model, TOK, "cuda")
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=12, ignore_eos=True)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        a, b = eng.generate(PROMPTS, params), eng.generate(PROMPTS, params)
+    assert a.decode == "static" and a.moe_dispatch == "host" and a.stats.graph_captures == 0
+    assert torch.isfinite(a.logprobs).all() and a.response_ids == b.response_ids
+    assert model.training  # the engine restores the trainer's mode
