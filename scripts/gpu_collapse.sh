@@ -190,10 +190,11 @@ try:
 except OSError:
     print(f"{sys.argv[2]}: no metrics.jsonl"); raise SystemExit
 steps = [r for r in recs if "time/step_s" in r]
-evals = [(r["step"], r[k]) for r in recs for k in r if k.startswith("eval/") and k.endswith("pass@1")]
+evals = [(r["step"], r["eval/pass@1"]) for r in recs if "eval/pass@1" in r]
+own = [(r["step"], r["eval/trainer_pass@1"]) for r in recs if "eval/trainer_pass@1" in r]  # eval_trainer
 ts = [r["time/step_s"] for r in steps]
 print(f"{sys.argv[2]}: {len(steps)} steps, median {sorted(ts)[len(ts) // 2] if ts else float('nan'):.1f} s/step, "
-      f"held-out pass@1 by step {evals}")
+      f"held-out pass@1 by step {evals}" + (f"; the trainer's policy {own}" if own else ""))
 PY
 done
 find "$WORK/compare" -maxdepth 1 -type f -exec cp {} "$S/" \;
