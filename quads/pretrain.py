@@ -363,18 +363,17 @@ def save_warm_start(cfg: PretrainConfig, model, tokenizer, task, history: list[t
     with the ``eval_at`` records of the run (``evals``; the last step's is this final evaluation).
     ``base_result``: the ``pretrain_result`` of the SFT this model was made from (outliers ``inject``): its
     stop step and ``eval_at`` records are kept, and this model is evaluated afresh."""
+    from quads.model.checkpoint import save_checkpoint
+
     result: dict[str, Any] = {"train_seconds": round(train_seconds, 1), "loss_history": history,
                               "final_ce": history[-1][1], "compute_dtype_resolved": cfg.resolved_compute_dtype()}
-    if base_result is not None:
+    stop = None
+    if base_result is not None:  # the base SFT's stop and records; this model's own evaluation below
         result |= {k: base_result[k] for k in ("stopped_at_step", "heldout_by_step") if k in base_result}
         if "heldout_pass@1" in base_result:
             result["base_heldout_pass@1"] = base_result["heldout_pass@1"]
-        if cfg.eval_size > 0:
-            start = time.monotonic()
-            result |= heldout_eval(cfg, model, tokenizer, task)
-            result["eval_seconds"] = round(time.monotonic() - start, 1)
-        return _save(cfg, model, tokenizer, task, result, outliers_result)
-    stop = evals[-1] if evals and evals[-1].get("target_reached") else None
+    elif evals and evals[-1].get("target_reached"):
+        stop = evals[-1]
     if stop is not None:  # stopped at target_pass: that step's evaluation is the model's
         result |= {k: stop[k] for k in ("heldout_pass@1", "heldout_mean_response_chars", "eval_seconds")}
         result["stopped_at_step"] = stop["step"]
@@ -382,18 +381,11 @@ def save_warm_start(cfg: PretrainConfig, model, tokenizer, task, history: list[t
         start = time.monotonic()
         result |= heldout_eval(cfg, model, tokenizer, task)
         result["eval_seconds"] = round(time.monotonic() - start, 1)
-    if cfg.eval_at and "heldout_pass@1" in result:
+    if base_result is None and cfg.eval_at and "heldout_pass@1" in result:
         last = ([{"step": cfg.steps, "train_seconds": result["train_seconds"], "heldout_pass@1": result["heldout_pass@1"],
                   "heldout_mean_response_chars": result["heldout_mean_response_chars"]}]
                 if cfg.steps in cfg.eval_at and stop is None else [])
         result["heldout_by_step"] = list(evals or []) + last
-    return _save(cfg, model, tokenizer, task, result, outliers_result)
-
-
-def _save(cfg: PretrainConfig, model, tokenizer, task, result: dict[str, Any],
-          outliers_result: dict[str, Any] | None) -> Path:
-    from quads.model.checkpoint import save_checkpoint
-
     extra = {"pretrain": to_dict(cfg), "pretrain_result": result, "task": cfg.task,
              "difficulty": getattr(task, "difficulty", None)}
     if cfg.outliers.active:

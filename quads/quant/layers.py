@@ -106,16 +106,13 @@ class WeightStore:
                         setattr(self.packed, name, new)
         else:
             self.w_q, self.packed = w_q, packed
-        if self.w_q32 is not None:
-            if self.w_q32.shape == self.w_q.shape and self.w_q32.device == self.w_q.device:
-                self.w_q32.copy_(self.w_q)
+        # the fp32 operands kept beside w_q, in place too (a captured step reads them), or dropped
+        for name, value in (("w_q32", lambda: self.w_q), ("w_amp", lambda: amplify_weight(self.param, self.w_q, self.spec))):
+            kept = getattr(self, name)
+            if kept is not None and kept.shape == self.w_q.shape and kept.device == self.w_q.device:
+                kept.copy_(value())
             else:
-                self.w_q32 = None
-        if self.w_amp is not None:  # in place too: a captured step reads it
-            if self.w_amp.shape == self.w_q.shape and self.w_amp.device == self.w_q.device:
-                self.w_amp.copy_(amplify_weight(self.param, self.w_q, self.spec))
-            else:
-                self.w_amp = None
+                setattr(self, name, None)
         self.key = self._key()
         self.n_quantize += 1
         return self.w_q

@@ -455,10 +455,10 @@ class GRPOTrainer:
         out = {"eval/pass@1": distributed.all_reduce(sum(res.correct), self.dist) / n, "eval/n": n,
                "eval/len_mean": distributed.all_reduce(res.response_tokens, self.dist) / n}
         if self.trainer_engine is not None:  # the trained policy itself, in the trainer's precision
-            with torch.no_grad(), build.autocast(self.cfg):
+            with build.autocast(self.cfg):  # the whole method runs under no_grad
                 own = evaluate_backend(self.trainer_engine, self.task, mine,
                                        max_new_tokens=self.cfg.rollout.max_new_tokens, batch_size=None, seed=None)
-            out["eval/trainer_pass@1"] = sum(own.correct) / max(len(own.correct), 1)
+            out["eval/trainer_pass@1"] = own.pass_at[1]
         out["time/eval_s"] = distributed.all_reduce(time.perf_counter() - t0, self.dist, "max")
         return out
 
