@@ -217,3 +217,19 @@ def test_w4a4_rollout_reads_packed_weights_on_the_triton_backend(monkeypatch):
     assert got.response_ids == want.response_ids and torch.equal(got.routing, want.routing)
     diff = (got.logprobs - want.logprobs).abs().max().item()
     assert 0 < diff < 0.05, diff  # differs (the BF16 GEMM outputs), by the forwards' rounding only
+
+
+@pytest.mark.parametrize("decode", ["static", "eager"])
+def test_fp32_model_under_autocast_caches_in_the_autocast_dtype(decode):
+    """eval_trainer's case: an fp32 trainer-side model generating under BF16 autocast. The KV cache holds
+    what the forward computes (BF16 keys and values), on both paths, and the two paths agree."""
+    model = tiny(dtype="float32")
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=10, ignore_eos=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = RolloutEngine(model, TOK, decode=decode).generate(PROMPTS, params)
+        ref = RolloutEngine(model, TOK, decode="eager").generate(PROMPTS, params)
+    assert got.response_ids == ref.response_ids and torch.isfinite(got.logprobs).all()
+    from quads.model.attention import activation_dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert activation_dtype(model) == torch.bfloat16
+    assert activation_dtype(model) == torch.float32

@@ -51,6 +51,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def activation_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype ``model``'s activations (so its keys and values) come out in right now: the autocast dtype
+    when autocast is on for the model's device type (an fp32 trainer-side model under BF16 autocast),
+    else the model's own dtype. A KV cache of this dtype stores exactly what the forward computes."""
+    kind = model.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return model.dtype
+
+
 class KVCache:
     """Preallocated keys/values per layer, [B, nkv, max_len, D], for incremental decode only.
 
@@ -138,8 +148,10 @@ class StaticKVCache(KVCache):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.decoding:
             return super().update(layer, k, v)
-        self.k[layer].index_copy_(2, self.pos, k)
-        self.v[layer].index_copy_(2, self.pos, v)
+        # stored in the cache's dtype, as KVCache's slice assignment does (under autocast the rotated keys
+        # can come out fp32 beside BF16 values; attention reads both in the autocast dtype); no-op casts else
+        self.k[layer].index_copy_(2, self.pos, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(2, self.pos, v.to(self.v[layer].dtype))
         return self.k[layer], self.v[layer]
 
     def advance(self, n: int) -> None:

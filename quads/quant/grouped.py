@@ -138,12 +138,15 @@ def combine(y_pad: torch.Tensor, layout: ExpertLayout, T: int, dtype: torch.dtyp
     return out
 
 
+@torch.library.custom_op("quads::grouped_nvfp4_qdq", mutates_args=())
 def _nvfp4_qdq(x: torch.Tensor, per_token: bool) -> torch.Tensor:
     """QDQ of ``x`` ``[E, C, K]`` fp32: global scale per expert (or per row), as the loop quantizes each
     expert's ``[c_e, K]`` block on its own.
 
     The amax is measured here (never NaN or negative), so on the Triton path it goes straight to the
-    kernel: ``dispatch``'s validation of a caller's amax costs two host syncs per call.
+    kernel: ``dispatch``'s validation of a caller's amax costs two host syncs per call. One opaque op
+    (``torch.library.custom_op``), so that a compiled decode step (``quads.rollout.decode``) runs it
+    without tracing the launchers' Python or the reference's checks, which would break the graph.
     """
     if per_token:
         return ops.nvfp4_qdq(x, per_token=True)
@@ -153,6 +156,11 @@ def _nvfp4_qdq(x: torch.Tensor, per_token: bool) -> torch.Tensor:
 
         return dispatch.nvfp4_dequantize(nvfp4_quantize(x, amax=amax), x.dtype)
     return ops.nvfp4_qdq(x, amax=amax)
+
+
+@_nvfp4_qdq.register_fake
+def _(x: torch.Tensor, per_token: bool) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 def grouped_linear(

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from quads.model import gemm
-from quads.model.attention import StaticKVCache
+from quads.model.attention import StaticKVCache, activation_dtype
 
 CACHE_BUCKET = 128  # cache lengths are multiples of this (a graph per bucket, not per prompt width)
 
@@ -89,7 +89,7 @@ class StaticDecoder:
         cfg, dev = model.config, model.device
         self.model = model
         self.batch, self.max_len = batch, max_len
-        self.cache = StaticKVCache(cfg, batch, max_len, dtype=model.dtype, device=dev)
+        self.cache = StaticKVCache(cfg, batch, max_len, dtype=activation_dtype(model), device=dev)
         self.tokens = torch.zeros(batch, dtype=torch.long, device=dev)
         self.rows = torch.zeros(batch, dtype=torch.bool, device=dev)
         self.device_dispatch = device_dispatch

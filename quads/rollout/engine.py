@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from quads.model.attention import KVCache
+from quads.model.attention import KVCache, activation_dtype
 from quads.model.tokenizer import Tokenizer
 from quads.rollout.decode import StaticDecoder, cache_length, supports_device_dispatch
 from quads.rollout.types import RolloutBatch, RolloutStats, SamplingParams, encode_prompt
@@ -244,7 +244,7 @@ class RolloutEngine:
         input_ids, mask, logprobs, routing = self._output_buffers(samples, P, params)
         lp_dtype = logprobs.dtype
         stop_t = self._stop_ids(params)
-        cache = KVCache(cfg, B, P + R, dtype=model.dtype, device=dev)
+        cache = KVCache(cfg, B, P + R, dtype=activation_dtype(model), device=dev)
 
         out = model(input_ids[:, :P], attention_mask=mask[:, :P], cache=cache,
                     return_routing=params.record_routing, logits_slice=slice(P - 1, P))

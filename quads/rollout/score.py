@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from quads.model.attention import KVCache
+from quads.model.attention import KVCache, activation_dtype
 from quads.rollout.decode import StaticDecoder, cache_length
 from quads.rollout.engine import _DECODE_BACKENDS
 from quads.rollout.types import RolloutBatch
@@ -62,7 +62,7 @@ def score_rollout(model: torch.nn.Module, batch: RolloutBatch, temperature: floa
     lp_dtype = torch.promote_types(model.dtype, torch.float32)
     logprobs = torch.zeros((B, R), dtype=lp_dtype, device=dev)
     routing = torch.full((cfg.n_layers, B, S, cfg.top_k), -1, dtype=torch.long, device=dev)
-    cache = KVCache(cfg, B, S, dtype=model.dtype, device=dev)
+    cache = KVCache(cfg, B, S, dtype=activation_dtype(model), device=dev)
     was_training = model.training
     model.eval()
     try:
