@@ -162,6 +162,21 @@ def test_a_small_drop_or_a_short_run_is_not_collapsed():
     assert not judge(records(10, lambda s: 0.5 if s == 0 else 0.0, lambda s: 0.4)).collapsed
 
 
+def test_the_trainers_own_policy_collapsing_is_a_collapse():
+    """eval_trainer: an amplified sampler scores near 0 throughout while the trained policy falls from 0.4
+    to 0.1 from step 40: criterion (1) on the trainer's policy; the sampler's flat score alone is not one."""
+    recs = records(80, lambda s: 0.02, lambda s: 0.03)
+    for r in recs:
+        if "eval/pass@1" in r:
+            r["eval/trainer_pass@1"] = 0.4 if r["step"] < 40 else 0.1
+    v = judge(recs)
+    assert v.collapsed and v.criteria == "trainer" and v.onset == 40
+    for r in recs:
+        if "eval/trainer_pass@1" in r:
+            r["eval/trainer_pass@1"] = 0.4 if r["step"] < 70 else 0.25  # under 0.4 - 0.1, not under half
+    assert not judge(recs).collapsed
+
+
 def test_a_nonfinite_loss_is_a_collapse_from_its_step():
     recs = stable(40)
     recs[25]["loss/pg"] = math.nan

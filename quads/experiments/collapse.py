@@ -210,7 +210,8 @@ class CollapseRule:
 
     def text(self) -> str:
         return (f"collapsed = at the run's end, (1) held-out pass@1 < {self.frac:g} x its start value and "
-                f"<= start - {self.min_drop:g} at each of the last {self.evals} evaluations, or (2) the train "
+                f"<= start - {self.min_drop:g} at each of the last {self.evals} evaluations (the rollout "
+                "engine's score; the same for the trainer's own policy when the runs logged it), or (2) the train "
                 f"reward (trailing mean over {self.window} steps) < {self.frac:g} x its running best (full "
                 f"windows) and <= best - {self.min_drop:g} at each of the last {self.steps} steps, or (3) a NaN/Inf "
                 "loss or log-prob gap; onset = first step of that sustained stretch; a run that recovered by its "
@@ -243,19 +244,26 @@ class Verdict:
     gap_slope_before: float  # the same over the steps before the onset (every step when not collapsed)
     collapsed: bool
     onset: int | None
-    criteria: str  # which of "eval", "reward", "nonfinite" held, or "none"
+    criteria: str  # which of "eval", "trainer", "reward", "nonfinite" held, or "none"
     trainer_start: float = math.nan  # held-out pass@1 of the trainer's own policy (NaN: not logged)
     trainer_last: float = math.nan
+
+
+def _eval_onset(steps: list[int], ev: list[float], rule: CollapseRule) -> int | None:
+    """Onset of a sustained held-out collapse of ``ev`` (the start, then later evaluations), else None."""
+    if len(ev) <= rule.evals or ev[0] <= 0:  # the start plus at least ``evals`` later evaluations
+        return None
+    below = [v < rule.frac * ev[0] and v <= ev[0] - rule.min_drop for v in ev[1:]]
+    return _sustained(steps[1:], below, rule.evals)
 
 
 def judge(records: list[dict[str, Any]], rule: CollapseRule = CollapseRule()) -> Verdict:
     ev_steps, ev = series(records, EVAL_KEY)
     rw_steps, rw = series(records, REWARD_KEY)
     gap_steps, gap = series(records, GAP_KEY)
-    onsets: dict[str, int | None] = {}
-    if len(ev) > rule.evals and ev[0] > 0:  # the start plus at least ``evals`` later evaluations
-        below = [v < rule.frac * ev[0] and v <= ev[0] - rule.min_drop for v in ev[1:]]
-        onsets["eval"] = _sustained(ev_steps[1:], below, rule.evals)
+    own_steps, own = series(records, TRAINER_EVAL_KEY)
+    onsets: dict[str, int | None] = {"eval": _eval_onset(ev_steps, ev, rule),
+                                     "trainer": _eval_onset(own_steps, own, rule)}
     sm = smooth(rw, rule.window)[rule.window - 1:]  # full windows only
     sm_steps = rw_steps[rule.window - 1:]
     best, low = -math.inf, []
@@ -271,7 +279,6 @@ def judge(records: list[dict[str, Any]], rule: CollapseRule = CollapseRule()) ->
     onset = min(met.values()) if met else None
     before = [(x, y) for x, y in zip(gap_steps, gap) if onset is None or x < onset]
     w = rule.window
-    _, own = series(records, TRAINER_EVAL_KEY)
     return Verdict(
         steps=int(records[-1]["step"]) if records else 0, evals=len(ev),
         eval_start=ev[0] if ev else math.nan, eval_best=max(ev) if ev else math.nan,
