@@ -225,6 +225,11 @@ def test_report_shows_the_trainers_own_policy_when_logged(tmp_path):
     row = next(line for line in md.splitlines() if line.startswith("| nvfp4-s0 |"))
     assert row.endswith("| 0.600 | 0.750 |"), row
     assert judge(recs).trainer_last == pytest.approx(0.75) and math.isnan(judge(stable(30)).trainer_start)
+    plain = tmp_path / "plain"
+    land(make_tarball(tmp_path / "b.tar.gz", {"bf16-s0": stable(30)}), plain, say=lambda s: None)
+    width = lambda png: int.from_bytes(png[16:20], "big")  # noqa: E731 (the PNG header's IHDR width)
+    four, three = (width((d / "report/collapse.png").read_bytes()) for d in (dest, write_report(plain).parent))
+    assert four == pytest.approx(three * 4 / 3, rel=0.05)  # a fourth panel: the trainer's policy
 
 
 def test_report_of_a_learning_rate_sweep_has_one_row_per_lr(tmp_path):

@@ -82,6 +82,7 @@ TRAINER_EVAL_KEY = "eval/trainer_pass@1"  # the trainer's own policy (``eval_tra
 PANELS = ((EVAL_KEY, "held-out pass@1 (greedy)", "linear"),
           (GAP_KEY, "per-sequence gap: sum_t |dlogp| (trailing mean)", "log"),
           (REWARD_KEY, "train reward (trailing mean)", "linear"))
+TRAINER_PANEL = (TRAINER_EVAL_KEY, "held-out pass@1, the trainer's own policy", "linear")  # when logged
 
 
 class LandingError(ValueError):
@@ -387,11 +388,12 @@ def curves(runs: dict[str, list[dict[str, Any]]], window: int) -> dict[str, dict
     out: dict[str, dict[str, list[Curve]]] = {}
     for name, recs in runs.items():
         recipe, _ = split_name(name)
-        for key, _, _ in PANELS:
+        for key, _, _ in (*PANELS, TRAINER_PANEL):
             xs, ys = series(recs, key)
-            if key != EVAL_KEY:
+            if key not in (EVAL_KEY, TRAINER_EVAL_KEY):
                 ys = smooth(ys, window)
-            out.setdefault(recipe, {}).setdefault(key, []).append((xs, ys))
+            if xs:  # the trainer's policy only where the run logged it
+                out.setdefault(recipe, {}).setdefault(key, []).append((xs, ys))
     return out
 
 
@@ -407,7 +409,9 @@ def write_report(dest: str | Path, rule: CollapseRule = CollapseRule(), command:
             ev = dict(zip(*series(runs[name], EVAL_KEY)))
             at = [s for s in ev if s >= v.onset]
             marks.setdefault(split_name(name)[0], []).append((at[0], ev[at[0]]) if at else (v.onset, v.eval_last))
-    plot_seed_bands(curves(runs, rule.window), PANELS, out / "collapse.png", marks)
+    trainer = any(not math.isnan(v.trainer_last) for v in verdicts.values())
+    panels = (PANELS[0], TRAINER_PANEL, *PANELS[1:]) if trainer else PANELS
+    plot_seed_bands(curves(runs, rule.window), panels, out / "collapse.png", marks)
     rows = recipe_rows(verdicts, {name: run_settings(dest / "runs" / name) for name in runs})
     calls = sorted(p.name for p in (dest / "calls").glob("*") if p.is_dir())
     write_markdown(out / "collapse.md", [
@@ -418,8 +422,7 @@ def write_report(dest: str | Path, rule: CollapseRule = CollapseRule(), command:
         f"Rule: {rule.text()}.",
         table(rows, RECIPE_COLUMNS),
         table([{"run": n, **asdict(v)} for n, v in verdicts.items()],
-              RUN_COLUMNS + (TRAINER_COLUMNS if any(not math.isnan(v.trainer_last) for v in verdicts.values())
-                             else [])),
+              RUN_COLUMNS + (TRAINER_COLUMNS if trainer else [])),
         "Columns: lr = the groups' learning rate (with its linear warmup in optimizer steps) from the runs' "
         f"config.yaml; pass@1 = held-out greedy pass@1 (`eval/pass@1`; start = step 0, the start of RL; last {TAIL_EVALS} = "
         f"mean of the last {TAIL_EVALS} evaluations after the start; gain = that minus the start, mean over seeds); reward = "
@@ -430,7 +433,7 @@ def write_report(dest: str | Path, rule: CollapseRule = CollapseRule(), command:
         f"over the first / last {rule.window} steps, slope = least-squares slope per step (before onset: the "
         "steps before the collapse onset; every step when none). Figure: mean over seeds (steps every seed "
         "logged), min-max band shaded, each seed thin; crosses = collapse onsets (the first evaluation from "
-        "the onset).",
+        "the onset); the trainer's policy has its own panel when logged.",
         "![collapse](collapse.png)",
     ])
     atomic_write_text(out / "collapse.json", json.dumps({

@@ -248,6 +248,8 @@ def plot_seed_bands(curves: Mapping[str, Mapping[str, Sequence[tuple[list[int], 
         color = None
         for ax, (key, title, _) in zip(axes[0], panels):
             seeds = by_key.get(key, [])
+            if not seeds:  # a metric this recipe's runs did not log
+                continue
             xs, mean, lo, hi = seed_band(seeds)
             line = ax.plot(xs, mean, color=color, lw=2, label=f"{recipe} (mean of {len(seeds)})")[0]
             color = line.get_color()
