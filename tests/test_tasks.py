@@ -138,17 +138,21 @@ def test_examples_up_to_returns_the_whole_small_split(name, kwargs, train, test)
         task.examples("train", train + 1)
 
 
-def test_chain_level_is_a_long_running_sum():
+@pytest.mark.parametrize("level,operands,chars,mean", [(8, (32, 40), (200, 400), (260, 310)),
+                                                      (9, (8, 10), (40, 95), (55, 70))])
+def test_chain_level_is_a_long_running_sum(level, operands, chars, mean):
     """Level 8 (the chain): 32-40 one-digit operands, +/- only, the scratchpad is the running sum left to
-    right, and the responses are long (200-400 characters, mean about 285)."""
-    from quads.tasks.arithmetic import CHAIN_LEVEL
+    right, and the responses are long (200-400 characters, mean about 285); level 9 (the short chain) the
+    same with 8-10 operands (40-95 characters, mean about 62)."""
+    from quads.tasks.arithmetic import CHAIN_LEVEL, SHORT_CHAIN_LEVEL
 
-    task = ArithmeticTask(CHAIN_LEVEL)
+    assert (CHAIN_LEVEL, SHORT_CHAIN_LEVEL) == (8, 9)
+    task = ArithmeticTask(level)
     examples = task.examples("train", 300)
     lengths = []
     for e in examples:
         nums = [int(x) for x in e.meta["expression"].replace("-", "+").split("+")]
-        assert 32 <= len(nums) <= 40 and all(0 <= x <= 9 for x in nums)
+        assert operands[0] <= len(nums) <= operands[1] and all(0 <= x <= 9 for x in nums)
         steps = task.demonstration(e).split()
         assert len(steps) == len(nums)  # one step per operand after the first, then the answer
         running = nums[0]
@@ -159,8 +163,8 @@ def test_chain_level_is_a_long_running_sum():
             assert int(rest.split("=")[1]) == running
         assert steps[-1] == f"#{running}" and e.answer == str(running)
         lengths.append(len(task.demonstration(e)))
-    assert 200 <= min(lengths) and max(lengths) <= 400 and 260 <= sum(lengths) / len(lengths) <= 310
-    again = ArithmeticTask(CHAIN_LEVEL).examples("train", 300)
+    assert chars[0] <= min(lengths) and max(lengths) <= chars[1] and mean[0] <= sum(lengths) / len(lengths) <= mean[1]
+    again = ArithmeticTask(level).examples("train", 300)
     assert [(e.prompt, e.meta["demonstration"]) for e in again] == [(e.prompt, e.meta["demonstration"])
                                                                     for e in examples]
 

@@ -6,6 +6,9 @@ right), each step ``a<op>b=c`` on the values computed so far, then ``#`` and the
 Responses are tens of characters long, so a per-token error rate compounds over the sequence.
 Level 8 (``CHAIN_LEVEL``) is the long-response "chain": 32-40 one-digit operands joined by ``+``/``-``,
 so the scratchpad is the running sum (``3+6=9 9-5=4 4-3=1 ...``), 200-390 characters (mean 284).
+Level 9 (``SHORT_CHAIN_LEVEL``) is the same chain with 8-10 operands, responses about a quarter as long:
+with level 8 and the 20-40-character levels it measures how a quantity (the mismatch budget) moves with
+response length on one kind of task.
 
 The verifier reads the integer right after the first ``#``; no marker or no integer after it is
 reward 0 with the reason. Only the final answer is checked, not the scratchpad.
@@ -43,9 +46,11 @@ LEVELS: dict[int, Level] = {
     6: Level((5, 5), 1, "+-*", True, False),
     7: Level((4, 5), 2, "+-*", True, True),
     8: Level((32, 40), 1, "+-", False, True),  # the chain: a running-sum scratchpad of 31-39 steps
+    9: Level((8, 10), 1, "+-", False, True),  # the short chain: the same scratchpad, 7-9 steps
 }
 DEFAULT_DIFFICULTY = 6
 CHAIN_LEVEL = 8
+SHORT_CHAIN_LEVEL = 9
 
 
 def _apply(a: int, op: str, b: int) -> int:
