@@ -2,7 +2,8 @@
 # The mismatch-budget dose-response (issue 19 item 6): quads compare once per alpha, where alpha scales the
 # rollout's quantization error in every quantized GEMM (recipe.rollout_error_scale: operands x + alpha (Q(x) - x)).
 # BF16 runs once (alpha = 1): it quantizes nothing, so alpha does not change it. A summary table over every
-# (alpha, recipe) lands in $OUT/summary.md and one JSON line per (alpha, recipe, seed) in $OUT/summary.jsonl.
+# (alpha, recipe) lands in $OUT/summary.md and one JSON line per (alpha, recipe, seed) in $OUT/summary.jsonl
+# (scripts/mismatch_budget_summary.py; with eval_trainer the trainer's own policy's held-out pass@1 too).
 # Run from the repository root:  nice bash scripts/mismatch_budget.sh
 # Knobs (env): OUT (results/mismatch_budget), CONFIG (configs/experiments/mismatch_budget.yaml), ALPHAS (1,4,8,16),
 #   RECIPES (nvfp4,quads: the amplified ones), SEEDS (0,1), PARALLEL (1), PY (.venv/bin/python), EXTRA_SET (more
@@ -26,30 +27,6 @@ for a in ${ALPHAS//,/ }; do
   $PY -m quads.cli compare --train-config "$CONFIG" --recipes "$recipes" --seeds "$SEEDS" --parallel "$PARALLEL" \
     --set "recipe.rollout_error_scale=$a${EXTRA_SET:+,$EXTRA_SET}" --out-dir "$OUT/alpha$a"
 done
-$PY - "$OUT" "$ALPHAS" <<'PY'
-import json, math, sys
-from pathlib import Path
-
-from quads.metrics.report import table, write_markdown
-out, alphas = Path(sys.argv[1]), sys.argv[2].split(",")
-rows, lines = [], []
-for a in alphas:
-    cmp = json.loads((out / f"alpha{a}" / "compare.json").read_text())
-    for name, s in cmp["runs"].items():
-        lines.append(json.dumps({"alpha": float(a), "run": name, **s}))
-    for r in cmp["recipes"]:
-        rows.append({"alpha": float(a), **{k: (math.nan if v is None else v) for k, v in r.items()}})
-(out / "summary.jsonl").write_text("\n".join(lines) + "\n")
-cols = [("alpha", "alpha", "{:g}"), ("recipe", "recipe", "{}"), ("runs ok", lambda r: f"{r['finished']}/{r['seeds']}", "{}"),
-        ("k3 mean", "k3_mean", "{:.2e}"), ("gap mean", "gap_mean", "{:.4f}"), ("seq gap mean", "seq_gap_mean", "{:.3f}"),
-        ("k3 slope /step", "k3_slope", "{:.2e}"),
-        ("final reward", "reward_final", "{:.3f}"), ("held-out start", "eval_start", "{:.3f}"),
-        ("held-out end", "eval_end", "{:.3f}"), ("collapsed", lambda r: ", ".join(f"s{s}@{t}" for s, t in r["collapsed"]) or "no", "{}"),
-        ("IS correction", "correction", "{}"), ("mini-batches", "mini_batches", "{}")]
-write_markdown(out / "summary.md", ["# Mismatch budget: rollout quantization error x alpha",
-                                    "Rows: quads compare of each alpha (`alpha<a>/compare.md`), mean over seeds.",
-                                    table(rows, cols)])
-print((out / "summary.md").read_text())
-PY
+$PY scripts/mismatch_budget_summary.py "$OUT" "$ALPHAS"  # summary.md / summary.jsonl (the trainer's policy when logged)
 # results/ is committed: keep metrics, configs, logs and reports; drop weights (checkpoints, policies: ~30 MB a run)
 if [ "${CLEAN:-1}" = 1 ]; then rm -rf "$OUT"/alpha*/runs/*/checkpoints "$OUT"/alpha*/runs/*/policy "$OUT"/alpha*/runs/*/tb; fi
