@@ -22,7 +22,10 @@ land such a call under another ``<dest>``.
 The collapse rule (``CollapseRule``, ``judge``), conservative: a run has collapsed when, at its end,
 
 1. its held-out greedy pass@1 has stayed below ``frac`` (0.5) of its value at the start of RL and at
-   least ``min_drop`` (0.1) under it, at each of its last ``evals`` (2) evaluations; or
+   least ``min_drop`` (0.1) under it, at each of its last ``evals`` (2) evaluations: the rollout
+   engine's score (criterion ``eval``), or the trainer's own policy's when the run logged it
+   (``eval_trainer``, criterion ``trainer``: under the mismatch amplifier the sampler's score falls with
+   alpha while the trained policy may not); or
 2. its train reward (``reward/mean``, trailing mean over ``window`` = 10 steps) has stayed below ``frac``
    of its running best (over full windows only) and at least ``min_drop`` under it, at each of its last
    ``steps`` (20) steps; or
