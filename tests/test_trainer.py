@@ -413,3 +413,21 @@ def test_eval_trainer_scores_the_trainers_own_policy(tmp_path, digits_task):
     assert [s["response"] for s in roll.samples] == [s["response"] for s in own.samples]
     roll, own = texts("nvfp4", rollout_error_scale=16.0)
     assert [s["response"] for s in roll.samples] != [s["response"] for s in own.samples]
+
+
+def test_mismatch_guard_thresholds_include_the_per_sequence_gap():
+    """check_guard trips on each configured threshold (NaN too) and ignores the ones set to None; the
+    per-sequence gap (default 5.0, the amplifier's budget per sequence) is one of them."""
+    from quads.rl.config import GuardSection
+    from quads.rl.trainer import check_guard
+
+    cfg = TrainConfig()
+    assert cfg.guard.seq_gap == 5.0
+    ok = {"mismatch/logp_gap_mean": 0.01, "mismatch/k3": 1e-3, "mismatch/seq_gap_mean": 1.2}
+    assert check_guard(ok, cfg) == []
+    tripped = check_guard({**ok, "mismatch/seq_gap_mean": 7.5}, cfg)
+    assert tripped == ["mismatch/seq_gap_mean=7.5 > 5"]
+    assert check_guard({**ok, "mismatch/seq_gap_mean": math.nan}, cfg) == ["mismatch/seq_gap_mean=nan > 5"]
+    off = replace(cfg, guard=GuardSection(seq_gap=None))
+    assert check_guard({**ok, "mismatch/seq_gap_mean": 7.5}, off) == []
+    assert len(check_guard({**ok, "mismatch/k3": 0.5, "mismatch/seq_gap_mean": 9.0}, cfg)) == 2

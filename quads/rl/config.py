@@ -183,6 +183,9 @@ class GuardSection:
     gap_mean: float | None = 0.5  # threshold on mismatch/logp_gap_mean
     gap_max: float | None = None  # threshold on mismatch/logp_gap_max
     k3: float | None = 0.1  # threshold on mismatch/k3
+    # the amplifier's budget is per sequence, about the same at 20-284 tokens (no harm up to 2.5-5, harm from
+    # ~7; docs/RESULTS.md section 3), where a per-token k3 threshold cannot hold for every response length
+    seq_gap: float | None = 5.0  # threshold on mismatch/seq_gap_mean (mean over responses of sum_t |dlogp|)
     action: Literal["warn", "abort"] = "warn"  # warn: log and continue; abort: checkpoint and stop (exit 3)
     # NaN/Inf loss or grad norm in a mini-batch: no optimizer step; skip: count it in optim/skipped and go on;
     # abort: checkpoint the end of the step before and stop (exit 3)

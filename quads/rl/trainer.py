@@ -152,7 +152,7 @@ def check_resume(cfg: TrainConfig, state: dict[str, Any], model_config: dict[str
 def check_guard(metrics: dict[str, float], cfg: TrainConfig) -> list[str]:
     g, out = cfg.guard, []
     for key, limit in (("mismatch/logp_gap_mean", g.gap_mean), ("mismatch/logp_gap_max", g.gap_max),
-                       ("mismatch/k3", g.k3)):
+                       ("mismatch/k3", g.k3), ("mismatch/seq_gap_mean", g.seq_gap)):
         v = metrics.get(key)
         if limit is not None and v is not None and not v <= limit:  # NaN trips too
             out.append(f"{key}={v:.4g} > {limit:g}")
