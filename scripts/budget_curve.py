@@ -13,7 +13,7 @@ alpha the mean of its runs a large one; naive NVFP4 at alpha 1 ringed) and ``<ou
 
     python scripts/budget_curve.py --out results/budget_curve \\
       --series "level 4, 20 chars (CPU, 60 steps)=results/mismatch_budget_lr5e-5/alpha*/runs/*" \\
-      --series "level 9, 62 chars (CPU, 60 steps)=results/mismatch_budget_chain9*/alpha*/runs/*" \\
+      --series "level 9, 62 chars (CPU, 60 steps)=results/mismatch_budget_chain9/alpha*/runs/*,results/mismatch_budget_chain9_s2/alpha*/runs/*" \\
       --series "level 8, 284 chars (GPU, 51-122 steps)=results/gpu/collapse/2026-12-02_chain100m_outliers_amplified/runs/*"
 """
 
@@ -22,33 +22,29 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from quads.metrics.report import load_metrics, pyplot, save_figure
+from quads.experiments.collapse import TRAINER_EVAL_KEY
+from quads.metrics.report import finite_mean, load_metrics, pyplot, save_figure, series
 
-TRAINER_KEY = "eval/trainer_pass@1"
 MARKERS = {"bf16": "o", "nvfp4": "s", "quads": "^"}
 
 
 def point(run_dir: Path) -> dict[str, Any] | None:
     """One run's point, or None when it did not score the trainer's own policy at least twice."""
     recs = load_metrics(run_dir)
-    own = [(int(r["step"]), r[TRAINER_KEY]) for r in recs if TRAINER_KEY in r]
+    own = list(zip(*series(recs, TRAINER_EVAL_KEY)))
     if len(own) < 2:
         return None
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     recipe = cfg.get("recipe") or {}
 
-    def mean(key: str) -> float:
-        vals = [r[key] for r in recs if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
-        return sum(vals) / len(vals) if vals else math.nan
-
     return {"run": str(run_dir), "recipe": recipe.get("name", "?"), "alpha": float(recipe.get("rollout_error_scale", 1.0)),
-            "steps": int(recs[-1]["step"]), "k3": mean("mismatch/k3"), "seq_gap": mean("mismatch/seq_gap_mean"),
+            "steps": int(recs[-1]["step"]), "k3": finite_mean(r.get("mismatch/k3") for r in recs),
+            "seq_gap": finite_mean(r.get("mismatch/seq_gap_mean") for r in recs),
             "trainer_by_step": own}
 
 
@@ -72,7 +68,7 @@ def score(pts: list[dict[str, Any]]) -> int:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--series", action="append", required=True,
-                    help='"label=glob of run folders" (repeatable; one colour each)')
+                    help='"label=glob[,glob...]" of run folders (repeatable; one colour each)')
     ap.add_argument("--out", type=Path, required=True, help="folder for budget_curve.png and budget_curve.json")
     args = ap.parse_args(argv)
     series: dict[str, list[dict[str, Any]]] = {}
@@ -81,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         label, sep, pattern = spec.partition("=")
         if not sep or not label.strip():
             raise SystemExit(f"--series {spec!r}: expected 'label=glob'")
-        dirs = sorted(Path(p) for p in glob.glob(pattern) if Path(p, "config.yaml").is_file())
+        dirs = sorted({Path(p) for g in pattern.split(",") for p in glob.glob(g) if Path(p, "config.yaml").is_file()})
         if not dirs:
             raise SystemExit(f"--series {label!r}: no run folder matches {pattern!r}")
         pts = []

@@ -19,23 +19,16 @@ import json
 import math
 from pathlib import Path
 
-from quads.metrics.report import table, write_markdown
-
-TRAINER_KEY = "eval/trainer_pass@1"
+from quads.experiments.collapse import TRAINER_EVAL_KEY
+from quads.metrics.report import finite_mean, load_metrics, series, table, write_markdown
 
 
 def trainer_evals(run_dir: Path) -> list[float]:
     """The run's ``eval/trainer_pass@1`` values in step order (empty when it did not log them)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    try:
+        return series(load_metrics(run_dir), TRAINER_EVAL_KEY)[1]
+    except ValueError:  # no metrics file
         return []
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r[TRAINER_KEY] for r in recs if TRAINER_KEY in r]
-
-
-def _mean(values: list[float]) -> float:
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    return sum(vals) / len(vals) if vals else math.nan
 
 
 def _joined(values: list) -> str:
@@ -68,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
             row = {"alpha": float(a), "recipe": recipe, "seeds": seeds.get(recipe, len(done)), "finished": len(done)}
             for key in ("k3_mean", "gap_mean", "seq_gap_mean", "k3_slope", "reward_final", "eval_start", "eval_end",
                         "trainer_start", "trainer_end"):
-                row[key] = _mean([st.get(key) for st in stats])
+                row[key] = finite_mean(st.get(key) for st in stats)
             ends = [st["trainer_end"] for st in stats if "trainer_end" in st]
             row["trainer_ends"] = ", ".join(f"{e:.2f}" for e in ends) or "n/a"
             row["collapsed"] = [(name.rsplit("-s", 1)[1], st.get("collapse_step")) for name, st in done
@@ -92,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         "# Mismatch budget: rollout quantization error x alpha",
         "Rows: the runs of each alpha (`alpha<a>/compare.json`"
         + "".join(f", and `{m}`" for m in args.more) + "), mean over seeds; the trainer's policy "
-        f"(when logged): `{TRAINER_KEY}` at the first and the last evaluation, mean over seeds and per seed.",
+        f"(when logged): `{TRAINER_EVAL_KEY}` at the first and the last evaluation, mean over seeds and per seed.",
         table(rows, cols)])
     print((args.out / "summary.md").read_text())
 
