@@ -28,5 +28,9 @@ for a in ${ALPHAS//,/ }; do
     --set "recipe.rollout_error_scale=$a${EXTRA_SET:+,$EXTRA_SET}" --out-dir "$OUT/alpha$a"
 done
 $PY scripts/mismatch_budget_summary.py "$OUT" "$ALPHAS"  # summary.md / summary.jsonl (the trainer's policy when logged)
-# results/ is committed: keep metrics, configs, logs and reports; drop weights (checkpoints, policies: ~30 MB a run)
-if [ "${CLEAN:-1}" = 1 ]; then rm -rf "$OUT"/alpha*/runs/*/checkpoints "$OUT"/alpha*/runs/*/policy "$OUT"/alpha*/runs/*/tb; fi
+# results/ is committed: keep metrics (gzipped), configs, logs and the sweep's reports; drop weights (checkpoints,
+# policies: ~30 MB a run) and the per-run reports (`quads report <run>` rebuilds one from its metrics)
+if [ "${CLEAN:-1}" = 1 ]; then
+  rm -rf "$OUT"/alpha*/runs/*/checkpoints "$OUT"/alpha*/runs/*/policy "$OUT"/alpha*/runs/*/tb "$OUT"/alpha*/runs/*/report
+  for f in "$OUT"/alpha*/runs/*/metrics.jsonl; do [ -f "$f" ] && gzip -n -9 -f "$f"; done
+fi

@@ -66,6 +66,7 @@ from quads.metrics.report import (
     finite_mean,
     json_safe,
     load_metrics,
+    metrics_file,
     nonfinite_keys,
     plot_seed_bands,
     run_settings,
@@ -76,7 +77,7 @@ from quads.metrics.report import (
     write_markdown,
 )
 
-GZIP_OVER = 1 << 20  # landed files larger than this (bytes) are stored gzipped
+GZIP_OVER = 1 << 16  # landed files larger than this (bytes) are stored gzipped (the repository's size)
 TAIL_EVALS = 3  # held-out pass@1 at the end of a run: the mean of its last this many evaluations after the start
 CALL_FILES = ("env.txt", "plan.txt", "summary.txt", "pick.txt", "pretrain.log", "compare.log", "compare.md",
               "compare.json")
@@ -348,7 +349,7 @@ RECIPE_COLUMNS: list[Column] = [
 def load_runs(dest: str | Path) -> dict[str, list[dict[str, Any]]]:
     """Run name -> records of every landed run under ``dest/runs``, sorted by group then seed."""
     root = Path(dest) / "runs"
-    dirs = [p for p in root.glob("*") if any((p / f).is_file() for f in ("metrics.jsonl", "metrics.jsonl.gz"))]
+    dirs = [p for p in root.glob("*") if metrics_file(p) is not None]
     if not dirs:
         raise ValueError(f"no landed runs under {str(root)!r}; land a call first (scripts/collapse_report.py land)")
     return {p.name: load_metrics(p) for p in sorted(dirs, key=lambda p: split_name(p.name))}

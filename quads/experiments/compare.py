@@ -69,6 +69,7 @@ from quads.metrics.report import (
     finite_mean,
     json_safe,
     load_metrics,
+    metrics_file,
     plot_compare,
     run_settings,
     smooth,
@@ -602,7 +603,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 def existing_runs(cfg: CompareConfig) -> tuple[Any, list[RunOutcome]]:
     """``(shared config, outcomes)`` of the runs a previous ``quads compare`` left in ``out_dir``.
 
-    A run counts as finished when its folder holds ``metrics.jsonl`` (what the report reads); the shared
+    A run counts as finished when its folder holds ``metrics.jsonl`` or ``metrics.jsonl.gz`` (what the report reads); the shared
     config is the first run's saved config (runs differ only in recipe, variant, seed and folder).
     """
     from quads.rl.config import TrainConfig
@@ -616,7 +617,7 @@ def existing_runs(cfg: CompareConfig) -> tuple[Any, list[RunOutcome]]:
             for c in (cpath, run_dir / "config.yaml"):  # the planned config, else the run's resolved one
                 if base is None and c.is_file():
                     base = build_config(TrainConfig, str(c))
-            ok = (run_dir / "metrics.jsonl").is_file()
+            ok = metrics_file(run_dir) is not None
             outcomes.append(RunOutcome(name, recipe, seed, str(run_dir), 0 if ok else None, 0.0,
                                        "" if ok else "no metrics.jsonl in the run folder", reused=True, group=group))
     if base is None:

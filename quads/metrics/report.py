@@ -333,13 +333,21 @@ def plot_layer_errors(errors: Mapping[str, Mapping[str, float]], trainer: str, p
 # ---------------------------------------------------------------------- run report
 
 
+def metrics_file(run_dir: str | Path) -> Path | None:
+    """A run folder's ``metrics.jsonl``, else its gzipped ``metrics.jsonl.gz`` (how results/ commits them),
+    else None."""
+    for name in ("metrics.jsonl", "metrics.jsonl.gz"):
+        if (Path(run_dir) / name).is_file():
+            return Path(run_dir) / name
+    return None
+
+
 def load_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Records of ``metrics.jsonl`` (or a gzipped ``metrics.jsonl.gz``) merged by step, sorted by step; a
     torn last line is skipped. ``path``: the file or its run folder."""
     path = Path(path)
     if path.is_dir():
-        path = path / "metrics.jsonl" if (path / "metrics.jsonl").is_file() or not (
-            path / "metrics.jsonl.gz").is_file() else path / "metrics.jsonl.gz"
+        path = metrics_file(path) or path / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"no metrics file at {str(path)!r}; pass a run folder that has metrics.jsonl")
     by_step: dict[int, dict[str, Any]] = {}
