@@ -3,7 +3,7 @@
     python scripts/collapse_report.py land results/gpu/collapse/<tag> call1/results.tar.gz [call2/... in call order]
     python scripts/collapse_report.py report results/gpu/collapse/<tag>
 
-``land``: per run the latest metrics.jsonl (gzipped when over 1 MB), config.yaml and log under
+``land``: per run the latest metrics.jsonl (gzipped when over 64 KiB), config.yaml and log under
 ``<tag>/runs/``, each call's plan / summary / pick / pretrain / compare files under ``<tag>/calls/<NN>/``;
 a tarball whose runs rewrite the landed steps (a run started over instead of continued) is refused
 (exit 1, nothing of it written); one landed before is skipped. ``report``: ``<tag>/report/collapse.md``

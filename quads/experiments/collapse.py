@@ -421,7 +421,7 @@ def write_report(dest: str | Path, rule: CollapseRule = CollapseRule(), command:
     write_markdown(out / "collapse.md", [
         f"# Collapse runs: {dest.name}",
         f"Landed calls: {', '.join(calls) or 'none'} (`calls/<NN>/`: plan, summary, logs of each call); runs "
-        f"`runs/<group>-s<seed>/metrics.jsonl` (group: the recipe, or `<recipe>-<variant>` of a sweep)."
+        f"`runs/<group>-s<seed>/metrics.jsonl[.gz]` (group: the recipe, or `<recipe>-<variant>` of a sweep)."
         + (f" Made by `{command}`." if command else ""),
         f"Rule: {rule.text()}.",
         table(rows, RECIPE_COLUMNS),
