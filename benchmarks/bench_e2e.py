@@ -555,8 +555,7 @@ def bench_trainer(args, rows: list) -> None:
                 if name != base:
                     row["phases"][f"vs_{base}_delta_ms"] = phase_deltas(row["phases"], rows_phases[base])
                 rows_phases[name] = row["phases"]
-            refs = [base] + ([recipe] if comp and recipe in configs and recipe != base else [])
-            for ref in refs if name != base else []:  # compiled rows: also against their plain recipe
+            for ref in _ratio_refs(name, names, configs):
                 r = ratio_ci(ms[name], ms[ref])
                 row.update({f"vs_{ref}": r["ratio"], f"vs_{ref}_ci": [r["ci_lo"], r["ci_hi"]],
                             f"vs_{ref}_pair_median": r["pair_median"]})
@@ -565,6 +564,17 @@ def bench_trainer(args, rows: list) -> None:
             if "phases" in row:
                 print(_phases_line(row), flush=True)
         _write_json(args, rows)
+
+
+def _ratio_refs(name: str, names: list[str], configs: dict[str, tuple[str, bool]]) -> list[str]:
+    """The configurations a trainer row's time is divided by: the first one (plain first recipe); for a
+    compiled row also its own recipe plain and the first recipe compiled (QAT's cost under compile)."""
+    base = names[0]
+    if name == base:
+        return []
+    recipe, comp = configs[name]
+    refs = [base] + ([recipe] if comp and recipe in configs and recipe != base else [])
+    return refs + [n for n in names if n not in refs and n != name and configs[n] == (configs[base][0], comp)]
 
 
 _LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")

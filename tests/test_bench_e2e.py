@@ -85,6 +85,16 @@ def test_bench_trainer_cpu_interleaved(tmp_path):
     assert all(r["profile"]["top"] and r["profile"]["syncs"] == 0 for r in rows)  # CPU: no CUDA syncs to count
 
 
+def test_trainer_rows_compare_compiled_qat_with_compiled_bf16():
+    refs = _bench()._ratio_refs
+    names = ["bf16", "w4a16-qat", "bf16+compile", "w4a16-qat+compile"]
+    configs = {"bf16": ("bf16", False), "w4a16-qat": ("w4a16-qat", False), "bf16+compile": ("bf16", True),
+               "w4a16-qat+compile": ("w4a16-qat", True)}
+    assert refs("bf16", names, configs) == [] and refs("w4a16-qat", names, configs) == ["bf16"]
+    assert refs("bf16+compile", names, configs) == ["bf16"]
+    assert refs("w4a16-qat+compile", names, configs) == ["bf16", "w4a16-qat", "bf16+compile"]
+
+
 def test_trainer_compile_flag_parses():
     on_off = _bench()._on_off
     assert on_off("off", "f") == [False] and on_off("off,on", "f") == [False, True] and on_off("on,on", "f") == [True]
