@@ -82,14 +82,17 @@ def test_chain_configs_find_the_warm_start_of_the_sweep(monkeypatch):
 
     asked = []
     monkeypatch.setattr(pretrain, "warm_start", lambda cfg: asked.append(cfg.cache_key()) or "unused")
-    for name in ("chain_100m", "chain_100m_outliers"):
+    outliers = OutlierConfig(mode="inject", channels=[37, 150, 301, 444], scale=32)
+    chain = dict(task="arithmetic", preset="100m", lr=0.001, batch_size=32, eval_size=100, device="cuda", progress=False,
+                 target_pass=0.35)
+    level8 = dict(chain, difficulty=8, max_new_tokens=400, steps=800, eval_at=list(range(350, 801, 25)))
+    sweeps = {"chain_100m": PretrainConfig(**level8),
+              "chain_100m_outliers": PretrainConfig(**level8, outliers=outliers),
+              "chain_100m_long": PretrainConfig(**chain, difficulty=10, max_new_tokens=3500, steps=2000,
+                                                eval_at=list(range(50, 2001, 50)), outliers=outliers, max_seq_len=4096)}
+    for name, sweep in sweeps.items():
         cfg = build_config(TrainConfig, Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml")
         warm_start_checkpoint(cfg)
-        sweep = PretrainConfig(task="arithmetic", difficulty=8, preset="100m", lr=0.001, batch_size=32, eval_size=100,
-                               max_new_tokens=400, device="cuda", progress=False, steps=800, target_pass=0.35,
-                               eval_at=list(range(350, 801, 25)),
-                               outliers=OutlierConfig(mode="inject", channels=[37, 150, 301, 444], scale=32)
-                               if name.endswith("outliers") else OutlierConfig())
         assert asked[-1] == sweep.cache_key(), name
 
 
