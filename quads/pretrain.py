@@ -41,6 +41,12 @@ Activation outliers (``outliers``, ``quads.model.outliers``): ``init`` sets the 
 checks the function on a batch of training sequences and stores the check and the per-channel absmax
 growth in ``extra["outliers_result"]``. A config with ``outliers.mode: none`` hashes as it did before the
 field existed, so older cache entries stay valid.
+
+Context length (``max_seq_len``): None builds the preset as it is; an int replaces the preset's
+``max_seq_len`` (at least the preset's), so a preset learns a task whose prompt + response is longer
+(arithmetic level 10 on the 100m preset). It sizes only the rollout KV cache (RoPE angles are computed
+from the positions, no table), so no weight and no number changes; the checkpoint's config carries it to
+the RL runs. Hashed only when set: a config without it keeps its cache key.
 """
 
 from __future__ import annotations
@@ -88,6 +94,7 @@ class PretrainConfig:
     outliers: OutlierConfig = field(default_factory=OutlierConfig)  # activation outlier channels (module docstring)
     eval_at: list[int] = field(default_factory=list)  # optimizer steps after which held-out pass@1 is also measured (<= steps)
     target_pass: float | None = None  # stop at the first eval_at step whose held-out pass@1 >= this, saving that model
+    max_seq_len: int | None = None  # the model's context (prompt + response, KV cache length); None = the preset's
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "train_size", "max_new_tokens"):
@@ -115,9 +122,14 @@ class PretrainConfig:
         if self.target_pass is not None and not (0.0 < self.target_pass <= 1.0 and self.eval_at):
             raise ValueError(f"PretrainConfig.target_pass must be in (0, 1] and needs eval_at (the steps at which it "
                              f"is checked); got target_pass {self.target_pass}, eval_at {self.eval_at}")
-        if self.outliers.active:
-            from quads.model.config import PRESETS
+        from quads.model.config import PRESETS
 
+        if self.max_seq_len is not None:
+            own = PRESETS.get(self.preset, {}).get("max_seq_len", 1)
+            if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < own:
+                raise ValueError(f"PretrainConfig.max_seq_len lengthens the {self.preset} preset's context: a whole "
+                                 f"number >= its max_seq_len {own}, or None for the preset's; got {self.max_seq_len!r}")
+        if self.outliers.active:
             hidden = PRESETS.get(self.preset, {}).get("hidden_size")
             if hidden is not None and max(self.outliers.channels) >= hidden:
                 raise ValueError(f"outliers.channels must be < the {self.preset} preset's hidden_size {hidden}; "
@@ -131,7 +143,7 @@ class PretrainConfig:
         the pass@1 measured by the run that trained it. With ``target_pass`` set, these evaluation settings
         decide where training stops and are hashed with it; unset, it hashes as before the field existed.
         The compute dtype is hashed resolved (``auto`` on CUDA is bfloat16), and only when it differs from
-        ``dtype``.
+        ``dtype``; ``max_seq_len`` only when set.
         """
         skip = ("cache_dir", "progress", "device", "threads", "compute_dtype")
         if self.target_pass is None:
@@ -139,6 +151,8 @@ class PretrainConfig:
         fields = {k: v for k, v in to_dict(self).items() if k not in skip}
         if not self.outliers.active:
             del fields["outliers"]
+        if self.max_seq_len is None:
+            del fields["max_seq_len"]
         if self.resolved_compute_dtype() != self.dtype:
             fields["compute_dtype"] = self.resolved_compute_dtype()
         blob = json.dumps({"v": FORMAT_VERSION, **fields}, sort_keys=True)
@@ -208,13 +222,22 @@ def _lr_at(step: int, cfg: PretrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
+def model_config(cfg: PretrainConfig, vocab_size: int):
+    """The ``ModelConfig`` an SFT run trains: ``cfg.preset`` in ``cfg.dtype``, ``cfg.max_seq_len`` when set."""
+    from quads.model import ModelConfig
+
+    longer = {} if cfg.max_seq_len is None else {"max_seq_len": cfg.max_seq_len}
+    return ModelConfig.preset(cfg.preset, vocab_size=vocab_size, dtype=cfg.dtype, **longer)
+
+
 def check_lengths(data: list[tuple[list[int], int]], max_seq_len: int, cfg: PretrainConfig) -> None:
     """Every SFT sequence fits the model's ``max_seq_len`` (the rollout KV cache's length); else ValueError."""
     longest = max(len(s) for s, _ in data)
     if longest > max_seq_len:
+        whose = f"the {cfg.preset} preset's" if cfg.max_seq_len is None else "the config's"
         raise ValueError(f"pretrain: the longest {cfg.task} demonstration sequence (level {cfg.difficulty}) is "
-                         f"{longest} tokens, over the {cfg.preset} preset's max_seq_len {max_seq_len}; "
-                         "pick a preset with a longer max_seq_len or a level with shorter responses")
+                         f"{longest} tokens, over {whose} max_seq_len {max_seq_len}; "
+                         "pass a longer max_seq_len (--max-seq-len), or pick a level with shorter responses")
 
 
 def train_sft(cfg: PretrainConfig, log_every: int = 50, evals: list[dict[str, Any]] | None = None):
@@ -234,7 +257,7 @@ def train_sft(cfg: PretrainConfig, log_every: int = 50, evals: list[dict[str, An
 def _train(cfg: PretrainConfig, log_every: int, evals: list[dict[str, Any]] | None):
     from tqdm.auto import tqdm
 
-    from quads.model import ModelConfig, MoEForCausalLM
+    from quads.model import MoEForCausalLM
     from quads.model.tokenizer import CharTokenizer
     from quads.rl.build import mixed_precision
 
@@ -246,7 +269,7 @@ def _train(cfg: PretrainConfig, log_every: int, evals: list[dict[str, Any]] | No
         print(f"pretrain {cfg.task}: the task's train split offers {len(examples)} distinct prompts "
               f"(train_size {cfg.train_size}); training on all of them", file=sys.stderr)
     data = [encode_sft(tok, e.prompt, task.demonstration(e)) for e in examples]
-    model = MoEForCausalLM(ModelConfig.preset(cfg.preset, vocab_size=tok.vocab_size, dtype=cfg.dtype))
+    model = MoEForCausalLM(model_config(cfg, tok.vocab_size))
     check_lengths(data, model.config.max_seq_len, cfg)
     if cfg.outliers.mode == "init":
         from quads.model.outliers import init_outliers

@@ -33,13 +33,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"quads pretrain: {e}", file=sys.stderr)
         return 2
-    _, extra = read_checkpoint_config(folder)
+    model_cfg, extra = read_checkpoint_config(folder)
     res = extra.get("pretrain_result", {})
     print(f"{'cached' if cached else 'trained'} checkpoint: {folder}")
     steps = res.get("stopped_at_step", cfg.steps)
     reached = f" (target_pass {cfg.target_pass} reached at step {steps})" if "stopped_at_step" in res else ""
-    print(f"task {cfg.task} difficulty {extra.get('difficulty')}, {steps} steps{reached}, final ce "
-          f"{res.get('final_ce', float('nan')):.4f}, held-out greedy pass@1 {res.get('heldout_pass@1')}")
+    print(f"task {cfg.task} difficulty {extra.get('difficulty')}, {cfg.preset} preset with max_seq_len "
+          f"{model_cfg.max_seq_len}, {steps} steps{reached}, final ce {res.get('final_ce', float('nan')):.4f}, "
+          f"held-out greedy pass@1 {res.get('heldout_pass@1')}")
     print(json.dumps({"metric": "pretrain", "checkpoint": str(folder), "cached": cached,
                       **{k: v for k, v in res.items() if k != "loss_history"},
                       **({"outliers_result": extra["outliers_result"]} if "outliers_result" in extra else {}),

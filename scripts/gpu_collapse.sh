@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The collapse experiment of issue 19 in ONE self-contained device call (checkpoints of the 100m preset
 # cannot be carried between calls): on one GPU,
-#   1. warm start: `quads pretrain` of the PRESET model on the chain task (arithmetic level 8, 400-token
-#      cap), SFT_STEPS steps with the BF16 compute path (PretrainConfig.compute_dtype auto: BF16 autocast
-#      over FP32 master weights on CUDA, the experts' grouped GEMMs), its held-out greedy pass@1 on
-#      SFT_EVAL prompts (and at the EVAL_AT steps, if given) in $OUT/pretrain.log;
+#   1. warm start: `quads pretrain` of the PRESET model on the chain task (CONFIG's level and response cap:
+#      arithmetic level 8, 400 tokens in configs/chain_100m.yaml), SFT_STEPS steps with the BF16 compute
+#      path (PretrainConfig.compute_dtype auto: BF16 autocast over FP32 master weights on CUDA, the experts'
+#      grouped GEMMs), its held-out greedy pass@1 on SFT_EVAL prompts (and at the EVAL_AT steps, if given)
+#      in $OUT/pretrain.log; when it leaves under 30 s of runs before BUDGET_S (the long chain's SFT,
+#      configs/chain_100m_long.yaml, may), no runs are started: the warm start is cached in WARM_DIR, and a
+#      CONTINUE=1 call on the same machine starts from it (an SFT cut by the call's end is lost);
 #   2. quads compare: RECIPES x SEEDS (bf16,nvfp4,quads x 0,1: 6 runs), x the VARIANTS (or LRS) when given,
 #      all in parallel, spread over the visible GPUs, from that checkpoint, with CONFIG's settings
 #      (configs/chain_100m.yaml: 16 prompts x 8 samples, 400 new tokens, lr 5e-6, temperature 1, 200 held-out
@@ -26,8 +29,10 @@
 #   (add RECIPES=bf16 LRS=1e-5,2e-5 for the sweep's)
 #
 # Knobs (env): OUT (runs/collapse), BUDGET_S (560: seconds from the start by which every run has stopped;
-#   a device call allows 600), CONFIG (configs/chain_100m.yaml; its warm_start.outliers, if any, go to the SFT: configs/chain_100m_outliers.yaml), TASK (arithmetic), LEVEL (8),
-#   MAX_NEW_TOKENS (400), PRESET (100m), SFT_STEPS, SFT_LR, SFT_BATCH, SFT_TRAIN_SIZE (default: CONFIG's
+#   a device call allows 600), CONFIG (configs/chain_100m.yaml; its warm_start.outliers, if any, go to the SFT: configs/chain_100m_outliers.yaml), TASK (arithmetic),
+#   LEVEL (CONFIG's task.difficulty, else 8), MAX_NEW_TOKENS (CONFIG's rollout.max_new_tokens, else 400: the SFT's
+#   evaluation cap and the runs'), MAX_SEQ_LEN (CONFIG's warm_start.max_seq_len: the SFT model's context instead of
+#   the preset's, configs/chain_100m_long.yaml; empty = the preset's), PRESET (100m), SFT_STEPS, SFT_LR, SFT_BATCH, SFT_TRAIN_SIZE (default: CONFIG's
 #   warm_start.steps / lr / batch_size / train_size), SFT_EVAL (200, with a target CONFIG's warm_start.eval_size: held-out prompts of the SFT's pass@1),
 #   EVAL_AT (empty: SFT steps at which pass@1 is also measured, e.g. 100,200,300; CONFIG's warm_start.eval_at
 #   with a target), TARGET_PASS (CONFIG's warm_start.target_pass: the SFT stops at the first EVAL_AT step whose
@@ -57,8 +62,6 @@ OUT=${OUT:-runs/collapse}
 BUDGET_S=${BUDGET_S:-560}
 CONFIG=${CONFIG:-configs/chain_100m.yaml}
 TASK=${TASK:-arithmetic}
-LEVEL=${LEVEL:-8}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-400}
 PRESET=${PRESET:-100m}
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
@@ -82,11 +85,15 @@ CONT=$([ "${CONTINUE:-0}" = 1 ] && echo true || echo false)
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 [ -f "$CONFIG" ] || { echo "CONFIG=$CONFIG does not exist; pass a TrainConfig YAML (e.g. configs/chain_100m.yaml)"; exit 2; }
 # the SFT settings default to CONFIG's warm_start section (what `quads train --config CONFIG` would warm start)
-read -r WS_STEPS WS_LR WS_BATCH WS_TRAIN WS_TARGET WS_EVAL_AT WS_EVAL_SIZE <<< "$($PY -c "
+# (and the task level, response cap and warm_start.max_seq_len it runs with)
+read -r WS_STEPS WS_LR WS_BATCH WS_TRAIN WS_TARGET WS_EVAL_AT WS_EVAL_SIZE WS_MAX_SEQ_LEN CFG_LEVEL CFG_MAX_NEW <<< "$($PY -c "
 import sys, yaml
-ws = (yaml.safe_load(open(sys.argv[1])) or {}).get('warm_start') or {}
+c = yaml.safe_load(open(sys.argv[1])) or {}
+ws = c.get('warm_start') or {}
 print(ws.get('steps', 600), ws.get('lr', 3e-3), ws.get('batch_size', 32), ws.get('train_size', 20000),
-      ws.get('target_pass') or '-', ','.join(map(str, ws.get('eval_at') or [])) or '-', ws.get('eval_size', 100))" "$CONFIG")"
+      ws.get('target_pass') or '-', ','.join(map(str, ws.get('eval_at') or [])) or '-', ws.get('eval_size', 100),
+      ws.get('max_seq_len') or '-', (c.get('task') or {}).get('difficulty') or 8,
+      (c.get('rollout') or {}).get('max_new_tokens') or 400)" "$CONFIG")"
 # CONFIG's warm_start.outliers (configs/chain_100m_outliers.yaml): the same flags for quads pretrain, so that the
 # checkpoint the runs start from carries them (model.checkpoint below bypasses quads train's own warm start)
 OUTLIER_FLAGS=$($PY -c "
@@ -97,6 +104,10 @@ if o.get('mode', 'none') != 'none':
           '--outliers.scale', o.get('scale', 32.0), '--outliers.sites', ','.join(o.get('sites') or ['mlp']))" "$CONFIG")
 [ "$WS_TARGET" = - ] && WS_TARGET=
 [ "$WS_EVAL_AT" = - ] && WS_EVAL_AT=
+[ "$WS_MAX_SEQ_LEN" = - ] && WS_MAX_SEQ_LEN=
+LEVEL=${LEVEL:-$CFG_LEVEL}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-$CFG_MAX_NEW}
+MAX_SEQ_LEN=${MAX_SEQ_LEN:-$WS_MAX_SEQ_LEN}
 TARGET_PASS=${TARGET_PASS-$WS_TARGET}
 if [ -n "$TARGET_PASS" ]; then  # the SFT stops at a held-out pass@1: CONFIG's checks, so `quads train` finds it
   EVAL_AT=${EVAL_AT:-$WS_EVAL_AT}
@@ -155,10 +166,11 @@ PY
   cat "$S/pick.txt"
 fi
 if [ -z "${CKPT:-}" ]; then
-  echo "== 1. warm start: $PRESET on $TASK level $LEVEL, $SFT_STEPS SFT steps (lr $SFT_LR, batch $SFT_BATCH, compute $COMPUTE_DTYPE${OUTLIER_FLAGS:+, $OUTLIER_FLAGS}) at $(elapsed)s"
+  echo "== 1. warm start: $PRESET${MAX_SEQ_LEN:+ (max_seq_len $MAX_SEQ_LEN)} on $TASK level $LEVEL, $SFT_STEPS SFT steps (lr $SFT_LR, batch $SFT_BATCH, compute $COMPUTE_DTYPE${OUTLIER_FLAGS:+, $OUTLIER_FLAGS}) at $(elapsed)s"
   $PY -m quads.cli pretrain --task "$TASK" --difficulty "$LEVEL" --preset "$PRESET" --steps "$SFT_STEPS" --lr "$SFT_LR" \
     --batch-size "$SFT_BATCH" --train-size "$SFT_TRAIN_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" --eval-size "$SFT_EVAL" \
     --compute-dtype "$COMPUTE_DTYPE" ${EVAL_AT:+--eval-at "$EVAL_AT"} ${TARGET_PASS:+--target-pass "$TARGET_PASS"} $OUTLIER_FLAGS \
+    ${MAX_SEQ_LEN:+--max-seq-len "$MAX_SEQ_LEN"} \
     --device "$DEVICE" --cache-dir "$WARM_DIR" \
     --progress false > "$S/pretrain.log" 2>&1
   tail -3 "$S/pretrain.log" | cut -c1-600
@@ -167,18 +179,22 @@ fi
 [ -n "$CKPT" ] && [ -f "$CKPT/config.json" ] || { echo "no warm-start checkpoint at '$CKPT' (see $S/pretrain.log)"; cp -r "$S" "$OUT/failed"; exit 1; }
 
 TLIMIT=$(( BUDGET_S - $(elapsed) - MARGIN_S ))
-[ "$TLIMIT" -ge 30 ] || { echo "only ${TLIMIT}s of RL left after the warm start (BUDGET_S $BUDGET_S, MARGIN_S $MARGIN_S)"; TLIMIT=30; }
-SET="device=$DEVICE,task.name=$TASK,task.difficulty=$LEVEL,rollout.max_new_tokens=$MAX_NEW_TOKENS,model.checkpoint=$CKPT"
-SET="$SET,steps=$STEPS,eval_every=$EVAL_EVERY${EVAL_N:+,eval_n=$EVAL_N},time_limit_s=$TLIMIT,correction.kind=$CORRECTION"
-SET="$SET,optim.mini_batches=$MINI_BATCHES,optim.ppo_epochs=1${WARMUP:+,optim.warmup_steps=$WARMUP},log.save_every=0${EXTRA_SET:+,$EXTRA_SET}"
-echo "== 2. compare: $RECIPES x seeds $SEEDS${VARIANTS:+ x variants $VARIANTS} ($NRUNS runs in parallel), at most $STEPS steps, time limit ${TLIMIT}s per run, at $(elapsed)s" | tee "$S/plan.txt"
-echo "config $CONFIG; warm start $CKPT; --set $SET${VARIANTS:+; --variants $VARIANTS}" | tee -a "$S/plan.txt"
-$PY -m quads.cli compare --train-config "$CONFIG" --recipes "$RECIPES" --seeds "$SEEDS" --set "$SET" --variants="$VARIANTS" --parallel "$NRUNS" \
-  --timeout-s $(( BUDGET_S - $(elapsed) - 10 )) --reuse "$CONT" --resume "$CONT" --out-dir "$WORK/compare" > "$S/compare.log" 2>&1
-echo "compare exit $? at $(elapsed)s"; tail -15 "$S/compare.log"
+if [ "$TLIMIT" -lt 30 ]; then  # a warm start that took the call (the long chain's SFT can): no runs now
+  echo "only ${TLIMIT}s of RL left after the warm start (BUDGET_S $BUDGET_S, MARGIN_S $MARGIN_S): no runs in this call; the warm start is cached in $WARM_DIR, where a call on the same machine finds it (CONTINUE=1)" | tee "$S/plan.txt"
+else
+  SET="device=$DEVICE,task.name=$TASK,task.difficulty=$LEVEL,rollout.max_new_tokens=$MAX_NEW_TOKENS,model.checkpoint=$CKPT"
+  SET="$SET,steps=$STEPS,eval_every=$EVAL_EVERY${EVAL_N:+,eval_n=$EVAL_N},time_limit_s=$TLIMIT,correction.kind=$CORRECTION"
+  SET="$SET,optim.mini_batches=$MINI_BATCHES,optim.ppo_epochs=1${WARMUP:+,optim.warmup_steps=$WARMUP},log.save_every=0${EXTRA_SET:+,$EXTRA_SET}"
+  echo "== 2. compare: $RECIPES x seeds $SEEDS${VARIANTS:+ x variants $VARIANTS} ($NRUNS runs in parallel), at most $STEPS steps, time limit ${TLIMIT}s per run, at $(elapsed)s" | tee "$S/plan.txt"
+  echo "config $CONFIG; warm start $CKPT; --set $SET${VARIANTS:+; --variants $VARIANTS}" | tee -a "$S/plan.txt"
+  $PY -m quads.cli compare --train-config "$CONFIG" --recipes "$RECIPES" --seeds "$SEEDS" --set "$SET" --variants="$VARIANTS" --parallel "$NRUNS" \
+    --timeout-s $(( BUDGET_S - $(elapsed) - 10 )) --reuse "$CONT" --resume "$CONT" --out-dir "$WORK/compare" > "$S/compare.log" 2>&1
+  echo "compare exit $? at $(elapsed)s"; tail -15 "$S/compare.log"
+fi
 
 # per run: metrics.jsonl (every step), config.yaml, the run's log; the compare report (no checkpoints, policies, tb)
 for run in "$WORK"/compare/runs/*/; do
+  [ -d "$run" ] || continue  # no runs (none in this call)
   name=$(basename "$run")
   mkdir -p "$S/runs/$name"
   find "$run" -maxdepth 1 -type f \( -name '*.jsonl' -o -name '*.yaml' -o -name '*.json' -o -name '*.md' -o -name '*.log' -o -name '*.txt' \) \
@@ -197,7 +213,7 @@ print(f"{sys.argv[2]}: {len(steps)} steps, median {sorted(ts)[len(ts) // 2] if t
       f"held-out pass@1 by step {evals}" + (f"; the trainer's policy {own}" if own else ""))
 PY
 done
-find "$WORK/compare" -maxdepth 1 -type f -exec cp {} "$S/" \;
+[ -d "$WORK/compare" ] && find "$WORK/compare" -maxdepth 1 -type f -exec cp {} "$S/" \;
 [ -d "$WORK/compare/report" ] && cp -r "$WORK/compare/report" "$S/report"
 [ -d "$WORK/compare/logs" ] && cp -r "$WORK/compare/logs" "$S/logs"
 echo "== done at $(elapsed)s" | tee -a "$S/plan.txt"

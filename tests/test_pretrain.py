@@ -82,14 +82,17 @@ def test_chain_configs_find_the_warm_start_of_the_sweep(monkeypatch):
 
     asked = []
     monkeypatch.setattr(pretrain, "warm_start", lambda cfg: asked.append(cfg.cache_key()) or "unused")
-    for name in ("chain_100m", "chain_100m_outliers"):
+    outliers = OutlierConfig(mode="inject", channels=[37, 150, 301, 444], scale=32)
+    chain = dict(task="arithmetic", preset="100m", lr=0.001, batch_size=32, eval_size=100, device="cuda", progress=False,
+                 target_pass=0.35)
+    level8 = dict(chain, difficulty=8, max_new_tokens=400, steps=800, eval_at=list(range(350, 801, 25)))
+    sweeps = {"chain_100m": PretrainConfig(**level8),
+              "chain_100m_outliers": PretrainConfig(**level8, outliers=outliers),
+              "chain_100m_long": PretrainConfig(**chain, difficulty=10, max_new_tokens=3500, steps=2000,
+                                                eval_at=list(range(50, 2001, 50)), outliers=outliers, max_seq_len=4096)}
+    for name, sweep in sweeps.items():
         cfg = build_config(TrainConfig, Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml")
         warm_start_checkpoint(cfg)
-        sweep = PretrainConfig(task="arithmetic", difficulty=8, preset="100m", lr=0.001, batch_size=32, eval_size=100,
-                               max_new_tokens=400, device="cuda", progress=False, steps=800, target_pass=0.35,
-                               eval_at=list(range(350, 801, 25)),
-                               outliers=OutlierConfig(mode="inject", channels=[37, 150, 301, 444], scale=32)
-                               if name.endswith("outliers") else OutlierConfig())
         assert asked[-1] == sweep.cache_key(), name
 
 
@@ -100,6 +103,64 @@ def test_sequences_longer_than_the_preset_are_refused_before_training():
     check_lengths([([0] * 512, 90)], 512, cfg)  # exactly max_seq_len fits
     with pytest.raises(ValueError, match="513 tokens, over the tiny preset's max_seq_len 512"):
         check_lengths([([0] * 40, 5), ([0] * 513, 90)], 512, cfg)
+    with pytest.raises(ValueError, match="4097 tokens, over the config's max_seq_len 4096"):
+        check_lengths([([0] * 4097, 90)], 4096, PretrainConfig(difficulty=10, max_seq_len=4096))
+
+
+def test_max_seq_len_lengthens_the_context_and_an_unset_one_keeps_the_cache_keys(tmp_path):
+    """PretrainConfig.max_seq_len: unset, a config hashes as before the field existed (keys computed before
+    it: the defaults, and the outlier chain's warm start); set, it is hashed, it is the model's max_seq_len
+    and the one check_lengths checks; it changes no weight; a shorter one than the preset's is refused."""
+    from quads.model.outliers import OutlierConfig
+    from quads.pretrain import model_config
+
+    assert PretrainConfig().cache_key() == "7623b70770fa2c96"
+    outlier_chain = PretrainConfig(task="arithmetic", difficulty=8, preset="100m", lr=0.001, batch_size=32,
+                                   eval_size=100, max_new_tokens=400, device="cuda", progress=False, steps=800,
+                                   target_pass=0.35, eval_at=list(range(350, 801, 25)),
+                                   outliers=OutlierConfig(mode="inject", channels=[37, 150, 301, 444], scale=32))
+    assert outlier_chain.cache_key() == "925e906848074bb9"
+    assert PretrainConfig(max_seq_len=1024).cache_key() not in ("7623b70770fa2c96",
+                                                                 PretrainConfig(max_seq_len=2048).cache_key())
+    assert model_config(PretrainConfig(preset="100m"), 100).max_seq_len == 2048
+    assert model_config(PretrainConfig(preset="100m", max_seq_len=4096), 100).max_seq_len == 4096
+    for bad in (0, 256, True, 1024.0):
+        with pytest.raises(ValueError, match="max_seq_len lengthens the tiny preset's context"):
+            PretrainConfig(max_seq_len=bad)
+    # the same weights with a longer context (it sizes the KV cache only)
+    short = train_sft(_tiny_cfg(tmp_path, steps=3, train_size=20))[0]
+    long = train_sft(_tiny_cfg(tmp_path, steps=3, train_size=20, max_seq_len=1024))[0]
+    assert (short.config.max_seq_len, long.config.max_seq_len) == (512, 1024)
+    assert all(torch.equal(a, b) for a, b in zip(short.state_dict().values(), long.state_dict().values()))
+    # level 10 (the long chain) does not fit the tiny preset's 512 positions, it fits 4096
+    long_chain = dict(difficulty=10, steps=1, batch_size=2, train_size=4, eval_size=0)
+    with pytest.raises(ValueError, match="over the tiny preset's max_seq_len 512"):
+        train_sft(_tiny_cfg(tmp_path, **long_chain))
+    assert train_sft(_tiny_cfg(tmp_path, **long_chain, max_seq_len=4096))[0].config.max_seq_len == 4096
+
+
+def test_max_seq_len_reaches_the_warm_start_from_train_configs_and_the_cli(monkeypatch):
+    """warm_start.max_seq_len (YAML / --set) reaches PretrainConfig through warm_start_policy (unset: None, the
+    preset's), and `quads pretrain --max-seq-len` sets it."""
+    import argparse
+
+    import quads.pretrain as pretrain
+    from quads.config import build_config
+    from quads.pretrain_cli import register
+    from quads.rl.build import warm_start_checkpoint
+    from quads.rl.config import TrainConfig, WarmStartSection
+
+    asked = []
+    monkeypatch.setattr(pretrain, "warm_start", lambda cfg: asked.append(cfg) or "unused")
+    for value in (None, 1024):
+        warm_start_checkpoint(TrainConfig(warm_start=WarmStartSection(max_seq_len=value)))
+        assert asked[-1].max_seq_len == value
+    with pytest.raises(ValueError, match="warm_start.max_seq_len must be > 0"):
+        WarmStartSection(max_seq_len=0)
+    parser = argparse.ArgumentParser()
+    register(parser)
+    args = parser.parse_args(["--max-seq-len", "4096", "--difficulty", "10"])
+    assert build_config(PretrainConfig, None, args, skip=("config",)).max_seq_len == 4096
 
 
 def test_compute_dtype_auto_keeps_cpu_runs_and_their_cache_keys():

@@ -1,7 +1,8 @@
 """Every documented task and level trains with the defaults of ``quads train``: the warm start and the RL
 prompt sets take what the task offers (code has 223 training prompts, countdown level 2 about 8500,
 arithmetic level 1 about 140), with the held-out split disjoint. Sizes are the defaults; only the step
-counts and batch sizes are tiny."""
+counts and batch sizes are tiny, and arithmetic level 10 (the long chain, sequences up to ~4,000 tokens)
+warm-starts with a 4096-position context (``warm_start.max_seq_len``)."""
 
 import pytest
 
@@ -16,6 +17,7 @@ from quads.rl.config import (
 )
 from quads.rl.trainer import GRPOTrainer
 from quads.tasks.arithmetic import LEVELS as ARITHMETIC_LEVELS
+from quads.tasks.arithmetic import LONG_CHAIN_LEVEL
 from quads.tasks.countdown import LEVELS as COUNTDOWN_LEVELS
 
 CASES = ([("arithmetic", d) for d in sorted(ARITHMETIC_LEVELS)] + [("countdown", d) for d in sorted(COUNTDOWN_LEVELS)]
@@ -28,7 +30,8 @@ def test_every_task_and_level_warm_starts_and_trains_with_default_sizes(tmp_path
     default = TrainConfig()
     cfg = TrainConfig(
         task=TaskSection(name=name, difficulty=difficulty),
-        warm_start=WarmStartSection(steps=1, batch_size=2, cache_dir=str(tmp_path / "cache")),
+        warm_start=WarmStartSection(steps=1, batch_size=2, cache_dir=str(tmp_path / "cache"),
+                                    max_seq_len=4096 if (name, difficulty) == ("arithmetic", LONG_CHAIN_LEVEL) else None),
         recipe=RecipeSection(name="bf16"),
         rollout=RolloutSection(prompts_per_step=2, n_samples=2, max_new_tokens=4),
         log=LogSection(tensorboard=False, progress=False),

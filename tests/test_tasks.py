@@ -139,14 +139,16 @@ def test_examples_up_to_returns_the_whole_small_split(name, kwargs, train, test)
 
 
 @pytest.mark.parametrize("level,operands,chars,mean", [(8, (32, 40), (200, 400), (260, 310)),
-                                                      (9, (8, 10), (40, 95), (55, 70))])
+                                                      (9, (8, 10), (40, 95), (55, 70)),
+                                                      (10, (270, 290), (1900, 3500), (2350, 2600))])
 def test_chain_level_is_a_long_running_sum(level, operands, chars, mean):
     """Level 8 (the chain): 32-40 one-digit operands, +/- only, the scratchpad is the running sum left to
     right, and the responses are long (200-400 characters, mean about 285); level 9 (the short chain) the
-    same with 8-10 operands (40-95 characters, mean about 62)."""
-    from quads.tasks.arithmetic import CHAIN_LEVEL, SHORT_CHAIN_LEVEL
+    same with 8-10 operands (40-95 characters, mean about 62); level 10 (the long chain) with 270-290
+    (1900-3500 characters, mean about 2470)."""
+    from quads.tasks.arithmetic import CHAIN_LEVEL, LONG_CHAIN_LEVEL, SHORT_CHAIN_LEVEL
 
-    assert (CHAIN_LEVEL, SHORT_CHAIN_LEVEL) == (8, 9)
+    assert (CHAIN_LEVEL, SHORT_CHAIN_LEVEL, LONG_CHAIN_LEVEL) == (8, 9, 10)
     task = ArithmeticTask(level)
     examples = task.examples("train", 300)
     lengths = []
@@ -167,6 +169,42 @@ def test_chain_level_is_a_long_running_sum(level, operands, chars, mean):
     again = ArithmeticTask(level).examples("train", 300)
     assert [(e.prompt, e.meta["demonstration"]) for e in again] == [(e.prompt, e.meta["demonstration"])
                                                                     for e in examples]
+
+
+def test_long_chain_lengths_fit_a_4096_context_and_its_verifier_reads_the_answer():
+    """Level 10 (the long chain): over 2000 training draws of seed 0 the demonstration's mean is about 2,500
+    characters and the longest prompt + demonstration is under 4,000 (an SFT sequence, with <bos> and <eos>,
+    fits configs/chain_100m_long.yaml's warm_start.max_seq_len 4096); the verifier scores the final answer."""
+    from quads.tasks.arithmetic import LONG_CHAIN_LEVEL
+
+    task = ArithmeticTask(LONG_CHAIN_LEVEL, seed=0)
+    examples = task.examples("train", 2000)
+    lengths = [len(task.demonstration(e)) for e in examples]
+    total = max(len(e.prompt) + len(task.demonstration(e)) for e in examples)
+    assert 2350 <= sum(lengths) / len(lengths) <= 2600 and max(lengths) < 3500, (sum(lengths) / len(lengths), max(lengths))
+    assert 3500 < total < 4000 and max(len(e.prompt) for e in examples) <= 584
+    e = examples[0]
+    demo = task.demonstration(e)
+    assert task.score(e, demo).correct and demo.count(" ") == len(e.meta["expression"]) // 2
+    assert "no final answer marker" in task.score(e, demo[:2048]).reason  # cut at the 100m preset's context
+    assert "wrong answer" in task.score(e, demo.rsplit("#", 1)[0] + f"#{int(e.answer) + 1}").reason
+
+
+def test_chains_fold_left_to_right_as_the_general_solver_does():
+    """``solve``'s linear-time fold of +/- chains gives the steps of the general reduction (``_reduce_once``)."""
+    import random
+
+    from quads.tasks.arithmetic import LEVELS, _reduce_once, solve
+
+    for level in (1, 2, 8, 9, 10):
+        task, rng = ArithmeticTask(level), random.Random(level)
+        for _ in range(50):
+            tokens, steps = task._draw(rng), []
+            general = list(tokens)
+            while len(general) > 1:
+                general, step = _reduce_once(general)
+                steps.append(step)
+            assert solve(list(tokens)) == (general[0], steps) and "*" not in LEVELS[level].ops
 
 
 def test_chain_verifier_rewards_the_final_answer_only():

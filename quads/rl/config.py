@@ -59,10 +59,15 @@ class WarmStartSection:
     target_pass: float | None = None
     eval_at: list[int] = field(default_factory=list)  # SFT steps at which target_pass is checked
     eval_size: int = 100  # held-out prompts of those checks (used only with target_pass)
+    # the model's context (prompt + response: the KV cache length) instead of model.preset's (PretrainConfig.max_seq_len,
+    # at least the preset's; hashed into the cache key when set): a preset warm-started on longer sequences
+    max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         _positive("warm_start", steps=self.steps, lr=self.lr, batch_size=self.batch_size,
                   train_size=self.train_size, eval_size=self.eval_size)
+        if self.max_seq_len is not None:
+            _positive("warm_start", max_seq_len=self.max_seq_len)
         if self.target_pass is not None and not (0.0 < self.target_pass <= 1.0 and self.eval_at):
             raise ValueError(f"warm_start.target_pass must be in (0, 1] and needs warm_start.eval_at; got "
                              f"{self.target_pass}, eval_at {self.eval_at}")

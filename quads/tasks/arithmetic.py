@@ -9,6 +9,10 @@ so the scratchpad is the running sum (``3+6=9 9-5=4 4-3=1 ...``), 200-390 charac
 Level 9 (``SHORT_CHAIN_LEVEL``) is the same chain with 8-10 operands, responses about a quarter as long:
 with level 8 and the 20-40-character levels it measures how a quantity (the mismatch budget) moves with
 response length on one kind of task.
+Level 10 (``LONG_CHAIN_LEVEL``) is the "long chain": the same chain with 270-290 operands, responses of
+2,000-3,400 characters (mean ~2,470; the running sum wanders to three digits, so steps lengthen), prompt +
+response under 4,000 characters (prompts up to 584): past the 2,048 positions of the 100m preset, so its
+warm start lengthens the context (``PretrainConfig.max_seq_len``, configs/chain_100m_long.yaml).
 
 The verifier reads the integer right after the first ``#``; no marker or no integer after it is
 reward 0 with the reason. Only the final answer is checked, not the scratchpad.
@@ -47,10 +51,12 @@ LEVELS: dict[int, Level] = {
     7: Level((4, 5), 2, "+-*", True, True),
     8: Level((32, 40), 1, "+-", False, True),  # the chain: a running-sum scratchpad of 31-39 steps
     9: Level((8, 10), 1, "+-", False, True),  # the short chain: the same scratchpad, 7-9 steps
+    10: Level((270, 290), 1, "+-", False, True),  # the long chain: the same scratchpad, 269-289 steps
 }
 DEFAULT_DIFFICULTY = 6
 CHAIN_LEVEL = 8
 SHORT_CHAIN_LEVEL = 9
+LONG_CHAIN_LEVEL = 10
 
 
 def _apply(a: int, op: str, b: int) -> int:
@@ -76,8 +82,20 @@ def _reduce_once(tokens: list) -> tuple[list, str | None]:
     return tokens[:j] + [c] + tokens[j + 3:], f"{a}{op}{b}={c}"
 
 
+def _fold(tokens: list) -> tuple[int, list[str]]:
+    """The value and steps of ``a op b op c ...`` (``+``/``-`` only), one step per operator from the left."""
+    value, steps = tokens[0], []
+    for op, b in zip(tokens[1::2], tokens[2::2]):
+        c = _apply(value, op, b)
+        steps.append(f"{value}{op}{b}={c}")
+        value = c
+    return value, steps
+
+
 def solve(tokens: list) -> tuple[int, list[str]]:
     """The value of a token list and its scratchpad steps."""
+    if "(" not in tokens and "*" not in tokens:  # a +/- chain: _reduce_once's steps, left to right, in linear time
+        return _fold(tokens)
     steps: list[str] = []
     while len(tokens) > 1:
         tokens, step = _reduce_once(tokens)
