@@ -9,8 +9,11 @@ Batches are drawn with replacement from ``train_size`` distinct training example
 split when it offers fewer, as code and the small arithmetic and countdown levels do) by a seeded
 generator, so a run is a function of its config. The checkpoint is cached under
 ``<cache_dir>/<sha256(config)[:16]>/`` (``cache_dir``: ``$QUADS_CACHE/pretrain``, else
-``~/.cache/quads/pretrain``): a second call with the same config returns the folder at once. At the
-end the held-out greedy pass@1 is measured with the rollout engine and stored in the checkpoint's
+``~/.cache/quads/pretrain``): a second call with the same config returns the folder at once. An SFT
+with ``eval_at`` checks also saves its state at each of them (``<key>.partial/state.pt``: weights, AdamW
+moments, the batch sampler's generator, history); a call that finds one continues from it and ends with
+the weights of an uninterrupted run (a device call that runs out mid-SFT loses only the steps since the
+last check). At the end the held-out greedy pass@1 is measured with the rollout engine and stored in the checkpoint's
 ``extra["pretrain_result"]``.
 
 Mixed precision (``compute_dtype``): the parameters and AdamW state stay in ``dtype`` (the master
@@ -55,6 +58,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -240,21 +244,52 @@ def check_lengths(data: list[tuple[list[int], int]], max_seq_len: int, cfg: Pret
                          "pass a longer max_seq_len (--max-seq-len), or pick a level with shorter responses")
 
 
-def train_sft(cfg: PretrainConfig, log_every: int = 50, evals: list[dict[str, Any]] | None = None):
+def train_sft(cfg: PretrainConfig, log_every: int = 50, evals: list[dict[str, Any]] | None = None,
+              resume: Path | None = None):
     """Train a fresh model; returns (model, tokenizer, task, history of (step, ce) every log_every).
 
     ``evals``: when given, one record per ``cfg.eval_at`` step is appended to it (``heldout_eval``'s
-    result plus ``step`` and ``eval_seconds``); the evaluations draw no random numbers from the training."""
+    result plus ``step`` and ``eval_seconds``); the evaluations draw no random numbers from the training.
+    ``resume``: a file for the SFT's state (weights, AdamW moments, the batch sampler's generator, the
+    loss history and evaluations), written atomically at every ``eval_at`` step and, when it exists at
+    the start, continued from: an SFT killed between checks loses only the steps since the last one and
+    ends with the same weights as an uninterrupted one (``warm_start`` passes ``partial_state(cfg)``)."""
     threads = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        return _train(cfg, log_every, evals)
+        return _train(cfg, log_every, evals, resume)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(cfg: PretrainConfig, log_every: int, evals: list[dict[str, Any]] | None):
+def partial_state(cfg: PretrainConfig) -> Path:
+    """Where ``warm_start`` keeps an unfinished SFT's state: beside the checkpoint folder it will become."""
+    folder = cfg.folder()
+    return folder.with_name(folder.name + ".partial") / "state.pt"
+
+
+def resumed_progress(path: Path) -> dict[str, Any]:
+    """What a partial state at ``path`` already holds: its ``step``, ``train_seconds`` (evaluations
+    excluded) and ``n_evals`` (its ``eval_at`` records); zeros when there is none."""
+    side = path.with_suffix(".json")
+    if path.is_file() and side.is_file():
+        return json.loads(side.read_text())
+    return {"step": 0, "train_seconds": 0.0, "n_evals": 0}
+
+
+def _save_state(path: Path, model, opt, gen: torch.Generator, step: int, history, evals, ema,
+                train_seconds: float) -> None:
+    from quads.io import atomic_write, atomic_write_text
+
+    state = {"step": step, "model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+             "history": [list(h) for h in history], "evals": list(evals), "ema": ema}
+    atomic_write(path, lambda p: torch.save(state, p))
+    atomic_write_text(path.with_suffix(".json"), json.dumps({"step": step, "train_seconds": train_seconds,
+                                                             "n_evals": len(evals)}) + "\n")
+
+
+def _train(cfg: PretrainConfig, log_every: int, evals: list[dict[str, Any]] | None, resume: Path | None = None):
     from tqdm.auto import tqdm
 
     from quads.model import MoEForCausalLM
@@ -279,8 +314,23 @@ def _train(cfg: PretrainConfig, log_every: int, evals: list[dict[str, Any]] | No
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     history: list[tuple[int, float]] = []
-    bar = tqdm(range(cfg.steps), desc=f"pretrain {cfg.task}", disable=not cfg.progress, file=sys.stderr)
-    ema, t0, eval_total = None, time.monotonic(), 0.0
+    first, ema, done_evals = 0, None, []
+    offset = resumed_progress(resume)["train_seconds"] if resume is not None else 0.0
+    if resume is not None and resume.is_file():
+        state = torch.load(resume, map_location="cpu", weights_only=True)  # the generator state stays on the CPU
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        first, ema = state["step"], state["ema"]
+        history = [(int(s), float(c)) for s, c in state["history"]]
+        done_evals = list(state["evals"])
+        if evals is not None:
+            evals.extend(done_evals)
+        if cfg.progress:
+            print(f"pretrain {cfg.task}: resuming the SFT at step {first} from {resume}", file=sys.stderr)
+    bar = tqdm(range(first, cfg.steps), desc=f"pretrain {cfg.task}", disable=not cfg.progress, file=sys.stderr,
+               initial=first, total=cfg.steps)
+    t0, eval_total = time.monotonic(), 0.0
     for step in bar:
         idx = torch.randint(len(data), (cfg.batch_size,), generator=gen).tolist()
         ids, targets = collate([data[i] for i in idx], tok.pad_id)
@@ -299,7 +349,7 @@ def _train(cfg: PretrainConfig, log_every: int, evals: list[dict[str, Any]] | No
             bar.set_postfix(ce=f"{ema:.3f}", acc=f"{metrics['sft/token_acc']:.3f}")
         if step + 1 in cfg.eval_at and step + 1 < cfg.steps:  # the last step's is the final evaluation
             start = time.monotonic()
-            trained = start - t0 - eval_total  # SFT seconds so far, evaluations excluded
+            trained = offset + start - t0 - eval_total  # SFT seconds so far, evaluations excluded
             devices = [torch.device(cfg.device)] if torch.device(cfg.device).type == "cuda" else []
             with torch.random.fork_rng(devices=devices):
                 res = heldout_eval(cfg, model, tok, task)
@@ -309,6 +359,9 @@ def _train(cfg: PretrainConfig, log_every: int, evals: list[dict[str, Any]] | No
             res.update(step=step + 1, train_seconds=round(trained, 1), eval_seconds=round(took, 1))
             if evals is not None:
                 evals.append(res)
+            done_evals.append(res)
+            if resume is not None:
+                _save_state(resume, model, opt, gen, step + 1, history, done_evals, ema, trained)
             if cfg.progress:
                 print(f"pretrain {cfg.task}: step {step + 1}: held-out greedy pass@1 {res['heldout_pass@1']}",
                       file=sys.stderr)
@@ -352,11 +405,15 @@ def warm_start(cfg: PretrainConfig) -> Path:
     if cfg.progress:
         print(f"pretrain {cfg.task}: no cached warm start for this config; training the {cfg.preset} model "
               f"for {cfg.steps} steps (then cached in {folder})", file=sys.stderr)
-    start = time.monotonic()
-    evals: list[dict[str, Any]] = []
-    model, tok, task, history = train_sft(cfg, evals=evals)
-    train_seconds = time.monotonic() - start - sum(e["eval_seconds"] for e in evals)
-    return save_warm_start(cfg, model, tok, task, history, train_seconds=train_seconds, evals=evals)
+    start, resume = time.monotonic(), partial_state(cfg)
+    before, evals = resumed_progress(resume), []
+    model, tok, task, history = train_sft(cfg, evals=evals, resume=resume)
+    train_seconds = (before["train_seconds"] + time.monotonic() - start
+                     - sum(e["eval_seconds"] for e in evals[before["n_evals"]:]))
+    out = save_warm_start(cfg, model, tok, task, history, train_seconds=train_seconds, evals=evals)
+    if resume.parent.is_dir():  # the SFT is cached now; its partial state is not needed
+        shutil.rmtree(resume.parent, ignore_errors=True)
+    return out
 
 
 def _inject_warm_start(cfg: PretrainConfig) -> Path:

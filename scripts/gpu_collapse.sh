@@ -52,7 +52,8 @@
 #   RUN_GB (20: GPU memory per run; the script refuses more runs than fit 90% of the visible GPUs' memory),
 #   DEVICE (cuda), PY (python3), CONTINUE (0; 1: continue the runs of an earlier call on the SAME machine:
 #   the device keeps ignored folders such as runs/ while it stays warm, so a call made within its idle window
-#   finds WORK as the last one left it; the warm start is found in WARM_DIR's cache, and quads compare resumes
+#   finds WORK as the last one left it; the warm start is found in WARM_DIR's cache (an SFT cut off by the
+#   previous call continues from its last EVAL_AT check, quads.pretrain's partial state), and quads compare resumes
 #   each unfinished run from the checkpoint its time limit wrote (exact resume, `quads compare --resume`)
 #   and skips the finished ones; on a fresh machine it starts over).
 set -uo pipefail

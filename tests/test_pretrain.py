@@ -352,3 +352,36 @@ def test_target_pass_hashes_the_evaluation_that_decides_the_stop(tmp_path):
     for bad in (dict(target_pass=0.4), dict(target_pass=0.0, eval_at=[5]), dict(target_pass=1.5, eval_at=[5])):
         with pytest.raises(ValueError, match="target_pass"):
             _tiny_cfg(tmp_path, **bad)
+
+
+def test_an_interrupted_sft_resumes_at_its_last_check_and_ends_with_the_same_weights(tmp_path, monkeypatch):
+    """``warm_start`` saves the SFT's state at every ``eval_at`` step; killed after one, a second call
+    continues from it (no steps repeated from 0) and caches the same weights and records as one run."""
+    import quads.pretrain as pretrain
+
+    kw = dict(steps=10, eval_at=[4, 8], eval_size=2)
+    whole = load_checkpoint(warm_start(_tiny_cfg(tmp_path / "a", **kw)))
+    cfg = _tiny_cfg(tmp_path / "b", **kw)
+    real, calls = pretrain.sft_loss, []
+
+    def dies_at_step_6(*a, **k):
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt  # the device call's end, between the checks at 4 and 8
+        return real(*a, **k)
+
+    monkeypatch.setattr(pretrain, "sft_loss", dies_at_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        warm_start(cfg)
+    part = pretrain.partial_state(cfg)
+    assert part.is_file() and pretrain.resumed_progress(part)["step"] == 4
+    assert not (cfg.folder() / "config.json").exists()
+    calls.clear()
+    monkeypatch.setattr(pretrain, "sft_loss", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    resumed = load_checkpoint(warm_start(cfg))
+    assert len(calls) == 6 and not part.parent.exists()  # steps 4-9 only; the partial state is gone
+    for name, tensor in whole[0].state_dict().items():
+        assert torch.equal(tensor, resumed[0].state_dict()[name]), name
+    a, b = whole[1]["pretrain_result"], resumed[1]["pretrain_result"]
+    assert a["loss_history"] == b["loss_history"] and a["heldout_pass@1"] == b["heldout_pass@1"]
+    assert [e["step"] for e in a["heldout_by_step"]] == [e["step"] for e in b["heldout_by_step"]] == [4, 8]
