@@ -168,14 +168,23 @@ PY
 fi
 if [ -z "${CKPT:-}" ]; then
   echo "== 1. warm start: $PRESET${MAX_SEQ_LEN:+ (max_seq_len $MAX_SEQ_LEN)} on $TASK level $LEVEL, $SFT_STEPS SFT steps (lr $SFT_LR, batch $SFT_BATCH, compute $COMPUTE_DTYPE${OUTLIER_FLAGS:+, $OUTLIER_FLAGS}) at $(elapsed)s"
+  # cut off 20 s before BUDGET_S so that this call still returns its logs; the SFT's state at its last EVAL_AT
+  # check stays in WARM_DIR, and a CONTINUE=1 call on the same machine continues from it
+  SFT_LEFT=$(( BUDGET_S - $(elapsed) - 20 )); [ "$SFT_LEFT" -ge 1 ] || SFT_LEFT=1  # timeout 0 would mean none
+  timeout "$SFT_LEFT" \
   $PY -m quads.cli pretrain --task "$TASK" --difficulty "$LEVEL" --preset "$PRESET" --steps "$SFT_STEPS" --lr "$SFT_LR" \
     --batch-size "$SFT_BATCH" --train-size "$SFT_TRAIN_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" --eval-size "$SFT_EVAL" \
     --compute-dtype "$COMPUTE_DTYPE" ${EVAL_AT:+--eval-at "$EVAL_AT"} ${TARGET_PASS:+--target-pass "$TARGET_PASS"} $OUTLIER_FLAGS \
     ${MAX_SEQ_LEN:+--max-seq-len "$MAX_SEQ_LEN"} \
     --device "$DEVICE" --cache-dir "$WARM_DIR" \
     --progress false > "$S/pretrain.log" 2>&1
+  RC=${PIPESTATUS[0]}
   tail -3 "$S/pretrain.log" | cut -c1-600
   CKPT=$(sed -n 's/^\(trained\|cached\) checkpoint: //p' "$S/pretrain.log" | tail -1)
+  if [ "$RC" = 124 ]; then
+    echo "the SFT ran into this call's budget (BUDGET_S $BUDGET_S) and was stopped; its state at the last EVAL_AT check is kept in $WARM_DIR: call again with CONTINUE=1 on the same machine" | tee "$S/plan.txt"
+    tar -czf "$OUT/results.tar.gz" -C "$S" . && rm -rf "$S" && exit 0
+  fi
 fi
 [ -n "$CKPT" ] && [ -f "$CKPT/config.json" ] || { echo "no warm-start checkpoint at '$CKPT' (see $S/pretrain.log)"; cp -r "$S" "$OUT/failed"; exit 1; }
 
