@@ -138,7 +138,7 @@ def test_compiled_qat_with_the_grouped_refresh_equals_plain():
     if torch.cuda.is_available() or not interpreter_on():
         pytest.skip("a CPU test under Triton's interpreter (TRITON_INTERPRET=1 before the kernels are imported); "
                     "CUDA's scatter-add backward is not bit-reproducible")
-    small = dict(n_layers=2, hidden_size=64, n_experts=4, moe_intermediate_size=32)
+    small = dict(n_layers=2, hidden_size=32, n_experts=4, moe_intermediate_size=16)
     batch = _batch()
     res = {}
     for name, backend, forward in (("plain", "triton", None),
