@@ -465,6 +465,7 @@ def test_weight_sync_verifies_the_packed_weights(rollout, reference_quantizer):
     them), and a corrupted packed byte is caught."""
     from quads.model import ModelConfig, MoEForCausalLM
     from quads.quant.apply import quantize_model
+    from quads.quant.layers import refresh_stale
     from quads.quant.recipe import LinearSpec, Recipe
     from quads.quant.sync import LocalWeights, ReplicaTarget, WeightSync, WeightSyncError, sync_weights
 
@@ -481,6 +482,8 @@ def test_weight_sync_verifies_the_packed_weights(rollout, reference_quantizer):
         torch.manual_seed(0)
         trainer = MoEForCausalLM(ModelConfig(**cfg)).to(DEV)
         quantize_model(trainer, recipe, side="trainer", verbose=False)
+        with dispatch.kernels("reference"):  # the trainer's QDQ(W): the Triton refresh's bits (tests/test_kernels.py)
+            refresh_stale(trainer)
         torch.manual_seed(1)
         rollout = MoEForCausalLM(ModelConfig(**cfg)).to(DEV)
         quantize_model(rollout, recipe, side="rollout", verbose=False)
