@@ -120,7 +120,7 @@ def test_finds_the_warm_start_quads_train_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("QUADS_CACHE", str(tmp_path / "cache"))
     trained = []
 
-    def sft(cfg, log_every=50, evals=None):  # a stand-in for the SFT run: a tiny model, recorded
+    def sft(cfg, log_every=50, evals=None, resume=None):  # a stand-in for the SFT run: a tiny model, recorded
         trained.append(cfg)
         return tiny_model(**SMALL_MODEL), CharTokenizer(), pretrain._task(cfg), [(0, 1.0)]
 
