@@ -5,6 +5,7 @@ tests do not depend on the CPU's instruction set."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from quads.model import gemm
 
@@ -90,6 +91,58 @@ def test_autocast_forward_and_grads_match_torch(no_native):
     for got in (gw1, gw0):  # dL/dW = gy.T @ x
         exact, tol = _bound(gb.T, xb)
         assert bool(((got.double() - exact).abs() <= tol).all())
+
+
+class _GemmDtypes(TorchDispatchMode):
+    """Records the operand dtypes of every GEMM dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default):
+            self.seen.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("op", ["linear", "matmul", "matmul-3d", "bmm"])
+def test_backward_under_autocast_keeps_fp32_gemms(no_native, op):
+    """A backward run under CPU autocast (as AOTAutograd traces a compiled region's backward) computes
+    the FP32 route's gradients with FP32 GEMMs, bit-equal to the backward run outside autocast: on a CPU
+    without a native BF16 GEMM, autocast would otherwise send them to the slow BF16 kernel, and the
+    compiled step's gradients would differ from the plain step's."""
+    g = torch.Generator().manual_seed(3)
+    a_shape, b_shape = {"linear": ((2, 5, 32), (24, 32)), "matmul": ((7, 32), (32, 24)),
+                        "matmul-3d": ((2, 5, 32), (32, 24)), "bmm": ((3, 5, 32), (3, 32, 24))}[op]
+    a0, b0 = torch.randn(*a_shape, generator=g), torch.randn(*b_shape, generator=g)
+    fn = {"linear": gemm.linear, "matmul": gemm.matmul, "matmul-3d": gemm.matmul, "bmm": gemm.bmm}[op]
+    grads = []
+    for inside in (False, True):
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(a, b)
+            gy = torch.linspace(-1, 1, y.numel()).view(y.shape)
+            mode = _GemmDtypes()
+            if inside:
+                with mode:
+                    (y.float() * gy).sum().backward()
+        if not inside:
+            with mode:
+                (y.float() * gy).sum().backward()
+        assert mode.seen and all(d == (torch.float32, torch.float32) for d in mode.seen), mode.seen
+        grads.append((a.grad, b.grad))
+    (ga0, gb0), (ga1, gb1) = grads
+    assert ga0.dtype == gb0.dtype == torch.float32
+    assert torch.equal(ga0, ga1) and torch.equal(gb0, gb1)
+    assert torch.equal(ga0, ga0.bfloat16().float())  # each gradient rounded to BF16 once, as a BF16 GEMM's
+
+
+def test_fp32_route_refuses_shapes_it_has_no_backward_for(no_native):
+    with pytest.raises(ValueError, match="FP32 route multiplies"):
+        gemm.bmm(torch.randn(2, 3, 4).bfloat16(), torch.randn(1, 4, 5).bfloat16())
+    with pytest.raises(ValueError, match="FP32 route multiplies"):
+        gemm.matmul(torch.randn(2, 3, 4).bfloat16(), torch.randn(2, 2, 4, 5).bfloat16())
 
 
 def test_linear_module_is_an_nn_linear():

@@ -10,6 +10,11 @@ libraries anyway. Under CPU autocast to BF16 the operands are rounded to BF16 fi
 does. Everything else (FP32 / FP64 operands, CUDA, CPUs with BF16 GEMMs) goes to torch's own op
 unchanged. Gradients follow: the FP32 route back-propagates through the same casts, so each
 gradient is rounded to its operand's dtype as the BF16 GEMM's gradient would be.
+
+The FP32 product is an ``autograd.Function`` (``_FP32Product``) whose backward GEMMs run with autocast
+off, as the forward's do. Plain autograd runs them so anyway; AOTAutograd (``torch.compile``) traces
+the backward under the autocast state of the compiled call, and would turn those FP32 GEMMs into BF16
+GEMMs: the slow kernel again, and gradients that differ from the plain step's within rounding.
 """
 
 from __future__ import annotations
@@ -58,13 +63,54 @@ def _as_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).float()
 
 
+class _FP32Product(torch.autograd.Function):
+    """``a @ b`` of FP32 tensors with autocast off in the forward and in the backward; ``b`` 2-D (``a``
+    any batch shape, folded into rows) or ``a`` and ``b`` 3-D with the same batch (``bmm``). The
+    backward is ``mm`` / ``bmm``'s own: ``grad_a = g @ b^T``, ``grad_b = a^T @ g`` (rows summed)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        with torch.autocast("cpu", enabled=False):
+            if b.dim() == 2:
+                return torch.mm(a.reshape(-1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[-1])
+            return torch.bmm(a, b)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        a, b = ctx.saved_tensors
+        ga = gb = None
+        with torch.autocast("cpu", enabled=False):
+            if b.dim() == 2:
+                g2 = g.reshape(-1, g.shape[-1])
+                if ctx.needs_input_grad[0]:
+                    ga = torch.mm(g2, b.t()).view(a.shape)
+                if ctx.needs_input_grad[1]:
+                    gb = torch.mm(a.reshape(-1, a.shape[-1]).t(), g2)
+            else:
+                if ctx.needs_input_grad[0]:
+                    ga = torch.bmm(g, b.transpose(1, 2))
+                if ctx.needs_input_grad[1]:
+                    gb = torch.bmm(a.transpose(1, 2), g)
+        return ga, gb
+
+
+def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The FP32 product of the BF16-rounded ``a`` and ``b`` (not rounded): ``_FP32Product``'s shapes."""
+    if not (b.dim() == 2 and a.dim() >= 1 or a.dim() == b.dim() == 3 and a.shape[0] == b.shape[0]):
+        raise ValueError(f"gemm: the FP32 route multiplies [..., K] @ [K, N] or [B, M, K] @ [B, K, N], "
+                         f"got {tuple(a.shape)} @ {tuple(b.shape)}")
+    return _FP32Product.apply(_as_fp32(a), _as_fp32(b))
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
            fp32: bool | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)``; ``fp32`` forces the route (None: ``fp32_route``), for tests."""
     if not (fp32_route(x, w) if fp32 is None else fp32):
         return F.linear(x, w, bias)
-    with torch.autocast("cpu", enabled=False):
-        y = F.linear(_as_fp32(x), _as_fp32(w), None if bias is None else _as_fp32(bias))
+    y = _fp32_product(x, w.t())
+    if bias is not None:
+        y = y + _as_fp32(bias)
     return y.to(torch.bfloat16)
 
 
@@ -72,18 +118,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, fp32: bool | None = None) -> tor
     """``a @ b``; ``fp32`` as in ``linear``."""
     if not (fp32_route(a, b) if fp32 is None else fp32):
         return a @ b
-    with torch.autocast("cpu", enabled=False):
-        y = _as_fp32(a) @ _as_fp32(b)
-    return y.to(torch.bfloat16)
+    return _fp32_product(a, b).to(torch.bfloat16)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, *, fp32: bool | None = None) -> torch.Tensor:
     """``torch.bmm(a, b)``; ``fp32`` as in ``linear``."""
     if not (fp32_route(a, b) if fp32 is None else fp32):
         return torch.bmm(a, b)
-    with torch.autocast("cpu", enabled=False):
-        y = torch.bmm(_as_fp32(a), _as_fp32(b))
-    return y.to(torch.bfloat16)
+    return _fp32_product(a, b).to(torch.bfloat16)
 
 
 class Linear(nn.Linear):
