@@ -165,3 +165,13 @@ def test_char_tokenizer():
     assert min(ids) >= 4 and max(ids) < tok.vocab_size <= ModelConfig.preset("tiny").vocab_size
     assert tok.encode("é") == [tok.unk_id] and tok.decode([tok.bos_id, *ids, tok.eos_id]) == text
     assert len({tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id}) == 4
+
+
+@pytest.mark.parametrize("alphabet", [None, "ab\n", "".join(chr(c) for c in range(32, 300))])
+def test_char_tokenizer_ascii_fast_path_is_the_per_character_map(alphabet):
+    """``encode`` of ASCII text (byte by byte, ``bytes.translate``) gives the per-character map's ids, <unk>
+    for what is not in the alphabet; non-ASCII text and alphabets past 252 characters take the map itself."""
+    tok = CharTokenizer(alphabet)
+    ascii_text = "".join(chr(c) for c in range(128)) * 2
+    for text in (ascii_text, ascii_text + "é€", "", "Q: 3+4=\n"):
+        assert tok.encode(text) == [tok._to_id.get(c, tok.unk_id) for c in text]

@@ -207,6 +207,34 @@ def test_chains_fold_left_to_right_as_the_general_solver_does():
             assert solve(list(tokens)) == (general[0], steps) and "*" not in LEVELS[level].ops
 
 
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_draws_are_those_of_randint_and_choice(level):
+    """``ArithmeticTask._draw`` takes its operands and operators from ``rng.getrandbits`` directly: the same
+    tokens, and the same generator state after, as ``rng.randint`` / ``rng.choice`` per draw (the
+    reference below), so every level's examples are the ones it always had."""
+    import random
+
+    def reference(lv, rng):
+        n = rng.randint(*lv.operands)
+        nums = [rng.randint(0, 10**lv.digits - 1) for _ in range(n)]
+        ops = [rng.choice(lv.ops) for _ in range(n - 1)]
+        tokens = [nums[0]]
+        for op, x in zip(ops, nums[1:]):
+            tokens += [op, x]
+        if lv.parens and n >= 3 and rng.random() < 0.5:
+            length = rng.randint(2, n - 1)
+            start = rng.randint(0, n - length)
+            a, b = 2 * start, 2 * (start + length - 1) + 1
+            tokens = tokens[:a] + ["("] + tokens[a:b] + [")"] + tokens[b:]
+        return tokens
+
+    task = ArithmeticTask(level)
+    fast, ref = random.Random(f"draw:{level}"), random.Random(f"draw:{level}")
+    for _ in range(30 if level == 10 else 300):
+        assert task._draw(fast) == reference(LEVELS[level], ref)
+    assert fast.getstate() == ref.getstate()
+
+
 def test_chain_verifier_rewards_the_final_answer_only():
     from quads.tasks.arithmetic import CHAIN_LEVEL
 

@@ -47,8 +47,14 @@ class CharTokenizer:
         self._to_id = {c: i + len(self.SPECIALS) for i, c in enumerate(self.alphabet)}
         self._to_char = dict(enumerate(self.SPECIALS)) | {i: c for c, i in self._to_id.items()}
         self.vocab_size = len(self.SPECIALS) + len(self.alphabet)
+        # ASCII text maps byte by byte (``bytes.translate``): every byte to its id, <unk> where not in the
+        # alphabet; ids must fit a byte (alphabets of up to 252 characters)
+        self._ascii_ids = (bytes(self._to_id.get(chr(b), self.unk_id) for b in range(128)) + bytes(128)
+                           if self.vocab_size <= 256 else None)
 
     def encode(self, text: str) -> list[int]:
+        if self._ascii_ids is not None and text.isascii():
+            return list(text.encode("ascii").translate(self._ascii_ids))
         return [self._to_id.get(c, self.unk_id) for c in text]
 
     def decode(self, ids: list[int]) -> str:
