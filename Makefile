@@ -40,8 +40,10 @@ test:
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-main $(if $(WITH_VLLM),$(VLLM_STAMP)) $(if $(WITH_VERL),$(VERL_STAMP))
 	$(if $(WITH_VLLM)$(WITH_VERL),$(MAKE) --no-print-directory -j2 --output-sync=target $(if $(WITH_VLLM),$(VLLM_TESTS)) $(if $(WITH_VERL),test-verl))
 
+# --dist worksteal: a worker that runs out of tests takes queued ones from the other, so the suite's
+# long tests (20-60 s each) do not leave one core idle at the end
 test-main: $(STAMP) lint
-	$(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist worksteal -q $(PYTEST_ARGS)
 
 $(VLLM_STAMP): pyproject.toml scripts/setup_vllm_env.sh | $(STAMP)
 	PYTHON=$(PYTHON) bash scripts/setup_vllm_env.sh
