@@ -52,8 +52,8 @@ $(VLLM_STAMP): pyproject.toml scripts/setup_vllm_env.sh | $(STAMP)
 # one process per group of engine starts: an in-process vLLM engine that is garbage-collected late
 # tears down the parallel groups of the next one (seen with the diagnose test after the train test).
 # `make test` runs the three groups as separate jobs beside test-verl, the longest first (-j2; the second
-# phase took 152 s as one job, 126 s so, on the 2-core AVX2 machine)
-VLLM_TESTS := test-vllm-diagnose test-vllm-engine test-vllm-packed
+# phase took 152 s as one job, 126 s so, on the 2-core AVX2 machine; test-vllm-engine ~80 s, the others 30-45 s)
+VLLM_TESTS := test-vllm-engine test-vllm-diagnose test-vllm-packed
 test-vllm: $(VLLM_TESTS)
 
 test-vllm-engine: $(VLLM_STAMP)
