@@ -209,29 +209,17 @@ def test_chains_fold_left_to_right_as_the_general_solver_does():
 
 @pytest.mark.parametrize("level", sorted(LEVELS))
 def test_draws_are_those_of_randint_and_choice(level):
-    """``ArithmeticTask._draw`` takes its operands and operators from ``rng.getrandbits`` directly: the same
-    tokens, and the same generator state after, as ``rng.randint`` / ``rng.choice`` per draw (the
-    reference below), so every level's examples are the ones it always had."""
+    """``ArithmeticTask._operands`` takes its values from ``rng.getrandbits`` directly: the same operands and
+    operators, and the same generator state after, as ``rng.randint`` / ``rng.choice`` per draw, so every
+    level's examples are the ones it always had."""
     import random
 
-    def reference(lv, rng):
-        n = rng.randint(*lv.operands)
-        nums = [rng.randint(0, 10**lv.digits - 1) for _ in range(n)]
-        ops = [rng.choice(lv.ops) for _ in range(n - 1)]
-        tokens = [nums[0]]
-        for op, x in zip(ops, nums[1:]):
-            tokens += [op, x]
-        if lv.parens and n >= 3 and rng.random() < 0.5:
-            length = rng.randint(2, n - 1)
-            start = rng.randint(0, n - length)
-            a, b = 2 * start, 2 * (start + length - 1) + 1
-            tokens = tokens[:a] + ["("] + tokens[a:b] + [")"] + tokens[b:]
-        return tokens
-
-    task = ArithmeticTask(level)
+    task, lv = ArithmeticTask(level), LEVELS[level]
     fast, ref = random.Random(f"draw:{level}"), random.Random(f"draw:{level}")
     for _ in range(30 if level == 10 else 300):
-        assert task._draw(fast) == reference(LEVELS[level], ref)
+        n = ref.randint(*lv.operands)
+        want = ([ref.randint(0, 10**lv.digits - 1) for _ in range(n)], [ref.choice(lv.ops) for _ in range(n - 1)])
+        assert task._operands(fast) == want
     assert fast.getstate() == ref.getstate()
 
 

@@ -140,19 +140,25 @@ class ArithmeticTask(GeneratedTask):
         self.difficulty = difficulty
         self.level = LEVELS[difficulty]
 
-    def _draw(self, rng: random.Random) -> list:
-        """The expression's tokens. Draws what ``n = rng.randint(*operands)``, then ``rng.randint(0,
-        10**digits - 1)`` per operand and ``rng.choice(ops)`` per operator draw, from ``rng.getrandbits``
-        as ``random.Random`` does (``_randbelow``: the bit length of the bound, redrawn while out of range),
-        without their per-call overhead: the long chain draws ~560 values per example."""
+    def _operands(self, rng: random.Random) -> tuple[list[int], list[str]]:
+        """The operands and operators of one expression. Draws what ``n = rng.randint(*operands)``, then
+        ``rng.randint(0, 10**digits - 1)`` per operand and ``rng.choice(ops)`` per operator draw, from
+        ``rng.getrandbits`` as ``random.Random`` does (``_below``), without their per-call overhead: the
+        long chain draws ~560 values per example."""
         lv = self.level
         n = rng.randint(*lv.operands)
         nums = _below(rng, 10**lv.digits, n)
-        ops = [lv.ops[i] for i in _below(rng, len(lv.ops), n - 1)]
+        return nums, [lv.ops[i] for i in _below(rng, len(lv.ops), n - 1)]
+
+    def _draw(self, rng: random.Random) -> list:
+        """The expression's tokens: ``_operands`` interleaved, half the time (levels with ``parens``) one
+        random run of operands parenthesized."""
+        nums, ops = self._operands(rng)
+        n = len(nums)
         tokens: list = [nums[0]]
         for op, x in zip(ops, nums[1:]):
             tokens += [op, x]
-        if lv.parens and n >= 3 and rng.random() < 0.5:
+        if self.level.parens and n >= 3 and rng.random() < 0.5:
             length = rng.randint(2, n - 1)
             start = rng.randint(0, n - length)
             a, b = 2 * start, 2 * (start + length - 1) + 1
