@@ -22,6 +22,14 @@
 #   phases1b  the same on 1b, plain only (the compile of 1b takes minutes): trainer_phases_1b.json;
 #             PHASES1B_TIMEOUT (default 240 s)
 # e.g. PARTS="refresh phases" (about 6 min), then PARTS="phases1b".
+# Parts that resolve QAT's cost and time the compiled 1b step (issue 22's remaining targets):
+#   steady    100m, compiled BF16 vs compiled W4A16-QAT only, 5 warm-up + STEADY_STEPS (200) timed steps each,
+#             interleaved (the paired interval's half-width goes as 1/sqrt(steps): ~7% at 25, ~2.5% at 200),
+#             then 50 phase steps each: trainer_steady_100m.json; STEADY_TIMEOUT (default 270 s; two compiles
+#             of ~65 s each)
+#   compiled1b  1b, BF16 and W4A16-QAT plain and compiled, interleaved, 3 warm-up + 20 timed steps each:
+#             trainer_compiled_1b.json (the 1b step's MFU compiled); C1B_TIMEOUT (default 300 s)
+# e.g. PARTS="steady compiled1b" (about 9 min).
 set -u -o pipefail
 OUT=${OUT:-/tmp/quads_gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -84,5 +92,16 @@ if want phases1b; then
 timeout ${PHASES1B_TIMEOUT:-240} python3 benchmarks/bench_e2e.py --suites trainer --preset 1b --warmup 3 \
   --steps 20 --interleave step --trainer-phases 20 --json "$OUT/trainer_phases_1b.json" >> "$OUT/trainer.log" 2>&1
 part trainer_phases_1b $?
+fi
+if want steady; then
+timeout ${STEADY_TIMEOUT:-270} python3 benchmarks/bench_e2e.py --suites trainer --preset 100m --warmup 5 \
+  --steps "${STEADY_STEPS:-200}" --interleave step --trainer-compile on --trainer-phases 50 \
+  --json "$OUT/trainer_steady_100m.json" >> "$OUT/trainer.log" 2>&1
+part trainer_steady_100m $?
+fi
+if want compiled1b; then
+timeout ${C1B_TIMEOUT:-300} python3 benchmarks/bench_e2e.py --suites trainer --preset 1b --warmup 3 \
+  --steps 20 --interleave step --trainer-compile off,on --json "$OUT/trainer_compiled_1b.json" >> "$OUT/trainer.log" 2>&1
+part trainer_compiled_1b $?
 fi
 grep -h "^trainer\|^phases" "$OUT/trainer.log" 2>/dev/null | tee -a "$OUT/env.txt"
