@@ -250,7 +250,7 @@ class TrainConfig:
     # Triton (raises without it); reference = PyTorch only. Bit-exact across backends: speed only.
     kernels: Literal["auto", "triton", "reference"] = "auto"  # kernel backend of the NVFP4 quantize ops
     # Inductor: fused kernels, its own rounding (not bit-identical to the plain forward); rollout.compile is the engine's
-    trainer_compile: Literal["auto", True, False] = False  # torch.compile the trainer's policy forward + backward (quads.rl.compiled); auto = on CUDA in one process, never on the CPU; off by default until it is verified and timed on a GPU (docs/PERF.md)
+    trainer_compile: Literal["auto", True, False] = False  # torch.compile the trainer's policy forward + backward (quads.rl.compiled); auto = on CUDA in one process, never on the CPU; ~2.3-2.5x faster trainer steps on an H200 after ~1-2 min of compiles per kind of call, so it pays in long runs (~20-30M trained tokens at 100m); off by default (docs/PERF.md, trainer step)
     dist_timeout_s: float = 600.0  # under torchrun: a collective that waits this long on a dead peer raises
 
     def __post_init__(self) -> None:
