@@ -271,20 +271,22 @@ def bench_rac(rows: list) -> None:
     idx = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)]).cuda()
     routes = static_routes(idx, e)
     segs = factored.Segments.of(routes.expert, e)
-    cases = (("sort", None, True, "sort"), ("count", None, True, "count"), ("unfused", None, False, None),
-             ("w4a4", 0, True, None))  # name, n (None: K/2), fused, selection method
+    cases = (("sort", None, True, "sort", True), ("count", None, True, "count", True),
+             ("unfused", None, False, None, True), ("w4a4", 0, True, None, True),
+             ("w4a4_steps", 0, True, None, False))  # name, n (None: K/2), fused RAC, selection method, fused amax
     for k, what in RAC_SHAPES:
         xs = [torch.randn(tokens * topk, k, device="cuda").bfloat16() for _ in range(4)]
         t = {}
         with dispatch.kernels("triton"):
-            for name, n, fused, method in cases:
+            for name, n, fused, method, one in cases:
                 n = k // 2 if n is None else n
                 t[name] = time_graph([lambda x=x: factored.operands(x, segs, n=n, dtype=torch.bfloat16, fused_rac=fused,
-                                                                    rac_method=method) for x in xs])  # fmt: skip
+                                                                    rac_method=method, fused_amax=one) for x in xs])  # fmt: skip
         default = default_method(k)
         rows.append({"bench": "RAC 50% operands (1b decode)", "shape": f"{what} M={tokens * topk} E={e} K={k} "
                      f"n={k // 2}", "us": t[default] * 1e6, "method": default, "sort_us": t["sort"] * 1e6,
                      "count_us": t["count"] * 1e6, "unfused_us": t["unfused"] * 1e6, "w4a4_us": t["w4a4"] * 1e6,
+                     "w4a4_steps_us": t["w4a4_steps"] * 1e6,
                      "count_over_sort": t["count"] / t["sort"], "x_vs_unfused": t["unfused"] / t[default]})  # fmt: skip
 
 
@@ -631,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         "sort_us",
         "count_us",
         "w4a4_us",
+        "w4a4_steps_us",
         "fused_us",
         "gemv_us",
         "gemv_x_vs_bf16",

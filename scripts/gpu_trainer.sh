@@ -28,7 +28,8 @@
 #             then 50 phase steps each: trainer_steady_100m.json; STEADY_TIMEOUT (default 270 s; two compiles
 #             of ~65 s each)
 #   compiled1b  1b, BF16 and W4A16-QAT plain and compiled, interleaved, 3 warm-up + 20 timed steps each:
-#             trainer_compiled_1b.json (the 1b step's MFU compiled); C1B_TIMEOUT (default 300 s)
+#             trainer_compiled_1b.json (the 1b step's MFU compiled); C1B_TIMEOUT (default 300 s), C1B_STEPS
+#             (default 20; 200 to resolve the compiled 1b QAT ratio: ~6.5 min, C1B_TIMEOUT=560)
 # e.g. PARTS="steady compiled1b" (about 9 min).
 set -u -o pipefail
 OUT=${OUT:-/tmp/quads_gpu_out}; mkdir -p "$OUT"
@@ -101,7 +102,7 @@ part trainer_steady_100m $?
 fi
 if want compiled1b; then
 timeout ${C1B_TIMEOUT:-300} python3 benchmarks/bench_e2e.py --suites trainer --preset 1b --warmup 3 \
-  --steps 20 --interleave step --trainer-compile off,on --json "$OUT/trainer_compiled_1b.json" >> "$OUT/trainer.log" 2>&1
+  --steps "${C1B_STEPS:-20}" --interleave step --trainer-compile off,on --json "$OUT/trainer_compiled_1b.json" >> "$OUT/trainer.log" 2>&1
 part trainer_compiled_1b $?
 fi
 grep -h "^trainer\|^phases" "$OUT/trainer.log" 2>/dev/null | tee -a "$OUT/env.txt"

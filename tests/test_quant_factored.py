@@ -296,6 +296,56 @@ def test_fused_rac_operands_k_not_a_power_of_two(k, per_token):
     _fused_matches_reference(x, factored.Segments.of(None), k - 16, per_token, torch.float32)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("k,counts,masked,dtype,residual", [
+    (64, [5, 0, 7], 3, torch.bfloat16, True),
+    (80, [0, 17, 2, 0], 0, torch.float32, False),  # empty groups first and last, a partial K block
+    (512, [40], 5, torch.bfloat16, True),  # two K blocks of 256, a group of three row blocks
+    (208, [0, 0, 3], 1, torch.bfloat16, False),
+], ids=["K64", "K80-fp32", "K512", "K208"])
+def test_group_units_is_row_amax_row_max_and_units_in_one_launch(k, counts, masked, dtype, residual):
+    """``factored_quant.group_units`` (one program per group: its rows, their amax, the quantize) writes the
+    bits of ``row_amax`` + ``Segments.row_max`` + ``units`` (interpreter), into a strided slot of the stacked
+    operand, with NaN and inf rows (an inf makes its group's scale 1, a NaN is ignored by the amax)."""
+    from quads.kernels import factored_quant
+
+    x, segs = _rac_rows(k + len(counts), k, counts, masked)
+    if x.shape[0] > 3:
+        x[1, 3], x[2, 5] = float("nan"), float("inf")
+    for slot in (0, 1):
+        want = torch.zeros(x.shape[0], 2, k, dtype=dtype)
+        got = torch.zeros_like(want)
+        with dispatch.kernels("triton"):
+            gw, rw = factored.units(x, segs.row_max(factored.row_amax(x)), want, slot, residual=residual)
+            gg, rg = factored_quant.group_units_op(x, segs.group, segs.groups, got, slot, residual=residual)
+        assert _same_bits(got, want) and _same_bits(gg, gw)
+        assert (rg is None and rw is None) or _same_bits(rg, rw)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        factored_quant.group_units(x[:, :40], segs.group, segs.groups, got[:, 0, :40])
+
+
+def test_operands_quantize_decode_groups_in_one_launch(monkeypatch):
+    """``factored.operands`` takes ``group_units`` for rows in groups with few rows per group on a Triton device
+    (the decode step), and the three-step path per token, for one group, and with many rows per group."""
+    from quads.kernels import factored_quant
+
+    calls = []
+    real = factored_quant.group_units_op
+    monkeypatch.setattr(factored_quant, "group_units_op", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    x, segs = _rac_rows(1, 32, [3, 4], masked=1)
+    with dispatch.kernels("triton"):
+        factored.operands(x, segs, n=0, dtype=torch.bfloat16)
+        factored.operands(x, segs, n=16, dtype=torch.bfloat16)
+        factored.operands(x, segs, n=0, dtype=torch.bfloat16, per_token=True)
+        factored.operands(x, factored.Segments.of(None), n=0, dtype=torch.bfloat16)
+        factored.operands(x, segs, n=0, dtype=torch.bfloat16, fused_amax=False)
+        many, msegs = _rac_rows(2, 32, [factored_quant.GROUP_UNITS_MAX_ROWS + 1], masked=0)
+        factored.operands(many, msegs, n=0, dtype=torch.bfloat16)
+    with dispatch.kernels("reference"):
+        factored.operands(x, segs, n=0, dtype=torch.bfloat16)
+    assert calls == [x.shape, x.shape]
+
+
 def test_sq_norms_keep_nan_and_inf_in_their_group():
     """Segments.sq_norms equals each group's own sum of r^2, a NaN or inf square included (a plain GEMM
     with the 0/1 membership would spread them to every group: 0 * inf = NaN)."""

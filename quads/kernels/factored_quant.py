@@ -30,7 +30,8 @@ if HAS_TRITON:
     import triton.language as tl
 
     from quads.kernels._common import cast_out, e2m1_times_scale, e4m3_to_f32
-    from quads.kernels.nvfp4_quant import _global_scales, _quantize_tile, _store_codes_scales
+    from quads.kernels.nvfp4_quant import _global_scales, _quantize_tile, _store_codes_scales, rows_absmax
+    from quads.kernels.rac_select import _group_rows
 
     @triton.jit
     def _quantize_units_kernel(
@@ -62,6 +63,37 @@ if HAS_TRITON:
             if RESIDUAL:
                 r = x - u * s_dec[:, None]
                 tl.store(r_ptr + rows[:, None] * K + ch, r, mask=m)
+
+
+    @triton.jit
+    def _group_units_kernel(
+        x_ptr, group_ptr, u_ptr, g_ptr, r_ptr, M, K, stride_xm, stride_um,
+        RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    ):  # fmt: skip
+        """Group g = program id (grid G + 1, rows sorted by group): its rows ``[start, end)``, their
+        NaN-ignoring amax (the group's global scale, as ``row_amax`` then ``Segments.row_max``), then each of
+        its rows quantized as ``_quantize_units_kernel`` does with that amax."""
+        start, end = _group_rows(group_ptr, tl.program_id(0), M, False, BLOCK_G)
+        amax = tl.max(tl.zeros((BLOCK_M,), tl.float32), axis=0)
+        for r0 in range(start, end, BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            amax = tl.maximum(amax, tl.max(rows_absmax(x_ptr + rows * stride_xm, rows < end, K, BLOCK_M, BLOCK_K), axis=0))
+        s_enc, s_dec = _global_scales(tl.zeros((BLOCK_M,), tl.float32) + amax)
+        for r0 in range(start, end, BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            rmask = rows < end
+            tl.store(g_ptr + rows, s_dec, mask=rmask)
+            for k0 in range(0, K, BLOCK_K):
+                j = k0 + tl.arange(0, BLOCK_K)
+                m = rmask[:, None] & (j[None, :] < K)
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + j[None, :], mask=m, other=0.0).to(tl.float32)
+                _, s_byte, _, c3, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K, False)
+                s16 = e4m3_to_f32(s_byte) * 16384.0
+                u = tl.reshape(e2m1_times_scale(c3, s16[:, :, None]), (BLOCK_M, BLOCK_K))
+                tl.store(u_ptr + rows[:, None] * stride_um + j[None, :], cast_out(u, u_ptr), mask=m)
+                if RESIDUAL:
+                    r = x - u * s_dec[:, None]
+                    tl.store(r_ptr + rows[:, None] * K + j[None, :], r, mask=m)
 
 
 def quantize_units(
@@ -112,6 +144,46 @@ def quantize_units(
     )  # fmt: skip
     out = (u, g, r if residual else None)
     return out + (cd, sc.view(torch.float8_e4m3fn)) if codes else out
+
+
+GROUP_UNITS_MAX_ROWS = 64  # group_units when the groups hold at most this many rows on average (decode)
+
+
+def group_units(
+    x: torch.Tensor,
+    group: torch.Tensor,
+    groups: int,
+    out: torch.Tensor,
+    *,
+    residual: bool = False,
+    block_m: int = 16,
+    block_k: int = 256,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``quantize_units`` of rows sorted by group (``group`` ``[M]`` ascending in ``[0, groups]``, as
+    ``factored.Segments``) with each group's NaN-ignoring amax as the global scale, in one launch: one
+    program per group finds its rows, takes their amax and quantizes them, writing ``u`` into ``out``
+    (``[M, K]``, rows may be strided) -> ``(g [M], r [M, K] fp32 or None)``. The same bits as ``row_amax``,
+    ``Segments.row_max`` and ``quantize_units`` (three to five launches); a group's rows are one program's
+    sequential pass, so it is for few rows per group (``GROUP_UNITS_MAX_ROWS``: the decode step)."""
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed; use row_amax, Segments.row_max and quantize_units_reference")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    if k % NVFP4_BLOCK:
+        raise ValueError(f"group_units needs a width multiple of {NVFP4_BLOCK}, got {k}")
+    if group.shape != (m,) or out.shape != (m, k) or out.stride(-1) != 1:
+        raise ValueError(f"group_units: expected group [{m}] and out [{m}, {k}] with unit stride along K, got "
+                         f"{tuple(group.shape)} and {tuple(out.shape)} strides {out.stride()}")
+    g = torch.empty(m, dtype=torch.float32, device=x.device)
+    r = torch.empty(m, k, dtype=torch.float32, device=x.device) if residual else g
+    bk = max(NVFP4_BLOCK, min(block_k, triton.next_power_of_2(k)))
+    _group_units_kernel[(groups + 1,)](
+        x, group.contiguous(), out, g, r, m, k, x.stride(0), out.stride(0),
+        RESIDUAL=residual, BLOCK_M=block_m, BLOCK_K=bk, BLOCK_G=min(1024, triton.next_power_of_2(max(m, 1))),
+        num_warps=num_warps, **EXACT,
+    )  # fmt: skip
+    return g, (r if residual else None)
 
 
 def quantize_units_reference(
@@ -165,6 +237,27 @@ def units_op(x: torch.Tensor, amax: torch.Tensor, out: torch.Tensor, slot: int, 
     """``quantize_units`` writing ``u`` into ``out[:, slot]`` (``out`` ``[M, P, K]``, the stacked operand),
     as the custom op ``quads::quantize_units`` -> ``(g [M], r [M, K] or None)``."""
     g, r = torch.ops.quads.quantize_units(x, amax, index, out, slot, residual)
+    return g, (r if residual else None)
+
+
+@torch.library.custom_op("quads::group_units", mutates_args=("out",))
+def _group_units_op(x: torch.Tensor, group: torch.Tensor, groups: int, out: torch.Tensor, slot: int,
+                    residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    g, r = group_units(x, group, groups, out[:, slot], residual=residual)
+    return g, (r if residual else g.new_empty(0))
+
+
+@_group_units_op.register_fake
+def _(x, group, groups, out, slot, residual):
+    m, k = x.shape
+    return x.new_empty(m, dtype=torch.float32), x.new_empty((m, k) if residual else (0,), dtype=torch.float32)
+
+
+def group_units_op(x: torch.Tensor, group: torch.Tensor, groups: int, out: torch.Tensor, slot: int, *,
+                   residual: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``group_units`` writing ``u`` into ``out[:, slot]`` (``out`` ``[M, P, K]``), as the custom op
+    ``quads::group_units`` -> ``(g [M], r [M, K] or None)``."""
+    g, r = torch.ops.quads.group_units(x, group, groups, out, slot, residual)
     return g, (r if residual else None)
 
 

@@ -184,6 +184,7 @@ def operands(
     observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     fused_rac: bool = True,
     rac_method: RacMethod | None = None,
+    fused_amax: bool = True,
 ) -> Operands:
     """The factored W4A4 (+RAC with ``n`` = |S| channels) operands of ``x`` ``[M, K]`` (canonical NVFP4).
 
@@ -196,14 +197,22 @@ def operands(
     On Triton, dynamic selection without ``observe`` runs the residual operand as the custom op
     ``quads::rac_units`` (``quads.kernels.rac_select``: two or three kernels, the same bits as the steps
     below; ``rac_method``: its selection algorithm, ``sort`` / ``count``, None for its default;
-    ``fused_rac=False`` runs the steps instead, for benchmarks and tests).
+    ``fused_rac=False`` runs the steps instead, for benchmarks and tests). The activation operand of rows
+    in groups (``per_token=False``) with few rows per group (the decode step) is one Triton launch,
+    ``quads::group_units`` (the group amax and the quantize; ``fused_amax=False``: ``row_amax``,
+    ``Segments.row_max`` and ``units``, the same bits).
     """
     if selection not in ("dynamic", "static"):
         raise ValueError(f"unknown RAC selection {selection!r}; valid: dynamic, static")
-    amax = row_amax(x)
     need_r = n > 0 or observe is not None
     buf = torch.empty(x.shape[0], 2 if n else 1, x.shape[1], dtype=dtype, device=x.device)  # [M, P, K]
-    gx, r = units(x, amax if per_token else segs.row_max(amax), buf, 0, residual=need_r)
+    if fused_amax and _group_units(x, segs, per_token):  # one launch: group amax + quantize (decode)
+        from quads.kernels.factored_quant import group_units_op
+
+        gx, r = group_units_op(x, segs.group, segs.groups, buf, 0, residual=need_r)
+    else:
+        amax = row_amax(x)
+        gx, r = units(x, amax if per_token else segs.row_max(amax), buf, 0, residual=need_r)
     if not need_r:
         return Operands(buf, gx[:, None], None)
     if n and fused_rac and selection == "dynamic" and observe is None and dispatch.use_triton(r):
@@ -230,6 +239,14 @@ def operands(
     buf[:, 1].zero_()  # the residual's values, scattered: zero outside S
     gr, _ = units(r, ra if per_token else segs.row_max(ra), buf, 1, index=s_rows)
     return Operands(buf, torch.stack([gx, gr], dim=1), s)
+
+
+def _group_units(x: torch.Tensor, segs: Segments, per_token: bool) -> bool:
+    """Whether ``operands`` quantizes ``x`` with ``group_units`` (one program per group; shapes only)."""
+    from quads.kernels.factored_quant import GROUP_UNITS_MAX_ROWS
+
+    return (not per_token and segs.group is not None and x.shape[0] <= GROUP_UNITS_MAX_ROWS * segs.groups
+            and dispatch.use_triton(x))
 
 
 def scale_output(y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
