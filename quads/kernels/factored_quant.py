@@ -34,6 +34,21 @@ if HAS_TRITON:
     from quads.kernels.rac_select import _group_rows
 
     @triton.jit
+    def _units_tile(x, s_enc, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """x ``[BLOCK_M, BLOCK_K]`` fp32 with its rows' global scales -> (packed codes, E4M3 scale bytes,
+        ``u = e2m1 * s`` fp32 ``[BLOCK_M, BLOCK_K]``), the canonical NVFP4 cast of ``_quantize_tile``."""
+        packed, s_byte, _, c3, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K, False)
+        s16 = e4m3_to_f32(s_byte) * 16384.0  # the stored scale (NaN for a NaN block, as the reference)
+        return packed, s_byte, tl.reshape(e2m1_times_scale(c3, s16[:, :, None]), (BLOCK_M, BLOCK_K))
+
+    @triton.jit
+    def _store_units(u_ptr, r_ptr, x, u, s_dec, rows, ch, m, stride_um, K, RESIDUAL: tl.constexpr):
+        """``u`` at ``u[rows, ch]`` in the output's dtype; with RESIDUAL ``r = x - u * S_dec`` (fp32, no FMA)."""
+        tl.store(u_ptr + rows[:, None] * stride_um + ch, cast_out(u, u_ptr), mask=m)
+        if RESIDUAL:
+            tl.store(r_ptr + rows[:, None] * K + ch, x - u * s_dec[:, None], mask=m)
+
+    @triton.jit
     def _quantize_units_kernel(
         x_ptr, amax_ptr, idx_ptr, u_ptr, g_ptr, r_ptr, codes_ptr, scales_ptr, M, K, W, stride_xm, stride_um,
         GATHER: tl.constexpr, RESIDUAL: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -53,16 +68,11 @@ if HAS_TRITON:
             else:
                 ch = tl.broadcast_to(j[None, :], (BLOCK_M, BLOCK_K))
             x = tl.load(x_ptr + rows[:, None] * stride_xm + ch, mask=m, other=0.0).to(tl.float32)
-            packed, s_byte, _, c3, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K, False)
+            packed, s_byte, u = _units_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K)
             if CODES:  # the NVFP4 tensor itself, [M, W/2] codes and [M, W/16] scales (tests, export)
                 _store_codes_scales(codes_ptr, scales_ptr, packed, s_byte, rows, rmask, k0, W, 1, 1, 1,
                                     False, BLOCK_K)
-            s16 = e4m3_to_f32(s_byte) * 16384.0  # the stored scale (NaN for a NaN block, as the reference)
-            u = tl.reshape(e2m1_times_scale(c3, s16[:, :, None]), (BLOCK_M, BLOCK_K))
-            tl.store(u_ptr + rows[:, None] * stride_um + ch, cast_out(u, u_ptr), mask=m)
-            if RESIDUAL:
-                r = x - u * s_dec[:, None]
-                tl.store(r_ptr + rows[:, None] * K + ch, r, mask=m)
+            _store_units(u_ptr, r_ptr, x, u, s_dec, rows, ch, m, stride_um, K, RESIDUAL)
 
 
     @triton.jit
@@ -87,13 +97,8 @@ if HAS_TRITON:
                 j = k0 + tl.arange(0, BLOCK_K)
                 m = rmask[:, None] & (j[None, :] < K)
                 x = tl.load(x_ptr + rows[:, None] * stride_xm + j[None, :], mask=m, other=0.0).to(tl.float32)
-                _, s_byte, _, c3, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K, False)
-                s16 = e4m3_to_f32(s_byte) * 16384.0
-                u = tl.reshape(e2m1_times_scale(c3, s16[:, :, None]), (BLOCK_M, BLOCK_K))
-                tl.store(u_ptr + rows[:, None] * stride_um + j[None, :], cast_out(u, u_ptr), mask=m)
-                if RESIDUAL:
-                    r = x - u * s_dec[:, None]
-                    tl.store(r_ptr + rows[:, None] * K + j[None, :], r, mask=m)
+                _, _, u = _units_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K)
+                _store_units(u_ptr, r_ptr, x, u, s_dec, rows, j[None, :], m, stride_um, K, RESIDUAL)
 
 
 def quantize_units(
