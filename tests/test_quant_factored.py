@@ -304,9 +304,10 @@ def test_fused_rac_operands_k_not_a_power_of_two(k, per_token):
     (208, [0, 0, 3], 1, torch.bfloat16, False),
 ], ids=["K64", "K80-fp32", "K512", "K208"])
 def test_group_units_is_row_amax_row_max_and_units_in_one_launch(k, counts, masked, dtype, residual):
-    """``factored_quant.group_units`` (one program per group: its rows, their amax, the quantize) writes the
-    bits of ``row_amax`` + ``Segments.row_max`` + ``units`` (interpreter), into a strided slot of the stacked
-    operand, with NaN and inf rows (an inf makes its group's scale 1, a NaN is ignored by the amax)."""
+    """``factored_quant.group_units`` (one program per group: its rows, their amax, the quantize; or one per
+    group and column block) writes the bits of ``row_amax`` + ``Segments.row_max`` + ``units`` (interpreter),
+    into a strided slot of the stacked operand, with NaN and inf rows (an inf makes its group's scale 1, a
+    NaN is ignored by the amax)."""
     from quads.kernels import factored_quant
 
     x, segs = _rac_rows(k + len(counts), k, counts, masked)
@@ -314,12 +315,17 @@ def test_group_units_is_row_amax_row_max_and_units_in_one_launch(k, counts, mask
         x[1, 3], x[2, 5] = float("nan"), float("inf")
     for slot in (0, 1):
         want = torch.zeros(x.shape[0], 2, k, dtype=dtype)
-        got = torch.zeros_like(want)
         with dispatch.kernels("triton"):
             gw, rw = factored.units(x, segs.row_max(factored.row_amax(x)), want, slot, residual=residual)
-            gg, rg = factored_quant.group_units_op(x, segs.group, segs.groups, got, slot, residual=residual)
-        assert _same_bits(got, want) and _same_bits(gg, gw)
-        assert (rg is None and rw is None) or _same_bits(rg, rw)
+        got = torch.zeros_like(want)
+        gg, rg = factored_quant.group_units_op(x, segs.group, segs.groups, got, slot, residual=residual)
+        # the launch config of one program per (group, column block), the last block partial where K allows
+        cols = torch.zeros_like(want)
+        gc, rc = factored_quant.group_units(x, segs.group, segs.groups, cols[:, slot], residual=residual,
+                                            block_k=32, column_blocks=True)
+        for u, g, r in ((got, gg, rg), (cols, gc, rc)):
+            assert _same_bits(u, want) and _same_bits(g, gw)
+            assert (r is None and rw is None) or _same_bits(r, rw)
     with pytest.raises(ValueError, match="multiple of 16"):
         factored_quant.group_units(x[:, :40], segs.group, segs.groups, got[:, 0, :40])
 

@@ -77,23 +77,26 @@ if HAS_TRITON:
 
     @triton.jit
     def _group_units_kernel(
-        x_ptr, group_ptr, u_ptr, g_ptr, r_ptr, M, K, stride_xm, stride_um,
+        x_ptr, group_ptr, u_ptr, g_ptr, r_ptr, M, K, stride_xm, stride_um, COLS,
         RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
     ):  # fmt: skip
-        """Group g = program id (grid G + 1, rows sorted by group): its rows ``[start, end)``, their
-        NaN-ignoring amax (the group's global scale, as ``row_amax`` then ``Segments.row_max``), then each of
-        its rows quantized as ``_quantize_units_kernel`` does with that amax."""
+        """Program (g, c) of the grid (G + 1, K / COLS), rows sorted by group: group g's rows ``[start, end)``,
+        their NaN-ignoring amax over all K (the group's global scale, as ``row_amax`` then
+        ``Segments.row_max``), then columns ``[c COLS, (c + 1) COLS)`` of those rows quantized as
+        ``_quantize_units_kernel`` does with that amax (COLS >= K: one program per group; a multiple of
+        BLOCK_K below K: the group's programs each read its rows again for the amax, a few KB at decode)."""
         start, end = _group_rows(group_ptr, tl.program_id(0), M, False, BLOCK_G)
         amax = tl.max(tl.zeros((BLOCK_M,), tl.float32), axis=0)
         for r0 in range(start, end, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
             amax = tl.maximum(amax, tl.max(rows_absmax(x_ptr + rows * stride_xm, rows < end, K, BLOCK_M, BLOCK_K), axis=0))
         s_enc, s_dec = _global_scales(tl.zeros((BLOCK_M,), tl.float32) + amax)
+        c0 = tl.program_id(1) * COLS
         for r0 in range(start, end, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
             rmask = rows < end
-            tl.store(g_ptr + rows, s_dec, mask=rmask)
-            for k0 in range(0, K, BLOCK_K):
+            tl.store(g_ptr + rows, s_dec, mask=rmask & (rows * 0 + c0 == 0))  # by the first column block
+            for k0 in range(c0, c0 + COLS, BLOCK_K):
                 j = k0 + tl.arange(0, BLOCK_K)
                 m = rmask[:, None] & (j[None, :] < K)
                 x = tl.load(x_ptr + rows[:, None] * stride_xm + j[None, :], mask=m, other=0.0).to(tl.float32)
@@ -163,6 +166,7 @@ def group_units(
     residual: bool = False,
     block_m: int = 16,
     block_k: int = 256,
+    column_blocks: bool = False,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``quantize_units`` of rows sorted by group (``group`` ``[M]`` ascending in ``[0, groups]``, as
@@ -170,7 +174,9 @@ def group_units(
     program per group finds its rows, takes their amax and quantizes them, writing ``u`` into ``out``
     (``[M, K]``, rows may be strided) -> ``(g [M], r [M, K] fp32 or None)``. The same bits as ``row_amax``,
     ``Segments.row_max`` and ``quantize_units`` (three to five launches); a group's rows are one program's
-    sequential pass, so it is for few rows per group (``GROUP_UNITS_MAX_ROWS``: the decode step)."""
+    sequential pass, so it is for few rows per group (``GROUP_UNITS_MAX_ROWS``: the decode step).
+    ``column_blocks``: a launch config, one program per (group, ``block_k`` columns) instead of per group,
+    each reading its group's rows again for the amax (the same bits; for wide K with few groups)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use row_amax, Segments.row_max and quantize_units_reference")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -183,8 +189,9 @@ def group_units(
     g = torch.empty(m, dtype=torch.float32, device=x.device)
     r = torch.empty(m, k, dtype=torch.float32, device=x.device) if residual else g
     bk = max(NVFP4_BLOCK, min(block_k, triton.next_power_of_2(k)))
-    _group_units_kernel[(groups + 1,)](
-        x, group.contiguous(), out, g, r, m, k, x.stride(0), out.stride(0),
+    cols = bk if column_blocks else triton.cdiv(k, bk) * bk
+    _group_units_kernel[(groups + 1, triton.cdiv(k, cols))](
+        x, group.contiguous(), out, g, r, m, k, x.stride(0), out.stride(0), cols,
         RESIDUAL=residual, BLOCK_M=block_m, BLOCK_K=bk, BLOCK_G=min(1024, triton.next_power_of_2(max(m, 1))),
         num_warps=num_warps, **EXACT,
     )  # fmt: skip
