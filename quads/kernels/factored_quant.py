@@ -29,24 +29,14 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from quads.kernels._common import cast_out, e2m1_times_scale, e4m3_to_f32
-    from quads.kernels.nvfp4_quant import _global_scales, _quantize_tile, _store_codes_scales, rows_absmax
+    from quads.kernels.nvfp4_quant import (
+        _global_scales,
+        _store_codes_scales,
+        _store_units,
+        _units_tile,
+        rows_absmax,
+    )
     from quads.kernels.rac_select import _group_rows
-
-    @triton.jit
-    def _units_tile(x, s_enc, s_dec, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        """x ``[BLOCK_M, BLOCK_K]`` fp32 with its rows' global scales -> (packed codes, E4M3 scale bytes,
-        ``u = e2m1 * s`` fp32 ``[BLOCK_M, BLOCK_K]``), the canonical NVFP4 cast of ``_quantize_tile``."""
-        packed, s_byte, _, c3, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K, False)
-        s16 = e4m3_to_f32(s_byte) * 16384.0  # the stored scale (NaN for a NaN block, as the reference)
-        return packed, s_byte, tl.reshape(e2m1_times_scale(c3, s16[:, :, None]), (BLOCK_M, BLOCK_K))
-
-    @triton.jit
-    def _store_units(u_ptr, r_ptr, x, u, s_dec, rows, ch, m, stride_um, K, RESIDUAL: tl.constexpr):
-        """``u`` at ``u[rows, ch]`` in the output's dtype; with RESIDUAL ``r = x - u * S_dec`` (fp32, no FMA)."""
-        tl.store(u_ptr + rows[:, None] * stride_um + ch, cast_out(u, u_ptr), mask=m)
-        if RESIDUAL:
-            tl.store(r_ptr + rows[:, None] * K + ch, x - u * s_dec[:, None], mask=m)
 
     @triton.jit
     def _quantize_units_kernel(

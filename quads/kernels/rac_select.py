@@ -29,7 +29,7 @@ Shared numerics (both methods, so that they select the same channels bit for bit
    also takes the masked rows' maxima (group G: after every group) over its own S, as the reference does.
 2. ``_rac_units_sel_kernel`` (one row per program on the GPU): the row's gathered ``R[i, S]`` in one tile, its amax
    (``per_token``: NaN-ignoring max of the row; else ``gmax`` of its group), the canonical NVFP4
-   quantize (``nvfp4_quant._quantize_tile``), ``u`` scattered to its channels, zero outside S; S_dec.
+   quantize (``nvfp4_quant._units_tile``), ``u`` scattered to its channels, zero outside S; S_dec.
 
 ``method="count"`` (any K; the default for one group and for K > ``SORT_MAX_K``), three kernels:
 
@@ -65,8 +65,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from quads.kernels._common import cast_out, e2m1_times_scale, e4m3_to_f32
-    from quads.kernels.nvfp4_quant import _global_scales, _quantize_tile
+    from quads.kernels._common import cast_out
+    from quads.kernels.nvfp4_quant import _global_scales, _units_tile
 
     @triton.jit
     def _sort_key(v):
@@ -203,9 +203,7 @@ if HAS_TRITON:
             m = rmask[:, None] & (j < n)[None, :]
             ch = tl.load(s_rows + j[None, :], mask=m, other=0)
             x = tl.load(r_ptr + rows[:, None] * K + ch, mask=m, other=0.0)
-            _, s_byte, _, c3, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K, False)
-            s16 = e4m3_to_f32(s_byte) * 16384.0  # the stored scale (NaN for a NaN block, as the reference)
-            u = tl.reshape(e2m1_times_scale(c3, s16[:, :, None]), (BLOCK_M, BLOCK_K))
+            _, _, u = _units_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K)
             tl.store(u_ptr + rows[:, None] * stride_um + ch, cast_out(u, u_ptr), mask=m)
         _zero_outside(u_ptr, rank_ptr, rows, gs, rmask, K, n, stride_um, BLOCK_M, BLOCK_K)
 
@@ -304,9 +302,7 @@ if HAS_TRITON:
             amax = tl.load(gmax_ptr + grp, mask=rmask, other=0.0)
         s_enc, s_dec = _global_scales(amax)
         tl.store(g_ptr + rows, s_dec, mask=rmask)
-        _, s_byte, _, c3, _ = _quantize_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_N, False)
-        s16 = e4m3_to_f32(s_byte) * 16384.0  # the stored scale (NaN for a NaN block, as the reference)
-        u = tl.reshape(e2m1_times_scale(c3, s16[:, :, None]), (BLOCK_M, BLOCK_N))
+        _, _, u = _units_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_N)
         tl.store(u_ptr + rows[:, None] * stride_um + ch, cast_out(u, u_ptr), mask=m)
         _zero_outside(u_ptr, rank_ptr, rows, gs, rmask, K, n, stride_um, BLOCK_M, BLOCK_K)
 
