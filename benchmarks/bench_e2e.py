@@ -287,11 +287,14 @@ def _rollout_line(r: dict) -> str:
             f"[{r['decode_path']}]")
 
 
-def _trace_counts(eng, prompts, sp, device: str) -> tuple[dict, object, list]:
-    """Event counts of one profiled ``generate`` (after the caller's warm-up)."""
+def _trace_counts(eng, prompts, sp, device: str) -> tuple[dict, object, dict]:
+    """Event counts of one profiled ``generate`` (after the caller's warm-up), and the time per op:
+    ``{name: (calls, ms)}`` of the GPU kernels on CUDA (self device time), of the ATen ops elsewhere (self
+    CPU time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         b = eng.generate(prompts, sp)
         _sync(device)
     ev = prof.key_averages()
@@ -304,37 +307,61 @@ def _trace_counts(eng, prompts, sp, device: str) -> tuple[dict, object, list]:
         "memcpy": lambda e: e.key in ("cudaMemcpyAsync", "cudaMemcpy"),
     }
     counts = {k: sum(e.count for e in ev if f(e)) for k, f in names.items()}
-    top = sorted(ev, key=lambda e: -e.self_device_time_total)[:10]
-    return counts, b, [(e.key[:80], e.count, round(e.self_device_time_total / 1e3, 3)) for e in top]
+    if cuda:
+        ops = {e.key: (e.count, e.self_device_time_total / 1e3) for e in ev
+               if e.device_type == torch.autograd.DeviceType.CUDA}
+    else:
+        ops = {e.key: (e.count, e.self_cpu_time_total / 1e3) for e in ev if e.key.startswith("aten::")}
+    return counts, b, ops
+
+
+def _op_split(o16: dict, o48: dict, steps: int, steps16: int, top: int = 15) -> tuple[list, list]:
+    """Per op: its time per decode step (the two traces' difference / ``steps``, in us) and what the
+    16-token trace spends outside its ``steps16`` decode steps (prefill, set-up, read-back; in ms), the
+    ``top`` largest of each as (name, calls, time)."""
+    per_step, outside = [], []
+    for k in set(o16) | set(o48):
+        c16, t16 = o16.get(k, (0, 0.0))
+        c48, t48 = o48.get(k, (0, 0.0))
+        us = (t48 - t16) / steps * 1e3
+        per_step.append((k[:80], round((c48 - c16) / steps, 2), round(us, 2)))
+        outside.append((k[:80], round(c16 - steps16 * (c48 - c16) / steps, 1), round(t16 - steps16 * us / 1e3, 3)))
+    return (sorted(per_step, key=lambda r: (-r[2], r[0]))[:top], sorted(outside, key=lambda r: (-r[2], r[0]))[:top])
 
 
 def profile_decode(args, rows: list) -> None:
     """torch.profiler over generations of 16 and 48 new tokens per (preset, recipe, graphs): kernels,
     launches and host syncs per decode step = the difference of the two traces / 32 steps (prefill,
-    set-up and read-back cancel out)."""
+    set-up and read-back cancel out); the same difference per GPU kernel (per ATen op on the CPU) gives
+    where a step's time goes (``top_per_step_us``), and the 16-token trace less its decode steps where
+    the prefill's goes (``top_outside_decode_ms``)."""
     tok = CharTokenizer()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, tok.vocab_size, (args.prompt_len,), generator=g).tolist()
                for _ in range(args.prompts)]
     short, long = (SamplingParams(n=args.n, max_new_tokens=m, ignore_eos=True, seed=0) for m in (16, 48))
+    cuda = args.device.startswith("cuda")
     for preset in [p.strip() for p in args.preset.split(",") if p.strip()]:
         for name in [r.strip() for r in args.profile_recipes.split(",") if r.strip()]:
             spec = ROLLOUT_RECIPES[name]
             model = _model(preset, args.device, "bfloat16").requires_grad_(False)
             quantize_model(model, Recipe(f"bench-{name}", rollout=spec), side="rollout", verbose=False)
             compiles = [c.strip() == "on" for c in args.compile.split(",") if c.strip()]
-            for graphs, comp in [(True, c) for c in compiles] + [(False, False)]:
+            modes = ([(True, c) for c in compiles] if cuda else []) + [(False, False)]
+            for graphs, comp in modes:
                 row = {"suite": "profile", "preset": preset, "recipe": name, "graphs": graphs, "compile": comp}
                 try:
                     eng = RolloutEngine(model, tok, device=args.device, cuda_graphs=graphs, compile=comp)
                     eng.generate(prompts, long)  # warm-up (the cache bucket serves both lengths)
-                    c16, b16, _ = _trace_counts(eng, prompts, short, args.device)
-                    c48, b48, top = _trace_counts(eng, prompts, long, args.device)
+                    c16, b16, o16 = _trace_counts(eng, prompts, short, args.device)
+                    c48, b48, o48 = _trace_counts(eng, prompts, long, args.device)
                     steps = b48.stats.decode_steps - b16.stats.decode_steps
                     row.update({f"{k}_per_step": (c48[k] - c16[k]) / steps for k in c48})
+                    per_step, outside = _op_split(o16, o48, steps, b16.stats.decode_steps)
                     row.update(decode_path=b48.stats.decode_path, steps_diff=steps,
                                decode_ms_per_step=b48.stats.decode_s / b48.stats.decode_steps * 1e3,
-                               top_device_48tok=top)
+                               prefill_ms=b48.stats.prefill_s * 1e3,
+                               top_per_step_us=per_step, top_outside_decode_ms=outside)
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {e}"[:800]
                 rows.append(row)

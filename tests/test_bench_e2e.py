@@ -153,3 +153,17 @@ def test_bench_trainer_phases_cpu(tmp_path):
     assert "vs_bf16_delta_ms" not in bf["phases"] and set(qat["phases"]["vs_bf16_delta_ms"]) == {*phases, "step"}
     assert qat["phases"]["ms"]["refresh"]["median"] > bf["phases"]["ms"]["refresh"]["median"]
     assert bf["profile"]["phases"]["refresh"]["aten_calls"] == 0 < qat["profile"]["phases"]["refresh"]["aten_calls"]
+
+
+def test_profile_splits_op_time_into_decode_steps_and_the_rest():
+    """The profile suite's per-op split: (48-token trace - 16-token trace) / the extra steps per decode
+    step, and the 16-token trace less its own decode steps as the prefill's share."""
+    split = _bench()._op_split
+    # gemm: 2 calls and 0.01 ms a step, a 1 ms prefill; norm only in the prefill; 15 and 47 decode steps
+    o16 = {"gemm": (1 + 2 * 15, 1.0 + 0.01 * 15), "norm": (3, 0.5)}
+    o48 = {"gemm": (1 + 2 * 47, 1.0 + 0.01 * 47), "norm": (3, 0.5), "late": (32, 0.32)}
+    per_step, outside = split(o16, o48, steps=32, steps16=15)
+    assert per_step[:2] == [("gemm", 2.0, 10.0), ("late", 1.0, 10.0)]  # ties by name
+    assert ("norm", 0.0, 0.0) in per_step
+    assert outside[0] == ("gemm", 1.0, 1.0) and outside[1] == ("norm", 3.0, 0.5)
+    assert ("late", -15.0, -0.15) in outside  # an op the short trace lacks shows as a negative remainder
