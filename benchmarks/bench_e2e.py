@@ -19,7 +19,9 @@ rollout: the rollout engine (``quads.rollout.RolloutEngine``) on MoE presets (``
   implementation, not the speed of FP4 hardware.
 profile (``--suites profile``): torch.profiler per preset and ``--profile-recipes`` recipe, graphs on
   and off: GPU kernels, launches and host syncs per decode step (difference of a 48- and a 16-token
-  generation over the 32 extra steps, so prefill and read-back cancel).
+  generation over the 32 extra steps, so prefill and read-back cancel); the same difference per kernel (per
+  ATen op on the CPU) says where a step's time goes, and the 16-token trace less its decode steps where the
+  prefill's goes (``top_per_step_us``, ``top_outside_decode_ms``).
 vllm (``--suites vllm``, run with the vLLM environment's python, e.g. ``.venv-vllm/bin/python``): the
   quads engine and vLLM's own engine (native BF16 layers, ``enforce_eager`` as quads' vLLM backend
   starts it) on the same ``--preset`` model (random weights, saved once as a Hugging Face folder),
