@@ -10,4 +10,4 @@ export PYTHONPATH=.; mkdir -p $OUT/tests; git rev-parse HEAD > $OUT/tree.txt 2>&
   E=$(( $(date +%s) - T0 )); echo "outlier instance starts at ${E}s" > $OUT/b.start
   OUT=$OUT/b WORK=runs/collapse-work-outl WARM_DIR=runs/collapse-work/warm_start CONFIG=configs/chain_100m_outliers.yaml RECIPES=nvfp4 SEEDS=2 EVAL_EVERY=10 CONTINUE=${CONTINUE:-0} BUDGET_S=$(( ${BUDGET_S:-570} - E )) bash scripts/gpu_collapse.sh > $OUT/b.log 2>&1 ) &
 OUT=$OUT/a CONFIG=configs/chain_100m.yaml SEEDS=0,1 EVAL_EVERY=${EVAL_EVERY:-25} CONTINUE=${CONTINUE:-0} BUDGET_S=${BUDGET_S:-570} bash scripts/gpu_collapse.sh > $OUT/a.log 2>&1
-wait; tail -3 $OUT/tests/pytest.log 2>/dev/null; tail -5 $OUT/a.log $OUT/b.log; cat $OUT/b.start 2>/dev/null; ls -la $OUT/a $OUT/b 2>/dev/null; grep -h "steps, median" -r $OUT/a 2>/dev/null | head; true
+wait; tail -n 3 $OUT/tests/pytest.log 2>/dev/null; tail -n 5 $OUT/a.log $OUT/b.log 2>/dev/null; cat $OUT/b.start 2>/dev/null; ls -la $OUT/a $OUT/b 2>/dev/null; grep -h "steps, median" -r $OUT/a 2>/dev/null | head; true
