@@ -328,7 +328,8 @@ def _op_split(o16: dict, o48: dict, steps: int, steps16: int, top: int = 15) -> 
         us = (t48 - t16) / steps * 1e3
         per_step.append((k[:80], round((c48 - c16) / steps, 2), round(us, 2)))
         outside.append((k[:80], round(c16 - steps16 * (c48 - c16) / steps, 1), round(t16 - steps16 * us / 1e3, 3)))
-    return (sorted(per_step, key=lambda r: (-r[2], r[0]))[:top], sorted(outside, key=lambda r: (-r[2], r[0]))[:top])
+    largest = lambda rows: sorted(rows, key=lambda r: (-r[2], r[0]))[:top]  # noqa: E731 (ties by name)
+    return largest(per_step), largest(outside)
 
 
 def profile_decode(args, rows: list) -> None:
