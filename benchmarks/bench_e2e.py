@@ -21,7 +21,8 @@ profile (``--suites profile``): torch.profiler per preset and ``--profile-recipe
   and off: GPU kernels, launches and host syncs per decode step (difference of a 48- and a 16-token
   generation over the 32 extra steps, so prefill and read-back cancel); the same difference per kernel (per
   ATen op on the CPU) says where a step's time goes, and the 16-token trace less its decode steps where the
-  prefill's goes (``top_per_step_us``, ``top_outside_decode_ms``).
+  prefill's goes (``top_per_step_us``, ``top_outside_decode_ms``); on CUDA the same split of the host's
+  CPU events (``host_top_*``, and ``host_outside_decode_ms`` to set against ``prefill_ms``).
 vllm (``--suites vllm``, run with the vLLM environment's python, e.g. ``.venv-vllm/bin/python``): the
   quads engine and vLLM's own engine (native BF16 layers, ``enforce_eager`` as quads' vLLM backend
   starts it) on the same ``--preset`` model (random weights, saved once as a Hugging Face folder),
@@ -289,10 +290,11 @@ def _rollout_line(r: dict) -> str:
             f"[{r['decode_path']}]")
 
 
-def _trace_counts(eng, prompts, sp, device: str) -> tuple[dict, object, dict]:
-    """Event counts of one profiled ``generate`` (after the caller's warm-up), and the time per op:
+def _trace_counts(eng, prompts, sp, device: str) -> tuple[dict, object, dict, dict]:
+    """Event counts of one profiled ``generate`` (after the caller's warm-up), the time per op
     ``{name: (calls, ms)}`` of the GPU kernels on CUDA (self device time), of the ATen ops elsewhere (self
-    CPU time)."""
+    CPU time), and the host's: every CPU event (ATen ops and CUDA runtime calls, a sync's wait included)
+    by self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.startswith("cuda")
@@ -314,13 +316,15 @@ def _trace_counts(eng, prompts, sp, device: str) -> tuple[dict, object, dict]:
                if e.device_type == torch.autograd.DeviceType.CUDA}
     else:
         ops = {e.key: (e.count, e.self_cpu_time_total / 1e3) for e in ev if e.key.startswith("aten::")}
-    return counts, b, ops
+    host = {e.key: (e.count, e.self_cpu_time_total / 1e3) for e in ev
+            if e.device_type == torch.autograd.DeviceType.CPU}
+    return counts, b, ops, host
 
 
-def _op_split(o16: dict, o48: dict, steps: int, steps16: int, top: int = 15) -> tuple[list, list]:
+def _op_split(o16: dict, o48: dict, steps: int, steps16: int, top: int | None = 15) -> tuple[list, list]:
     """Per op: its time per decode step (the two traces' difference / ``steps``, in us) and what the
     16-token trace spends outside its ``steps16`` decode steps (prefill, set-up, read-back; in ms), the
-    ``top`` largest of each as (name, calls, time)."""
+    ``top`` largest of each (all with None) as (name, calls, time)."""
     per_step, outside = [], []
     for k in set(o16) | set(o48):
         c16, t16 = o16.get(k, (0, 0.0))
@@ -337,7 +341,9 @@ def profile_decode(args, rows: list) -> None:
     launches and host syncs per decode step = the difference of the two traces / 32 steps (prefill,
     set-up and read-back cancel out); the same difference per GPU kernel (per ATen op on the CPU) gives
     where a step's time goes (``top_per_step_us``), and the 16-token trace less its decode steps where
-    the prefill's goes (``top_outside_decode_ms``)."""
+    the prefill's goes (``top_outside_decode_ms``). On CUDA the same split of the host's CPU events
+    (``host_top_per_step_us``, ``host_top_outside_decode_ms``, and ``host_outside_decode_ms``: all of
+    them outside decode, to set against ``prefill_ms``: what is left is Python between the ops)."""
     tok = CharTokenizer()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, tok.vocab_size, (args.prompt_len,), generator=g).tolist()
@@ -356,8 +362,8 @@ def profile_decode(args, rows: list) -> None:
                 try:
                     eng = RolloutEngine(model, tok, device=args.device, cuda_graphs=graphs, compile=comp)
                     eng.generate(prompts, long)  # warm-up (the cache bucket serves both lengths)
-                    c16, b16, o16 = _trace_counts(eng, prompts, short, args.device)
-                    c48, b48, o48 = _trace_counts(eng, prompts, long, args.device)
+                    c16, b16, o16, h16 = _trace_counts(eng, prompts, short, args.device)
+                    c48, b48, o48, h48 = _trace_counts(eng, prompts, long, args.device)
                     steps = b48.stats.decode_steps - b16.stats.decode_steps
                     row.update({f"{k}_per_step": (c48[k] - c16[k]) / steps for k in c48})
                     per_step, outside = _op_split(o16, o48, steps, b16.stats.decode_steps)
@@ -365,6 +371,10 @@ def profile_decode(args, rows: list) -> None:
                                decode_ms_per_step=b48.stats.decode_s / b48.stats.decode_steps * 1e3,
                                prefill_ms=b48.stats.prefill_s * 1e3,
                                top_per_step_us=per_step, top_outside_decode_ms=outside)
+                    if cuda:  # on the CPU the ops above are the host's
+                        h_step, h_out = _op_split(h16, h48, steps, b16.stats.decode_steps, top=None)
+                        row.update(host_top_per_step_us=h_step[:15], host_top_outside_decode_ms=h_out[:15],
+                                   host_outside_decode_ms=round(sum(r[2] for r in h_out), 3))
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {e}"[:800]
                 rows.append(row)

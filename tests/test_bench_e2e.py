@@ -167,3 +167,6 @@ def test_profile_splits_op_time_into_decode_steps_and_the_rest():
     assert ("norm", 0.0, 0.0) in per_step
     assert outside[0] == ("gemm", 1.0, 1.0) and outside[1] == ("norm", 3.0, 0.5)
     assert ("late", -15.0, -0.15) in outside  # an op the short trace lacks shows as a negative remainder
+    assert len(split(o16, o48, steps=32, steps16=15, top=1)[1]) == 1
+    _, every = split(o16, o48, steps=32, steps16=15, top=None)  # the host total sums every op
+    assert len(every) == 3 and round(sum(r[2] for r in every), 6) == 1.35
