@@ -135,3 +135,13 @@ def test_errors(eng):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="empty prompt"):
         eng.generate([[]], SamplingParams())
+
+
+def test_prompt_block_left_pads_every_prompt_to_the_width():
+    from quads.rollout.types import prompt_block
+
+    ids, mask = prompt_block([[5, 6, 7], [8], [9, 9]], 4, pad_id=0)
+    assert ids.tolist() == [[0, 5, 6, 7], [0, 0, 0, 8], [0, 0, 9, 9]] and ids.dtype == torch.long
+    assert mask.tolist() == [[False, True, True, True], [False, False, False, True], [False, False, True, True]]
+    empty_ids, empty_mask = prompt_block([], 3, pad_id=0)
+    assert empty_ids.shape == empty_mask.shape == (0, 3)

@@ -41,7 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from quads.model.attention import KVCache, activation_dtype
 from quads.model.tokenizer import Tokenizer
 from quads.rollout.decode import StaticDecoder, cache_length, supports_device_dispatch
-from quads.rollout.types import RolloutBatch, RolloutStats, SamplingParams, encode_prompt
+from quads.rollout.types import RolloutBatch, RolloutStats, SamplingParams, encode_prompt, prompt_block
 
 # cuDNN attention builds a plan for every new key length (one per decode step, ~tens of ms each on an
 # H200 the first time); the memory-efficient kernel takes the boolean mask with no such cost.
@@ -224,14 +224,10 @@ class RolloutEngine:
         [n_layers, B, P + R, k] (-1 = none; None without ``record_routing``)."""
         model, dev, cfg = self.model, self.device, self.model.config
         B, R = len(samples), params.max_new_tokens
-        pad = self.tokenizer.pad_id
-        input_ids = torch.full((B, P + R), pad, dtype=torch.long, device=dev)
+        input_ids = torch.full((B, P + R), self.tokenizer.pad_id, dtype=torch.long, device=dev)
         mask = torch.zeros((B, P + R), dtype=torch.bool, device=dev)
-        # the prompt block built on the host and copied once (a copy per row is ~B host round trips on CUDA)
-        block = torch.tensor([[pad] * (P - len(p)) + list(p) for p in samples], dtype=torch.long).reshape(B, P)
-        lengths = torch.tensor([len(p) for p in samples], dtype=torch.long)
-        input_ids[:, :P] = block.to(dev)
-        mask[:, :P] = (torch.arange(P)[None, :] >= P - lengths[:, None]).to(dev)
+        block, block_mask = prompt_block(samples, P, self.tokenizer.pad_id)  # one host-to-device copy each
+        input_ids[:, :P], mask[:, :P] = block.to(dev), block_mask.to(dev)
         logprobs = torch.zeros((B, R), dtype=torch.promote_types(model.dtype, torch.float32), device=dev)
         routing = None
         if params.record_routing:

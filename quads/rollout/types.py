@@ -102,3 +102,12 @@ def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
         raise ValueError("empty prompt: give at least one token (string prompts get <bos> when the "
                          "tokenizer has one)")
     return ids
+
+
+def prompt_block(samples: list[list[int]], P: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The left-padded prompt block of a ``RolloutBatch``, built on the host: ids [B, P] long (``pad_id``
+    before each prompt) and mask [B, P] bool (True on the prompt's tokens). Shared by every rollout
+    backend; one tensor each, so a device copy is one copy, not one per row."""
+    ids = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in samples], dtype=torch.long).reshape(len(samples), P)
+    lengths = torch.tensor([len(p) for p in samples], dtype=torch.long)
+    return ids, torch.arange(P)[None, :] >= P - lengths[:, None]

@@ -47,7 +47,7 @@ from quads.quant.sync import (
     WeightSyncError,
     reference_fingerprints,
 )
-from quads.rollout.types import RolloutBatch, RolloutStats, SamplingParams, encode_prompt
+from quads.rollout.types import RolloutBatch, RolloutStats, SamplingParams, encode_prompt, prompt_block
 
 
 @dataclass
@@ -301,9 +301,8 @@ class VLLMRolloutEngine:
         input_ids = torch.full((B, P + R), pad, dtype=torch.long)
         mask = torch.zeros((B, P + R), dtype=torch.bool)
         logprobs = torch.zeros((B, R), dtype=torch.float32)
-        for i, (p, r, lp) in enumerate(zip(samples, responses, lps)):
-            input_ids[i, P - len(p) : P] = torch.tensor(p)
-            mask[i, P - len(p) : P] = True
+        input_ids[:, :P], mask[:, :P] = prompt_block(samples, P, pad)
+        for i, (r, lp) in enumerate(zip(responses, lps)):
             if r:
                 input_ids[i, P : P + len(r)] = torch.tensor(r)
                 mask[i, P : P + len(r)] = True
