@@ -12,7 +12,8 @@ Suite "tune" (not in the default list): the config sweep of every tuned kernel, 
 its launcher as explicit arguments; ``--tuning-out FILE`` writes the fastest config of each case in
 the form of ``quads/kernels/tuning.json`` (the launch configs the launchers read; copy the file over
 it to adopt them, then rerun the other suites). Run it as a script: its configs are compiled by
-``--workers`` spawned processes first.
+``--workers`` spawned processes first. ``--tune-kinds moe`` sweeps the grouped MoE kernel alone
+(Qwen3-30B-A3B's gate_up at T = 1, 16, 64 and the 1b preset's decode GEMMs).
 """
 
 # ruff: noqa: B023  (closures in loops are captured into a CUDA graph at once, before the loop moves on)
@@ -326,7 +327,16 @@ def tune_space() -> list[tuple]:
             for nw, ns in ((4, 3), (4, 4), (8, 3)):
                 for sk in (None, 1, 2):  # None: the launcher's split heuristic
                     for bm in (None, 16, 32):  # None: twice the mean rows per expert
-                        out.append(("moe", 0, (bn, bk, nw, ns, sk, bm)))
+                        out.append(("moe", 0, (bn, bk, nw, ns, sk, bm, None)))
+    # occupancy (Nsight Compute, 1b decode: 225 registers, 2 blocks of 4 warps per SM): smaller decoded
+    # tiles (block_k 64), fewer stages, and a register cap (the last element, PTX .maxnreg)
+    for bn in (32, 64):
+        for bk in (64, 128):
+            for nw, ns in ((4, 2), (4, 3), (8, 2), (8, 3)):
+                for bm in (None, 16):
+                    for reg in (None, 128, 168):
+                        if (bk, ns, reg) != (128, 3, None):  # those are in the grid above
+                            out.append(("moe", 0, (bn, bk, nw, ns, None, bm, reg)))
     for cfg in ((1, None, 2), (1, None, 4), (1, None, 8), (2, None, 4), (2, 1024, 8), (2, 512, 4), (1, 1024, 4)):
         out.append(("quant_row", 0, cfg))
     for cfg in ((1, 2048, 8), (2, 1024, 8), (4, 256, 4), (8, 512, 8), (1, 1024, 4), (2, 2048, 8), (2, 512, 2)):
@@ -351,10 +361,10 @@ def _tune_call(kind: str, key, cfg, data: dict):
         return [lambda q=q: w4a16.gemm(x, q, kernel="tiled", block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
                                        num_stages=ns) for q in data["fp4"]]  # fmt: skip
     if kind == "moe":
-        bn, bk, nw, ns, sk, bm = cfg
+        bn, bk, nw, ns, sk, bm, reg = cfg
         x, ends = data["moe_x"][key]
         return [lambda q=q: w4a16.grouped_gemm(x, q, ends, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
-                                               split_k=sk, block_m=bm) for q in data["moe_w"]]  # fmt: skip
+                                               split_k=sk, block_m=bm, max_registers=reg) for q in data["moe_w"]]  # fmt: skip
     xq = data["xq"]
     if kind == "quant_row":
         if cfg[1] is None:
@@ -469,7 +479,7 @@ def tuning_from_rows(rows: list) -> dict:
         c = best("tune moe", shapes)
         if c is not None:
             table["w4a16_grouped_gemm"][case].update(
-                zip(("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m"), c))
+                zip(("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers"), c))
     for kind, case in (("tune quant_row", "per_token"), ("tune quant_amax_tile", "amax_known"),
                        ("tune row_amax", "row_amax")):  # fmt: skip
         c = best(kind)
@@ -483,7 +493,9 @@ def tuning_from_rows(rows: list) -> dict:
     return table
 
 
-def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None) -> None:
+def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None, kinds: str = "") -> None:
+    """Time every config of ``tune_space`` (only those of ``kinds``, a comma list such as "moe", when
+    given) and print the fastest per case as a table of tuning.json's form (also to ``tuning_out``)."""
     import concurrent.futures as cf
     import multiprocessing as mp
     import os
@@ -493,7 +505,11 @@ def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None) -> 
         rows.append(row)
         print("tune", json.dumps(row), flush=True)
 
-    space = tune_space()
+    want = {k for k in kinds.split(",") if k}
+    space = [c for c in tune_space() if not want or c[0] in want]
+    if not space:
+        raise ValueError(f"--tune-kinds {kinds!r} selects no config; kinds: {sorted({c[0] for c in tune_space()})}")
+    timed = {c[0] for c in space}
     t0 = time.time()
     if __name__ != "__main__":  # loaded by `quads bench kernels`: spawned workers could not import us
         workers = 0
@@ -505,7 +521,7 @@ def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None) -> 
     wait = os.environ.get("TUNE_WAIT")  # a file that appears when the tests running beside us are done
     while wait and not os.path.exists(wait) and time.time() - t0 < 150:
         time.sleep(1)
-    for n, k in TUNE_SHAPES:
+    for n, k in TUNE_SHAPES if "w4a16" in timed else ():
         nsets = max(4, int(3 * GB // (n * k * 2)))
         data = _tune_data(n, k, nsets, 16)
         for m in (1, 16, 64):
@@ -529,7 +545,7 @@ def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None) -> 
     # Qwen3-30B-A3B's gate_up at T = 1, 16, 64, then the 1b preset's expert GEMMs at its decode step
     for (e, n, k, topk), nsets, tokens, label in (((128, 1536, 2048, 8), 4, (1, 16, 64), ""),
                                                   ((64, 512, 1024, 8), 8, (128,), "1b gate_up "),
-                                                  ((64, 1024, 256, 8), 8, (128,), "1b down ")):  # fmt: skip
+                                                  ((64, 1024, 256, 8), 8, (128,), "1b down ")) if "moe" in timed else ():  # fmt: skip
         moe = _moe_data(nsets, "cuda", e, n, k, topk, tokens)
         for t_rows in tokens:
             x, ends = moe["moe_x"][t_rows]
@@ -601,6 +617,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--tuning-out", default=None,
                     help="tune suite: write the fastest configs here, in the form of quads/kernels/tuning.json")
+    ap.add_argument("--tune-kinds", default="",
+                    help="tune suite: only these config kinds, a comma list (w4a16, moe, quant_row, quant_amax_tile, "
+                         "row_amax, rac_pass2, rac_pass4; default: all)")
     args = ap.parse_args(argv)
     MS[:] = [int(v) for v in args.ms.split(",") if v]
     if not torch.cuda.is_available():
@@ -616,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
                "w4a16": lambda: bench_w4a16(rows, copy_bw, args.quick),
                "moe": lambda: bench_moe(rows, args.quick, copy_bw), "w4a4": lambda: bench_w4a4(rows),
                "rac": lambda: bench_rac(rows),
-               "tune": lambda: bench_tune(rows, args.workers, args.tuning_out)}  # fmt: skip
+               "tune": lambda: bench_tune(rows, args.workers, args.tuning_out, args.tune_kinds)}  # fmt: skip
     for s in suites:
         n0 = len(rows)
         try:

@@ -14,6 +14,7 @@ over CUDA-event-timed calls (weights warm in the L2: not the benchmark's number)
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -63,14 +64,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--calls", type=int, default=6, help="calls per shape (ncu: skip the first 2)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1 (a smoke run)")
-    for k in ("block-m", "block-n", "block-k", "num-warps", "num-stages", "split-k"):
+    for k in ("block-m", "block-n", "block-k", "num-warps", "num-stages", "split-k", "max-registers"):
         ap.add_argument(f"--{k}", type=int, default=None)
+    ap.add_argument("--config", default=None,
+                    help="a tuning.json (e.g. the tune suite's --tuning-out): its w4a16_grouped_gemm.decode config, "
+                         "explicit arguments on top")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --device cpu under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
-    explicit = {k: getattr(a, k) for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k")}
-    explicit = {k: v for k, v in explicit.items() if v is not None}
+    names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "max_registers")
+    explicit = {}
+    if a.config:
+        explicit = {k: v for k, v in json.loads(Path(a.config).read_text())["w4a16_grouped_gemm"]["decode"].items()
+                    if v is not None}  # fmt: skip
+    explicit.update({k: getattr(a, k) for k in names if getattr(a, k) is not None})
     for name in [s.strip() for s in a.shapes.split(",") if s.strip()]:
         try:
             e, n, k = SHAPES[name] if name in SHAPES else map(int, name.split(":"))

@@ -453,6 +453,20 @@ def test_gpu_gemms_real_size(m, n, k):
     assert _rel(a, b) < GEMM_RTOL, f"W4A4 M={m} N={n} K={k}: {_rel(a, b):.2e}"
 
 
+def test_tune_space_has_each_grouped_config_once_and_kinds_select_it():
+    """The grouped kernel's sweep (7-tuples ending in the register cap) has no config twice, covers the
+    occupancy configs (block_k 64, two stages, capped registers), and ``--tune-kinds`` rejects a kind
+    that selects nothing before touching a GPU."""
+    from quads.bench import _load_bench
+
+    bench = _load_bench()
+    moe_cfgs = [c for kind, _, c in bench.tune_space() if kind == "moe"]
+    assert len(moe_cfgs) == len(set(moe_cfgs)) and all(len(c) == 7 for c in moe_cfgs)
+    assert (64, 64, 4, 2, None, None, 128) in moe_cfgs and (64, 128, 4, 3, None, None, None) in moe_cfgs
+    with pytest.raises(ValueError, match="selects no config"):
+        bench.bench_tune([], workers=0, kinds="nope")
+
+
 def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
     """The benchmark's tune suite turns its timed rows into a table of tuning.json's form (the fastest config
     per case, summed over the shapes); the launchers' own table stays as read from the file."""
@@ -463,7 +477,7 @@ def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
     fast, slow = (64, 128, 2, 4, 5), (32, 256, 1, 4, 3)
     rows = [{"bench": "tune w4a16", "shape": f"M={m} N={n} K={k}", "cfg": list(c), "us": us}
             for n, k in bench.TUNE_SHAPES for m in (1, 16, 64) for c, us in ((fast, 9.0), (slow, 10.0))]
-    moe_fast, moe_slow = (64, 128, 4, 3, None, 32), (32, 256, 8, 3, 2, 16)
+    moe_fast, moe_slow = (64, 64, 4, 2, None, 32, 128), (32, 256, 8, 3, 2, 16, None)
     rows += [{"bench": "tune moe", "shape": sh, "cfg": list(c), "us": us}
              for sh in ("T=1", "T=16", "T=64", "1b gate_up T=128", "1b down T=128")
              for c, us in ((moe_fast, 5.0), (moe_slow, 6.0))]
@@ -475,6 +489,6 @@ def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
     assert not any(key.startswith("n") for key in table["w4a16_gemm"])  # one winner for both shapes
     assert table["rac_quantize"]["pass4"] == {"block_m": 2, "block_s": 512, "num_warps": 4}
     assert table["w4a16_grouped_gemm"]["decode"] == dict(zip(
-        ("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m"), moe_fast))
+        ("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers"), moe_fast))
     assert table["nvfp4_quantize"] == tuning.table()["nvfp4_quantize"]  # not timed: kept
     assert json.dumps(tuning.table(), sort_keys=True) == before

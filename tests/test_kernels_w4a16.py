@@ -319,6 +319,19 @@ def test_grouped_gemm_matches_reference(t, e, n, k, masked):
     _bf16_close(got, ref, "vs moe.grouped_mm")
 
 
+def test_grouped_gemm_max_registers_changes_no_bit():
+    """``max_registers`` (PTX .maxnreg) is a launch option: the same bits under a cap (on the GPU, where the
+    cap is applied; the interpreter has no registers), and a clear error outside PTX's range."""
+    q = _weight((3, 32, 128), experts_amax=True)
+    p = w4a16.pack(q)
+    ends = torch.tensor([20, 20, 37], dtype=torch.int32, device=DEV)
+    x = _x(40, 128)
+    want = w4a16.grouped_gemm(x, p, ends, block_m=16)
+    assert torch.equal(w4a16.grouped_gemm(x, p, ends, block_m=16, max_registers=128), want)
+    with pytest.raises(ValueError, match="max_registers"):
+        w4a16.grouped_gemm(x, p, ends, max_registers=16)
+
+
 def test_grouped_gemm_rows_past_one_tile_and_empty_batch():
     q = _weight((3, 32, 128), experts_amax=True)
     p = w4a16.pack(q)

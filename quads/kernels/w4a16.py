@@ -717,6 +717,7 @@ def grouped_gemm(
     num_warps: int | None = None,
     num_stages: int | None = None,
     split_k: int | None = None,
+    max_registers: int | None = None,
     fused_max_rows_per_expert: int | None = None,
 ) -> torch.Tensor:
     """Grouped MoE W4A16 (module docstring): ``x`` ``[T, K]`` BF16 sorted by expert, packed ``w``
@@ -728,7 +729,10 @@ def grouped_gemm(
 
     Launch config: ``tuning.json`` ``w4a16_grouped_gemm.decode`` at <= ``GROUPED_DECODE_ROWS`` rows per
     expert on average (``T <= 16 E``), else ``.prefill``; explicit arguments override it; ``block_m``
-    null picks ``grouped_block_m``, ``split_k`` null (or 0) ``grouped_split_for``."""
+    null picks ``grouped_block_m``, ``split_k`` null (or 0) ``grouped_split_for``; ``max_registers``
+    (null: the compiler's choice) caps the registers per thread (PTX ``.maxnreg``), which trades spills
+    for resident warps: the decode config's 225 registers allow 2 blocks of 4 warps per SM (Nsight
+    Compute, docs/PERF.md). A launch option: the result is the same bits under every value."""
     _require_triton()
     _check_x(x, w, "w4a16.grouped_gemm", experts=True)
     e = w.experts
@@ -739,7 +743,7 @@ def grouped_gemm(
     t, k, n = x.shape[0], w.k, w.n
     case = "decode" if t <= GROUPED_DECODE_ROWS * e else "prefill"
     d = _cfg("w4a16_grouped_gemm", case, block_m=block_m, block_n=block_n, block_k=block_k,
-             num_warps=num_warps, num_stages=num_stages, split_k=split_k)  # fmt: skip
+             num_warps=num_warps, num_stages=num_stages, split_k=split_k, max_registers=max_registers)  # fmt: skip
     rpe = fused_max_rows_per_expert
     if t > e * (rpe if rpe is not None else tuning.config("w4a16_dispatch", "grouped")["fused_max_rows_per_expert"]):
         y = torch._grouped_mm(x, dequantize_bf16(w).transpose(-2, -1), offs=ends)
@@ -756,9 +760,19 @@ def grouped_gemm(
     _grouped_kernel[(triton.cdiv(n, bn), e + 1, split)](
         x, w.codes, w.scales, w.global_scale, ends, out, ws, t, n, k, w.codes.shape[-3], e, x.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, BLOCK_K=bk, EVEN_K=k % bk == 0, INTERP=interpreted(x),
-        num_warps=d["num_warps"], num_stages=d["num_stages"],
+        num_warps=d["num_warps"], num_stages=d["num_stages"], **_max_registers(d.get("max_registers"), x),
     )  # fmt: skip
     return _sum_splits(ws, out, split)
+
+
+def _max_registers(n: int | None, x: torch.Tensor) -> dict:
+    """The launch option capping registers per thread (``maxnreg``), none when ``n`` is null or under the
+    interpreter (which has no registers)."""
+    if n is None:
+        return {}
+    if not 24 <= n <= 255:
+        raise ValueError(f"max_registers must be in [24, 255] (PTX .maxnreg), got {n}")
+    return {} if interpreted(x) else {"maxnreg": int(n)}
 
 
 def dequantize_bf16(w: W4A16Weight, *, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
