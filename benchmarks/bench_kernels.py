@@ -305,6 +305,9 @@ def bench_rac(rows: list) -> None:
 # processes in parallel (Triton's on-disk cache is shared), then timed one by one in this process.
 
 TUNE_SHAPES = [(8192, 8192), (28672, 4096)]
+# the grouped kernel's tune shapes: (group, (E, N, K, top-k), weight sets, token counts, row label)
+TUNE_MOE_SETS = [("1b", (64, 512, 1024, 8), 8, (128,), "1b gate_up "), ("1b", (64, 1024, 256, 8), 8, (128,), "1b down "),
+                 ("qwen3", (128, 1536, 2048, 8), 4, (1, 16, 64), "")]  # fmt: skip
 
 
 def tune_space() -> list[tuple]:
@@ -322,21 +325,23 @@ def tune_space() -> list[tuple]:
             for sk in (1, 2, 4):
                 for nw, ns in ((4, 3), (8, 3)):
                     out.append(("w4a16", 64, (bn, bk, sk, nw, ns)))
-    for bn in (16, 32, 64, 128):
-        for bk in (128, 256):
-            for nw, ns in ((4, 3), (4, 4), (8, 3)):
-                for sk in (None, 1, 2):  # None: the launcher's split heuristic
-                    for bm in (None, 16, 32):  # None: twice the mean rows per expert
-                        out.append(("moe", 0, (bn, bk, nw, ns, sk, bm, None)))
-    # occupancy (Nsight Compute, 1b decode: 225 registers, 2 blocks of 4 warps per SM): smaller decoded
-    # tiles (block_k 64), fewer stages, and a register cap (the last element, PTX .maxnreg)
+    # occupancy first (Nsight Compute, 1b decode: 225 registers, 2 blocks of 4 warps per SM): smaller decoded
+    # tiles (block_k 64), fewer stages, and a register cap (the last element, PTX .maxnreg); then the grid
+    # of run 6 (block_n, block_k, warps and stages, split-K, M tile)
+    moe = []
     for bn in (32, 64):
         for bk in (64, 128):
             for nw, ns in ((4, 2), (4, 3), (8, 2), (8, 3)):
                 for bm in (None, 16):
                     for reg in (None, 128, 168):
-                        if (bk, ns, reg) != (128, 3, None):  # those are in the grid above
-                            out.append(("moe", 0, (bn, bk, nw, ns, None, bm, reg)))
+                        moe.append((bn, bk, nw, ns, None, bm, reg))
+    for bn in (16, 32, 64, 128):
+        for bk in (128, 256):
+            for nw, ns in ((4, 3), (4, 4), (8, 3)):
+                for sk in (None, 1, 2):  # None: the launcher's split heuristic
+                    for bm in (None, 16, 32):  # None: twice the mean rows per expert
+                        moe.append((bn, bk, nw, ns, sk, bm, None))
+    out += [("moe", 0, c) for c in dict.fromkeys(moe)]
     for cfg in ((1, None, 2), (1, None, 4), (1, None, 8), (2, None, 4), (2, 1024, 8), (2, 512, 4), (1, 1024, 4)):
         out.append(("quant_row", 0, cfg))
     for cfg in ((1, 2048, 8), (2, 1024, 8), (4, 256, 4), (8, 512, 8), (1, 1024, 4), (2, 2048, 8), (2, 512, 2)):
@@ -428,8 +433,14 @@ def _tune_warm(items: list, dev: str = "cuda") -> int:
             elif kind == "moe":
                 if "moe_w" not in data:
                     data.update(_moe_data(1, dev, *((8, 32, 128, 2) if small else ())))
+                    # the 1b shapes (their M tile and split-K differ from the Qwen3 ones: other compiles)
+                    data["moe_1b"] = [] if small else [_moe_data(1, dev, e, n, k, topk, tokens)
+                                                       for group, (e, n, k, topk), _, tokens, _ in TUNE_MOE_SETS
+                                                       if group == "1b"]  # fmt: skip
                 for t in (1, 16, 64):
                     _tune_call(kind, t, cfg, data)[0]()
+                for d1b in data["moe_1b"]:
+                    _tune_call(kind, 128, cfg, d1b)[0]()
             else:
                 if "xq" not in data:
                     data.update(_tune_data(64, 256, 1, 64 if small else 256, dev=dev))
@@ -493,8 +504,10 @@ def tuning_from_rows(rows: list) -> dict:
     return table
 
 
-def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None, kinds: str = "") -> None:
+def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None, kinds: str = "",
+               moe_shapes: str = "") -> None:
     """Time every config of ``tune_space`` (only those of ``kinds``, a comma list such as "moe", when
+    given; the grouped kernel's only at the shapes named in ``moe_shapes``, "qwen3" and/or "1b", when
     given) and print the fastest per case as a table of tuning.json's form (also to ``tuning_out``)."""
     import concurrent.futures as cf
     import multiprocessing as mp
@@ -505,6 +518,9 @@ def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None, kin
         rows.append(row)
         print("tune", json.dumps(row), flush=True)
 
+    moe_only = {v for v in moe_shapes.split(",") if v}
+    if moe_only - {group for group, *_ in TUNE_MOE_SETS}:
+        raise ValueError(f"moe shapes {sorted(moe_only)}: the grouped kernel's shape groups are 1b and qwen3")
     want = {k for k in kinds.split(",") if k}
     space = [c for c in tune_space() if not want or c[0] in want]
     if not space:
@@ -542,10 +558,10 @@ def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None, kin
                              "x_vs_bf16": t_bf / t})  # fmt: skip
         del data
         torch.cuda.empty_cache()
-    # Qwen3-30B-A3B's gate_up at T = 1, 16, 64, then the 1b preset's expert GEMMs at its decode step
-    for (e, n, k, topk), nsets, tokens, label in (((128, 1536, 2048, 8), 4, (1, 16, 64), ""),
-                                                  ((64, 512, 1024, 8), 8, (128,), "1b gate_up "),
-                                                  ((64, 1024, 256, 8), 8, (128,), "1b down ")) if "moe" in timed else ():  # fmt: skip
+    # the 1b preset's expert GEMMs at its decode step, then Qwen3-30B-A3B's gate_up at T = 1, 16, 64
+    for (e, n, k, topk), nsets, tokens, label in [(shape, nsets, tokens, label)
+                                                  for group, shape, nsets, tokens, label in TUNE_MOE_SETS
+                                                  if "moe" in timed and (not moe_only or group in moe_only)]:
         moe = _moe_data(nsets, "cuda", e, n, k, topk, tokens)
         for t_rows in tokens:
             x, ends = moe["moe_x"][t_rows]
@@ -617,6 +633,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--tuning-out", default=None,
                     help="tune suite: write the fastest configs here, in the form of quads/kernels/tuning.json")
+    ap.add_argument("--tune-moe-shapes", default="",
+                    help="tune suite: the grouped kernel's shapes, a comma list of 1b (the 1b decode GEMMs) and "
+                         "qwen3 (Qwen3-30B-A3B gate_up at T = 1, 16, 64); default: both")
     ap.add_argument("--tune-kinds", default="",
                     help="tune suite: only these config kinds, a comma list (w4a16, moe, quant_row, quant_amax_tile, "
                          "row_amax, rac_pass2, rac_pass4; default: all)")
@@ -635,7 +654,8 @@ def main(argv: list[str] | None = None) -> int:
                "w4a16": lambda: bench_w4a16(rows, copy_bw, args.quick),
                "moe": lambda: bench_moe(rows, args.quick, copy_bw), "w4a4": lambda: bench_w4a4(rows),
                "rac": lambda: bench_rac(rows),
-               "tune": lambda: bench_tune(rows, args.workers, args.tuning_out, args.tune_kinds)}  # fmt: skip
+               "tune": lambda: bench_tune(rows, args.workers, args.tuning_out, args.tune_kinds,
+                                          args.tune_moe_shapes)}  # fmt: skip
     for s in suites:
         n0 = len(rows)
         try:

@@ -465,6 +465,8 @@ def test_tune_space_has_each_grouped_config_once_and_kinds_select_it():
     assert (64, 64, 4, 2, None, None, 128) in moe_cfgs and (64, 128, 4, 3, None, None, None) in moe_cfgs
     with pytest.raises(ValueError, match="selects no config"):
         bench.bench_tune([], workers=0, kinds="nope")
+    with pytest.raises(ValueError, match="shape groups are 1b and qwen3"):
+        bench.bench_tune([], workers=0, kinds="moe", moe_shapes="1b,2b")
 
 
 def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
