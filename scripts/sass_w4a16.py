@@ -12,7 +12,9 @@ longest loop (the body of the longest backward branch) and the K loop (the short
 MMAs, in the GEMV kernel the FFMAs; the same loop in the dense kernels, in the grouped kernel the longest one is the loop over an
 expert's M tiles, which also holds the K loop's prologue and the tile's epilogue), and prints per config:
 the loops' instructions, the weight elements each thread decodes per K step, their ratio, the K loop's
-global loads (per thread and K step: the loads one thread has in flight at once, by width) and the
+global loads (per thread and K step: the loads one thread has in flight at once, by width), registers
+and shared memory per block with the blocks and warps that fit on one SM (``resident``; an 8th case field
+caps the registers, PTX ``.maxnreg``, as ``w4a16.grouped_gemm(max_registers=...)`` does) and the
 longest loop's opcode histogram.
 """
 
@@ -39,12 +41,24 @@ CASES = [  # (kernel, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
     # configs first (dense M <= 16; grouped at the 1b decode step and at T=1 on E=128), then neighbours
     ("gemm", 16, 32, 256, 1, 4, 3),
     ("gemm", 16, 32, 256, 2, 4, 3),
-    ("grouped", 32, 64, 256, 1, 8, 3),
-    ("grouped", 16, 64, 256, 4, 8, 3),
+    ("grouped", 32, 64, 128, 1, 4, 3),  # the 1b decode step (tuning.json decode, block_m 32 at 16 rows per expert)
+    ("grouped", 16, 64, 128, 4, 4, 3),  # T = 1 on E = 128
     ("gemm", 16, 64, 256, 1, 4, 3),
     ("gemm", 16, 128, 128, 1, 4, 3),
-    ("grouped", 16, 64, 256, 1, 8, 3),
+    ("grouped", 32, 64, 256, 1, 8, 3),
     ("grouped", 32, 64, 256, 1, 4, 3),
+    # occupancy candidates for the 1b decode step (Nsight Compute: 225 registers, 2 blocks of 4 warps per
+    # SM): half the decoded tile, fewer stages, more warps, a smaller M or N tile, a register cap (8th field)
+    ("grouped", 32, 64, 64, 1, 4, 3),
+    ("grouped", 32, 64, 64, 1, 4, 2),
+    ("grouped", 32, 64, 128, 1, 4, 2),
+    ("grouped", 32, 64, 128, 1, 8, 3),
+    ("grouped", 32, 64, 64, 1, 8, 2),
+    ("grouped", 16, 64, 128, 1, 4, 3),
+    ("grouped", 32, 32, 128, 1, 4, 3),
+    ("grouped", 32, 64, 128, 1, 4, 3, 168),
+    ("grouped", 32, 64, 128, 1, 4, 3, 128),
+    ("grouped", 32, 64, 64, 1, 4, 3, 128),
     # the GEMV kernel (tuning.json w4a16_gemv.small) at M = 1, 2, 4, 8, 16, then neighbours
     ("gemv", 1, 128, 64, 8, 4, 1),
     ("gemv", 2, 128, 64, 8, 4, 1),
@@ -58,15 +72,18 @@ CASES = [  # (kernel, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
 ]
 
 
-def sass_of(kernel: str, bm: int, bn: int, bk: int, split: int, warps: int, stages: int) -> str:
+def sass_of(kernel: str, bm: int, bn: int, bk: int, split: int, warps: int, stages: int, maxnreg: int | None = None) -> str:
     fn, sig = {"gemm": (w4a16._gemm_kernel, GEMM_SIG), "gemv": (w4a16._gemv_kernel, GEMM_SIG),
                "grouped": (w4a16._grouped_kernel, GROUPED_SIG)}[kernel]  # fmt: skip
     div = [i for i, (n, t) in enumerate(sig.items()) if t.startswith("*") or n in ("N", "K", "KT", "stride_xm")]
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "EVEN_K": True, "INTERP": False}
     src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                     attrs={(i,): [["tt.divisibility", 16]] for i in div})  # fmt: skip
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    REGISTERS[(kernel, bm, bn, bk, split, warps, stages)] = registers_of(k.asm["cubin"])
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    key = (kernel, bm, bn, bk, split, warps, stages, *((maxnreg,) if maxnreg else ()))
+    REGISTERS[key] = registers_of(k.asm["cubin"])
+    SHARED[key] = k.metadata.shared
     if "sass" in k.asm:
         return k.asm["sass"]
     from triton.tools.disasm import get_sass
@@ -75,6 +92,21 @@ def sass_of(kernel: str, bm: int, bn: int, bk: int, split: int, warps: int, stag
 
 
 REGISTERS: dict[tuple, int | None] = {}  # registers per thread of each compiled case (cuobjdump -res-usage)
+SHARED: dict[tuple, int] = {}  # shared memory per block (bytes) of each compiled case
+
+
+def resident(regs: int | None, warps: int, shared: int) -> dict:
+    """Blocks of ``warps`` warps resident per sm_90 SM, by each limit: registers (64K per SM in 4 schedulers
+    of 16K; a warp takes its registers in units of 256, i.e. per thread rounded up to 8), shared memory
+    (228 KiB per SM, 1 KiB per block kept by the driver, at the largest carveout), 64 warps, 32 blocks."""
+    if regs is None:
+        return {}
+    per_warp = -(-regs // 8) * 8 * 32
+    by_regs = (16384 // per_warp) * 4 // warps
+    by_smem = 233472 // (shared + 1024)
+    blocks = min(by_regs, by_smem, 64 // warps, 32)
+    return {"blocks_by_registers": by_regs, "blocks_by_shared": by_smem, "blocks_per_sm": blocks,
+            "warps_per_sm": blocks * warps}  # fmt: skip
 
 
 def registers_of(cubin: bytes) -> int | None:
@@ -131,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows = []
     for case in [c for c in CASES if c[0] in args.kernels.split(",")]:
-        kernel, bm, bn, bk, split, warps, stages = case
+        kernel, bm, bn, bk, split, warps, stages = case[:7]
+        maxnreg = case[7] if len(case) > 7 else None
         sass = sass_of(*case)
         body, kbody = inner_loop(sass), k_loop(sass, "FFMA" if kernel == "gemv" else "MMA")
         loads = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split(" ")[0] for i in kbody
@@ -144,14 +177,16 @@ def main(argv: list[str] | None = None) -> int:
                "instructions_per_element": round(len(body) / per_thread, 2), "k_loop_instructions": len(kbody),
                "k_loop_instructions_per_element": round(len(kbody) / per_thread, 2),
                "k_loop_global_loads": dict(loads.most_common()), "local_memory_instructions": spills,
-               "registers": REGISTERS.get(case),
+               "registers": REGISTERS.get(case), "max_registers": maxnreg, "shared_bytes": SHARED.get(case),
+               **resident(REGISTERS.get(case), warps, SHARED.get(case, 0)),
                "opcodes": dict(ops.most_common())}  # fmt: skip
         rows.append(row)
         print(f"{kernel:8s} BM={bm} BN={bn} BK={bk} split={split} warps={warps}: {len(body)} instructions in the longest loop, "
               f"{per_thread} weights per thread per K step, {len(body) / per_thread:.2f} per weight; K loop alone "
               f"{len(kbody)}, {len(kbody) / per_thread:.2f} per weight; its global loads "
               f"{dict(loads.most_common())}; {spills} local-memory (spill) instructions; "
-              f"{REGISTERS.get(case)} registers")  # fmt: skip
+              f"{REGISTERS.get(case)} registers{f' (cap {maxnreg})' if maxnreg else ''}, {SHARED.get(case)} B shared, "
+              f"{row.get('blocks_per_sm')} blocks = {row.get('warps_per_sm')} warps per SM")  # fmt: skip
         print("   ", ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
     print("triton", triton.__version__)
     if args.out:

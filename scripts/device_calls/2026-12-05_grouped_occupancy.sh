@@ -11,7 +11,7 @@
 # into quads/kernels/tuning.json, then the engine call, scripts/device_calls/2026-12-04_engine.sh, measures it)
 export PYTHONPATH=.; mkdir -p $OUT; git rev-parse HEAD > $OUT/tree.txt 2>&1
 timeout 120 python3 -m pytest -q tests/test_kernels_w4a16.py -k grouped > $OUT/gpu_tests.txt 2>&1; echo "rc=$?" >> $OUT/gpu_tests.txt
-timeout 330 python3 benchmarks/bench_kernels.py --only tune --tune-kinds moe --workers 15 --json $OUT/tune_moe.json \
+timeout 330 python3 benchmarks/bench_kernels.py --only tune --tune-kinds moe --tune-moe-shapes 1b --workers 15 --json $OUT/tune_moe.json \
   --tuning-out $OUT/tuning.json > $OUT/tune_moe.log 2>&1; echo "rc=$?" >> $OUT/tune_moe.log
 for which in current best; do
   cfg=""; [ $which = best ] && [ -f $OUT/tuning.json ] && cfg="--config $OUT/tuning.json"
