@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
 # Issue 18 / 17, next kernel call: Nsight Compute (2026-12-03, docs/PERF.md) found the grouped W4A16 decode
 # kernel at 225 registers per thread, 2 blocks of 4 warps per SM (12.5% theoretical occupancy), each
-# scheduler issuing every 2 cycles. This call (one H200, ~5-7 min):
-#   1. the grouped kernel's GPU tests (max_registers, the PTX .maxnreg cap, changes no bit);
-#   2. the tune suite for the grouped kernel alone (`--tune-kinds moe`: the earlier grid plus block_k 64,
-#      two stages and register caps 128 / 168), its fastest decode config in $OUT/tuning.json;
-#   3. Nsight Compute on the 1b gate_up and down calls with the current config and with that winner, every
-#      raw metric of the warp-state and source sections (`--page raw`: the stall reasons by name).
-# OUT=$OUT bash scripts/device_calls/2026-12-05_grouped_occupancy.sh   (adopt the winner: copy its decode entry
-# into quads/kernels/tuning.json, then the engine call, scripts/device_calls/2026-12-04_engine.sh, measures it)
+# scheduler issuing every 2 cycles; compiled offline, block_k 64 with two stages needs 120 registers (16
+# warps per SM, no spill). This call (one H200, <= 570 s from its start):
+#   1. the tune suite for the grouped kernel at the 1b decode shapes (`--tune-kinds moe --tune-moe-shapes 1b`:
+#      block_k 64, two stages and register caps 128 / 168 first, then run 6's grid), its fastest decode config
+#      in $OUT/tuning.json;
+#   2. the 1b e2e rollout rows (run 18's command, bf16 + w4a16) with the committed table, then, in this
+#      device copy only, that winner copied over quads/kernels/tuning.json and the rows again (bf16, w4a16,
+#      w4a4+rac50): a same-machine A/B of the table;
+#   3. with the time left, the grouped kernel's GPU tests (max_registers changes no bit).
+# OUT=$OUT bash scripts/device_calls/2026-12-05_grouped_occupancy.sh
+# Adopt the winner by committing its decode entry to quads/kernels/tuning.json (docs/PERF.md records the run).
 export PYTHONPATH=.; mkdir -p $OUT; git rev-parse HEAD > $OUT/tree.txt 2>&1
-timeout 120 python3 -m pytest -q tests/test_kernels_w4a16.py -k grouped > $OUT/gpu_tests.txt 2>&1; echo "rc=$?" >> $OUT/gpu_tests.txt
-timeout 330 python3 benchmarks/bench_kernels.py --only tune --tune-kinds moe --tune-moe-shapes 1b --workers 15 --json $OUT/tune_moe.json \
-  --tuning-out $OUT/tuning.json > $OUT/tune_moe.log 2>&1; echo "rc=$?" >> $OUT/tune_moe.log
-for which in current best; do
-  cfg=""; [ $which = best ] && [ -f $OUT/tuning.json ] && cfg="--config $OUT/tuning.json"
-  [ $which = best ] && [ -z "$cfg" ] && continue
-  for s in gate_up down; do
-    echo "== $which $s" >> $OUT/ncu_$which.txt
-    timeout 90 ncu --clock-control none --kernel-name regex:_grouped_kernel --launch-skip 2 --launch-count 1 \
-      --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
-      --section WarpStateStats --section SourceCounters --page raw \
-      python3 scripts/ncu_grouped.py --shapes $s --calls 3 $cfg >> $OUT/ncu_$which.txt 2>&1; echo "rc=$?" >> $OUT/ncu_$which.txt
-  done
-done
-grep -h "compiled\|done in" $OUT/tune_moe.log; python3 -c "import json;print(json.load(open('$OUT/tuning.json'))['w4a16_grouped_gemm'])" 2>&1
-grep -h "stalled.*ratio\|registers_per_thread\|gpu__time_duration.sum" $OUT/ncu_*.txt | head -60; tail -n 3 $OUT/gpu_tests.txt; true
+T0=$(date +%s); left() { echo $(( 570 - ($(date +%s) - T0) )); }
+cap() { local l; l=$(left); [ $l -lt $1 ] && echo $l || echo $1; }
+timeout $(cap 240) python3 benchmarks/bench_kernels.py --only tune --tune-kinds moe --tune-moe-shapes 1b --workers 15 \
+  --json $OUT/tune_moe.json --tuning-out $OUT/tuning.json > $OUT/tune_moe.log 2>&1; echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/tune_moe.log
+E2E="benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 --long-tokens 0 --graphs on --compile on"
+timeout $(cap 120) python3 $E2E --recipes bf16,w4a16 --json $OUT/e2e_before.json > $OUT/e2e.log 2>&1
+echo "before rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e.log
+if [ -f $OUT/tuning.json ]; then
+  cp $OUT/tuning.json quads/kernels/tuning.json
+  timeout $(cap 170) python3 $E2E --recipes bf16,w4a16,w4a4+rac50 --json $OUT/e2e_after.json >> $OUT/e2e.log 2>&1
+  echo "after rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e.log
+  git checkout quads/kernels/tuning.json
+fi
+[ $(left) -gt 40 ] && timeout $(cap 120) python3 -m pytest -q tests/test_kernels_w4a16.py -k "grouped" > $OUT/gpu_tests.txt 2>&1
+grep -h "compiled\|done in\|rc=" $OUT/tune_moe.log; python3 -c "import json;print(json.load(open('$OUT/tuning.json'))['w4a16_grouped_gemm'])" 2>&1
+grep -h "vs bf16\|rc=" $OUT/e2e.log; tail -n 2 $OUT/gpu_tests.txt 2>/dev/null; true
