@@ -217,26 +217,30 @@ def bench_rollout(args, rows: list) -> None:
                 long = min(args.long_tokens, model.config.max_seq_len - args.prompt_len)  # tiny: 496
                 lengths = [args.new_tokens] + ([long] if args.long_tokens and name in long_recipes else [])
                 configs = _configs(args)
+                attentions = [a.strip() for a in args.decode_attention.split(",") if a.strip()]
                 for decode, graphs, comp in configs:
                     for new_tokens in lengths:
                         if new_tokens != args.new_tokens and not graphs and any(g for _, g, _ in configs):
                             continue  # the longer row runs with graphs only (the engine's default)
-                        rows.append(_time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs,
-                                                  new_tokens, preset, wb, bw, comp))
-                        print(_rollout_line(rows[-1]), flush=True)
-                        _ratios(rows, paths)
-                        _write_json(args, rows)  # partial results survive a time limit
+                        for attn in attentions:
+                            rows.append(_time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs,
+                                                      new_tokens, preset, wb, bw, comp, attn))
+                            print(_rollout_line(rows[-1]), flush=True)
+                            _ratios(rows, paths)
+                            _write_json(args, rows)  # partial results survive a time limit
                 del model
     _ratios(rows, paths)
 
 
 def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, new_tokens, preset, wb, bw,
-                  comp=False) -> dict:
+                  comp=False, attention="sdpa") -> dict:
     row = {"suite": "rollout", "preset": preset, "recipe": name, "experts": path, "decode": decode,
-           "graphs": graphs, "compile": comp, "spec": spec.describe(), "samples": len(prompts) * args.n, "new_tokens": new_tokens}
+           "graphs": graphs, "compile": comp, "decode_attention": attention, "spec": spec.describe(),
+           "samples": len(prompts) * args.n, "new_tokens": new_tokens}  # fmt: skip
     sp = SamplingParams(n=args.n, max_new_tokens=new_tokens, ignore_eos=True, seed=0, record_routing=True)
     try:
-        eng = RolloutEngine(model, tok, device=args.device, decode=decode, cuda_graphs=graphs, compile=comp)
+        eng = RolloutEngine(model, tok, device=args.device, decode=decode, cuda_graphs=graphs, compile=comp,
+                            decode_attention=attention)  # fmt: skip
         first = eng.generate(prompts, sp)  # warm-up on the timed batch shape: kernels, allocator, graph capture
         tps, dec, pre = [], [], []
         for _ in range(args.reps):
@@ -261,8 +265,8 @@ def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, n
 
 
 def _ratios(rows: list, paths: list[str]) -> None:
-    """vs_bf16: tokens/s over the bf16 row of the same preset, path, decode, graphs and length;
-    vs_<first path>: over the same recipe on the first expert path."""
+    """vs_bf16: tokens/s over the bf16 row of the same preset, path, decode, graphs, decode attention and
+    length; vs_<first path>: over the same recipe on the first expert path."""
     roll = [r for r in rows if r["suite"] == "rollout" and "tokens_per_s" in r]
 
     def same(r, q, *keys):
@@ -270,7 +274,8 @@ def _ratios(rows: list, paths: list[str]) -> None:
 
     for r in roll:
         cfg = ("preset", "experts", "decode", "graphs", "compile", "new_tokens")
-        base = next((q for q in roll if q["recipe"] == "bf16" and same(r, q, *cfg)), None)
+        base = next((q for q in roll if q["recipe"] == "bf16" and same(r, q, *cfg)
+                     and q.get("decode_attention", "sdpa") == r.get("decode_attention", "sdpa")), None)
         if base is not None:
             r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
         if r["experts"] != paths[0]:
@@ -282,7 +287,8 @@ def _ratios(rows: list, paths: list[str]) -> None:
 
 def _rollout_line(r: dict) -> str:
     head = (f"rollout {r['preset']:>5} {r['recipe']:>11} ({r['experts']}, {r['decode']}, "
-            f"graphs {'on' if r['graphs'] else 'off'}{', compiled' if r.get('compile') else ''}, {r['new_tokens']} tok)")
+            f"graphs {'on' if r['graphs'] else 'off'}{', compiled' if r.get('compile') else ''}"
+            f"{', triton attention' if r.get('decode_attention') == 'triton' else ''}, {r['new_tokens']} tok)")
     if "error" in r:
         return f"{head}: ERROR {r['error']}"
     return (f"{head}: {r['tokens_per_s']:9.0f} tok/s  {r['decode_ms_per_step']:7.2f} ms/step  "
@@ -739,6 +745,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="rollout decode paths, comma list: auto (static on CUDA), static, eager (the reference)")
     ap.add_argument("--graphs", default="on,off", help="static decode on CUDA: CUDA graphs on, off or on,off")
     ap.add_argument("--compile", default="on", help="static decode on CUDA: torch.compile of the step: on, off or on,off")
+    ap.add_argument("--decode-attention", default="sdpa",
+                    help="rollout: the static step's attention, sdpa, triton or sdpa,triton (RolloutEngine.decode_attention)")
     ap.add_argument("--long-tokens", type=int, default=512, help="rollout: the longer-response row (0 = none)")
     ap.add_argument("--long-recipes", default="bf16,w4a4+rac50", help="recipes that get the longer-response row")
     ap.add_argument("--profile-recipes", default="bf16,w4a4+rac50", help="profile suite: recipes to trace")

@@ -253,6 +253,38 @@ def bench_w4a4(rows: list) -> None:
                      "rac_over_plain": res["e2e0.5"] / res["e2e0.0"]})  # fmt: skip
 
 
+ATTN_SHAPES = [(128, 4, 4, 64, "1b"), (128, 4, 2, 64, "100m")]  # decode batch B, nkv, g, D, preset
+
+
+def bench_attention(rows: list, copy_bw: float) -> None:
+    """Decode attention at the engine's fixed-shape decode step (128 rows, a cache of S columns of which
+    ``length`` are written): ``decode_attention`` (reads the written columns only) against the engine's
+    SDPA call over the whole cache with the key mask, and the floor of reading the written keys and
+    values once at the measured copy bandwidth. Several caches per timed replay (cold in the L2)."""
+    import torch.nn.functional as F
+
+    from quads.kernels import decode_attention as da
+
+    for b, h, g, d, preset in ATTN_SHAPES:
+        for s, lengths in ((128, (80, 128)), (544, (272, 544)), (4096, (1024, 2048, 4096))):
+            nsets = max(2, int(1.0 * GB // (2 * b * h * s * d * 2)))
+            sets = [(torch.randn(b, h, g, d, device="cuda").bfloat16(), torch.randn(b, h, s, d, device="cuda").bfloat16(),
+                     torch.randn(b, h, s, d, device="cuda").bfloat16()) for _ in range(nsets)]  # fmt: skip
+            for n in lengths:
+                mask = torch.zeros(b, s, dtype=torch.bool, device="cuda")
+                mask[:, :n] = True
+                length = torch.tensor([n], device="cuda")
+                t_sdpa = time_graph([lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+                                     for q, k, v in sets])  # fmt: skip
+                t_da = time_graph([lambda q=q, k=k, v=v: da.decode_attention(q, k, v, mask, length) for q, k, v in sets])
+                floor = 2 * b * h * n * d * 2 / copy_bw  # written keys + values read once, at the copy rate
+                rows.append({"bench": "decode attention", "shape": f"{preset} B={b} nkv={h} g={g} D={d} S={s} length={n}",
+                             "us": t_da * 1e6, "sdpa_us": t_sdpa * 1e6, "x_vs_sdpa": t_sdpa / t_da,
+                             "floor_us": floor * 1e6, "x_floor": t_da / floor})  # fmt: skip
+            del sets
+            torch.cuda.empty_cache()
+
+
 RAC_SHAPES = [(1024, "gate_up"), (256, "down")]  # the 1b's expert projections: K, name
 
 
@@ -625,7 +657,7 @@ def _fmt(v) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
-    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,rac", help="comma list of suites (and: tune)")
+    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,rac,attention", help="comma list of suites (and: tune)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--ms", default="", help="comma list of W4A16 token counts (default: all)")
     ap.add_argument(
@@ -653,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {"quantize": lambda: bench_quantize(rows, copy_bw, args.quick),
                "w4a16": lambda: bench_w4a16(rows, copy_bw, args.quick),
                "moe": lambda: bench_moe(rows, args.quick, copy_bw), "w4a4": lambda: bench_w4a4(rows),
-               "rac": lambda: bench_rac(rows),
+               "rac": lambda: bench_rac(rows), "attention": lambda: bench_attention(rows, copy_bw),
                "tune": lambda: bench_tune(rows, args.workers, args.tuning_out, args.tune_kinds,
                                           args.tune_moe_shapes)}  # fmt: skip
     for s in suites:

@@ -1,8 +1,8 @@
 """``quads bench``: GPU benchmarks of the kernels and of the rollout engine and trainer step.
 
-``quads bench kernels [--quick] [--only quantize,w4a16,moe,w4a4,rac] [--json FILE]`` runs
+``quads bench kernels [--quick] [--only quantize,w4a16,moe,w4a4,rac,attention] [--json FILE]`` runs
 ``benchmarks/bench_kernels.py`` (NVFP4 quantize / RAC quantize / W4A16 / grouped MoE / W4A4 against
-cuBLAS BF16 and FP8 in the same run; RAC operands fused vs step by step). ``quads bench e2e [--quick] [--only rollout,trainer] [--preset
+cuBLAS BF16 and FP8 in the same run; RAC operands fused vs step by step; decode attention against SDPA). ``quads bench e2e [--quick] [--only rollout,trainer] [--preset
 100m] [--device cuda] [--json FILE]`` runs ``benchmarks/bench_e2e.py`` (rollout tokens/s per rollout
 precision; W4A16-QAT trainer step against BF16). docs/PERF.md has the method and the numbers.
 """
@@ -22,7 +22,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("suite", nargs="?", default="kernels", choices=SUITES, help="what to benchmark")
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
     parser.add_argument("--only", default=None,
-                        help="comma list of sub-suites (kernels: quantize,w4a16,moe,w4a4,rac; e2e: rollout,trainer,profile,vllm; vllm needs the vLLM environment)")
+                        help="comma list of sub-suites (kernels: quantize,w4a16,moe,w4a4,rac,attention; e2e: rollout,trainer,profile,vllm; vllm needs the vLLM environment)")
     parser.add_argument("--preset", default="100m", help="e2e: model preset")
     parser.add_argument("--device", default=None, help="e2e: torch device (default cuda when available)")
     parser.add_argument("--experts", default="grouped", help="e2e: rollout expert paths to time (grouped,loop)")
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         argv += (["--device", args.device] if args.device else []) + (E2E_QUICK if args.quick else [])
         return _load_bench("bench_e2e").main(argv + (["--json", args.json] if args.json else []))
     argv = (
-        ["--only", args.only or "quantize,w4a16,moe,w4a4,rac"]
+        ["--only", args.only or "quantize,w4a16,moe,w4a4,rac,attention"]
         + (["--quick"] if args.quick else [])
         + (["--json", args.json] if args.json else [])
     )

@@ -134,6 +134,30 @@ def test_decode_step_has_no_host_sync(recipe):
 
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "w4a16"])
+def test_triton_decode_attention_graph_compiled_and_rescored(recipe):
+    """decode_attention="triton" on the engine's default path (compiled step in a CUDA graph): the graph =
+    no graph, the step stays one Dynamo graph, rescoring replays it bit for bit (its agreement with SDPA:
+    tests/test_engine_static.py on the interpreter, tests/test_decode_attention.py at the 1b sizes)."""
+    from quads.rollout.decode import StaticKVCache
+
+    model = model_for(recipe)
+    params = stopping_params(model, 1.0)
+    off = RolloutEngine(model, TOK, cuda_graphs=False, decode_attention="triton").generate(PROMPTS, params)
+    on = RolloutEngine(model, TOK, decode_attention="triton").generate(PROMPTS, params)
+    assert on.stats.decode_path == "static+compile+graph+triton-attention/device"
+    assert on.response_ids == off.response_ids and on.finish_reasons == off.finish_reasons
+    assert torch.equal(on.logprobs, off.logprobs) and torch.equal(on.routing, off.routing)
+    res = score_rollout(model, on)
+    assert torch.equal(res.logprobs, on.logprobs) and torch.equal(res.routing, on.routing)
+    cache = StaticKVCache(model.config, 8, 64, dtype=model.dtype, device=model.device, attention="triton")
+    cache.start_decode(torch.ones(8, 0, dtype=torch.bool, device="cuda"))
+    torch._dynamo.reset()
+    out = torch._dynamo.explain(model.decode_step)(torch.zeros(8, dtype=torch.long, device="cuda"), cache,
+                                                   torch.ones(8, dtype=torch.bool, device="cuda"), device_dispatch=True)
+    assert out.graph_break_count == 0 and out.graph_count == 1, [str(b.reason) for b in out.break_reasons]
+
+
 @pytest.mark.parametrize("recipe", list(SPECS))
 def test_compiled_decode_step_is_one_graph(recipe):
     """The compiled step (the engine's CUDA default) is one Dynamo graph for every recipe: a graph break

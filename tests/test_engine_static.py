@@ -73,6 +73,28 @@ def test_score_reproduces_static_batch_bit_for_bit(dispatch):
     assert torch.equal(res.logprobs, batch.logprobs) and torch.equal(res.routing, batch.routing)
 
 
+def test_triton_decode_attention_matches_sdpa_and_rescores_bit_for_bit():
+    """decode_attention="triton" (reads only the written cache columns; Triton's interpreter here) samples
+    what SDPA over the whole masked cache samples, to fp32 summation order, and rescoring replays it."""
+    model = tiny(SPECS["w4a16"], dtype="float32")
+    params = finishing_params(model, 1.0)
+    ref = RolloutEngine(model, TOK, decode="static", moe_dispatch="device").generate(PROMPTS, params)
+    eng = RolloutEngine(model, TOK, decode="static", moe_dispatch="device", decode_attention="triton")
+    got = eng.generate(PROMPTS, params)
+    assert (got.decode_attention, ref.decode_attention) == ("triton", "sdpa")
+    assert got.stats.decode_path == "static+triton-attention/device"
+    assert got.response_ids == ref.response_ids and got.finish_reasons == ref.finish_reasons
+    assert torch.equal(got.routing, ref.routing)
+    torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    assert not torch.equal(got.logprobs, ref.logprobs)  # another kernel ran, not SDPA again
+    res = score_rollout(model, got)
+    assert torch.equal(res.logprobs, got.logprobs) and torch.equal(res.routing, got.routing)
+    with pytest.raises(ValueError, match="decode_attention must be one of"):
+        RolloutEngine(model, TOK, decode_attention="flash")
+    with pytest.raises(ValueError, match="decode attention must be one of"):
+        StaticKVCache(model.config, 2, 8, attention="flash")
+
+
 def test_done_check_interval_and_chunks_do_not_change_results():
     model = tiny()
     params = finishing_params(model, 0.0)

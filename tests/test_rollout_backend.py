@@ -12,6 +12,7 @@ from quads.model import ModelConfig, MoEForCausalLM
 from quads.model.tokenizer import CharTokenizer
 from quads.quant import WeightSyncError, get_recipe, quantize_model
 from quads.quant.sync import LocalWeights, ReplicaTarget, WeightSync
+from quads.rl.config import RolloutSection
 from quads.rollout import RolloutBackend, RolloutEngine, SamplingParams, make_backend
 from quads.rollout.backend import check_backend
 
@@ -29,7 +30,8 @@ def _pair(recipe="quads"):
 
 
 def _cfg(backend):
-    return SimpleNamespace(rollout_backend=backend, device="cpu", rollout=SimpleNamespace(cuda_graphs=False, compile=True))
+    return SimpleNamespace(rollout_backend=backend, device="cpu", rollout=SimpleNamespace(cuda_graphs=False, compile=True,
+                                                                                     decode_attention="triton"))
 
 
 def test_make_backend_picks_quads_engine_and_refuses_unknown(tmp_path):
@@ -37,6 +39,9 @@ def test_make_backend_picks_quads_engine_and_refuses_unknown(tmp_path):
     engine = make_backend(_cfg("quads"), rollout, tok, get_recipe("quads"), tmp_path)
     assert isinstance(engine, RolloutEngine) and isinstance(engine, RolloutBackend)
     assert engine.model is rollout and engine.recipe == "quads"
+    assert engine.decode_attention == "triton"  # rollout.decode_attention reaches the engine
+    with pytest.raises(ValueError, match="rollout.decode_attention must be sdpa or triton"):
+        RolloutSection(decode_attention="flash")
     with pytest.raises(ValueError, match="rollout_backend must be one of"):
         make_backend(_cfg("sglang"), rollout, tok, get_recipe("quads"), tmp_path)
     check_backend("quads", world=2)  # one engine per rank under torchrun

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quads.kernels.decode_attention import decode_attention_op
 from quads.model.config import ModelConfig
 from quads.model.gemm import Linear
 
@@ -59,6 +60,9 @@ def activation_dtype(model: torch.nn.Module) -> torch.dtype:
     if torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return model.dtype
+
+
+DECODE_ATTENTION = ("sdpa", "triton")  # StaticKVCache.attention: how a fixed-shape decode step attends
 
 
 class KVCache:
@@ -110,14 +114,20 @@ class StaticKVCache(KVCache):
     ``[B, max_len]`` bool marks the keys a query may see (columns not yet written are hidden) and
     ``row_pos`` ``[B]`` holds each row's RoPE position for the next token. ``advance_decode()`` moves
     both by one between steps, so no shape and no host value changes from step to step and one
-    captured CUDA graph serves every step. Rows are never dropped (``select`` is refused): finished
+    captured CUDA graph serves every step. ``attention``: how a decode step attends, "sdpa" (SDPA over
+    all ``max_len`` columns, the unwritten ones masked) or "triton" (``quads.kernels.decode_attention``:
+    reads only the ``limit`` = ``pos + 1`` columns written so far; a different fp32 summation order). Rows are never dropped (``select`` is refused): finished
     rows stay in their slot (``MoEForCausalLM.decode_step`` zeroes them).
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, attention: str = "sdpa") -> None:
+        if attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode attention must be one of {DECODE_ATTENTION}, got {attention!r}")
         super().__init__(cfg, batch, max_len, dtype=dtype, device=device)
+        self.attention = attention
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.limit = torch.zeros(1, dtype=torch.long, device=device)  # pos + 1: the columns a step may read
         self.row_pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.key_mask = torch.zeros(batch, self.max_len, dtype=torch.bool, device=device)
         self.decoding = False
@@ -138,11 +148,13 @@ class StaticKVCache(KVCache):
         self.key_mask.zero_()
         self.key_mask[:, :P] = prompt_mask.bool()
         self.pos.fill_(P)
+        self.limit.fill_(P + 1)
         self.row_pos.copy_(prompt_mask.long().sum(-1))
         self.decoding = True
 
     def advance_decode(self) -> None:
         self.pos += 1
+        self.limit += 1
         self.row_pos += 1
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,6 +235,12 @@ class Attention(nn.Module):
         v = v.view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, nkv, S, D]
+        if rows is not None and L == 1 and getattr(cache, "attention", "sdpa") == "triton":
+            # the fixed-shape decode step over the written columns only (StaticKVCache.limit)
+            g = self.n_heads // self.n_kv
+            out = decode_attention_op(q.reshape(B, self.n_kv, g, self.head_dim), k, v, cache.key_mask, cache.limit)
+            out = torch.where(rows[:, None, None, None], out, 0.0).reshape(B, self.n_heads, 1, self.head_dim)
+            return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
         if rows is not None and L == 1 and self.n_kv != self.n_heads:
             # one new token: the g = nh / nkv query heads of a key/value head become g queries of it,
             # [B, nkv, g, D] against [B, nkv, S, D] (the same dot products and softmaxes as GQA, with

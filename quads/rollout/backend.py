@@ -81,7 +81,8 @@ def make_backend(cfg, rollout_model: nn.Module, tokenizer: Tokenizer, recipe: Re
         from quads.rollout.engine import RolloutEngine
 
         return RolloutEngine(rollout_model, tokenizer, device=cfg.device, recipe=recipe.name,
-                             cuda_graphs=cfg.rollout.cuda_graphs, compile=cfg.rollout.compile)
+                             cuda_graphs=cfg.rollout.cuda_graphs, compile=cfg.rollout.compile,
+                             decode_attention=cfg.rollout.decode_attention)
     if recipe.rollout.error_scale != 1.0:
         raise ValueError(f"recipe.rollout_error_scale={recipe.rollout.error_scale:g} (the mismatch amplifier) needs "
                          "the quads rollout backend; use --rollout-backend quads or rollout_error_scale 1")

@@ -85,11 +85,13 @@ class StaticDecoder:
     """Fixed-slot decode of ``batch`` rows over a cache of ``max_len`` columns (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, *, device_dispatch: bool,
-                 cuda_graphs: bool, compile: bool = False) -> None:
+                 cuda_graphs: bool, compile: bool = False, attention: str = "sdpa") -> None:
         cfg, dev = model.config, model.device
         self.model = model
         self.batch, self.max_len = batch, max_len
-        self.cache = StaticKVCache(cfg, batch, max_len, dtype=activation_dtype(model), device=dev)
+        self.cache = StaticKVCache(cfg, batch, max_len, dtype=activation_dtype(model), device=dev,
+                                   attention=attention)  # fmt: skip
+        self.attention = attention
         self.tokens = torch.zeros(batch, dtype=torch.long, device=dev)
         self.rows = torch.zeros(batch, dtype=torch.bool, device=dev)
         self.device_dispatch = device_dispatch

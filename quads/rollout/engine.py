@@ -38,7 +38,8 @@ from typing import Literal
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from quads.model.attention import KVCache, activation_dtype
+from quads.kernels._common import interpreter_on
+from quads.model.attention import DECODE_ATTENTION, KVCache, activation_dtype
 from quads.model.tokenizer import Tokenizer
 from quads.rollout.decode import StaticDecoder, cache_length, supports_device_dispatch
 from quads.rollout.types import RolloutBatch, RolloutStats, SamplingParams, encode_prompt, prompt_block
@@ -90,7 +91,7 @@ class RolloutEngine:
                  device: torch.device | str | None = None, max_batch_tokens: int | None = None,
                  decode: Literal["auto", "static", "eager"] = "auto", cuda_graphs: bool = True,
                  moe_dispatch: Literal["auto", "device", "host"] = "auto", done_check_interval: int = 16,
-                 compile: bool = True) -> None:
+                 compile: bool = True, decode_attention: Literal["sdpa", "triton"] = "sdpa") -> None:
         """``recipe`` is stored for reporting only; ``max_batch_tokens`` caps samples per prefill/decode
         batch at max_batch_tokens // (P + max_new_tokens) (chunks run one after another, so results
         with sampling depend on it through the generator's draw order; greedy results do not).
@@ -105,7 +106,13 @@ class RolloutEngine:
         fused pointwise kernels, 2.2x faster on an H200, a different rounding from the plain step,
         recorded in the batch; False for debugging). The CPU never compiles (Inductor's CPU compile of
         the step takes minutes).
+        ``decode_attention``: how the static decode step attends (``StaticKVCache.attention``): "sdpa" over
+        the whole cache, the unwritten columns masked, or "triton", ``quads.kernels.decode_attention``,
+        which reads only the columns written so far (CUDA; on the CPU only under Triton's interpreter, for
+        tests); its fp32 sums run in another order, recorded in the batch for rescoring.
         """
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         if decode not in ("auto", "static", "eager"):
             raise ValueError(f"decode must be auto, static or eager, got {decode!r}")
         if moe_dispatch not in ("auto", "device", "host"):
@@ -124,6 +131,10 @@ class RolloutEngine:
         self.decode, self.cuda_graphs, self.moe_dispatch = decode, cuda_graphs, moe_dispatch
         self.done_check_interval = done_check_interval
         self.compile = compile
+        self.decode_attention = decode_attention
+        if decode_attention == "triton" and self.device.type != "cuda" and not interpreter_on():
+            raise ValueError("decode_attention='triton' needs a CUDA device (or Triton's CPU interpreter, "
+                             "TRITON_INTERPRET=1, for tests); use 'sdpa'")
         self._decoders: dict[tuple, StaticDecoder] = {}  # (B, cache length, dispatch, graphs) -> decoder
 
     def decode_plan(self) -> tuple[str, str, bool]:
@@ -148,12 +159,12 @@ class RolloutEngine:
 
     def _decoder(self, batch: int, max_len: int, dispatch: str, graphs: bool) -> StaticDecoder:
         compiled = self._compiled()
-        key = (batch, max_len, dispatch, graphs, compiled)
+        key = (batch, max_len, dispatch, graphs, compiled, self.decode_attention)
         if key not in self._decoders:
             while len(self._decoders) >= 2:  # bound the memory of caches and graphs kept warm
                 self._decoders.pop(next(iter(self._decoders)))
             self._decoders[key] = StaticDecoder(self.model, batch, max_len, device_dispatch=dispatch == "device",
-                                                cuda_graphs=graphs, compile=compiled)
+                                                cuda_graphs=graphs, compile=compiled, attention=self.decode_attention)
         return self._decoders[key]
 
     def score(self, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
@@ -205,7 +216,9 @@ class RolloutEngine:
         batch.decode, batch.moe_dispatch = path, dispatch
         batch.cache_len = cache_length(P + params.max_new_tokens) if path == "static" else 0
         batch.compiled = path == "static" and self._compiled()
-        batch.stats.decode_path = f"{path}{'+compile' if batch.compiled else ''}{'+graph' if graphs else ''}/{dispatch}"
+        batch.decode_attention = self.decode_attention if path == "static" else "sdpa"
+        attn = "+triton-attention" if batch.decode_attention == "triton" else ""
+        batch.stats.decode_path = f"{path}{'+compile' if batch.compiled else ''}{'+graph' if graphs else ''}{attn}/{dispatch}"
         return batch
 
     def _sync(self) -> None:

@@ -109,7 +109,8 @@ def _score_static(model: torch.nn.Module, batch: RolloutBatch, temperature: floa
     routing = torch.full((cfg.n_layers, B, S, cfg.top_k), -1, dtype=torch.long, device=dev)
     device_dispatch = batch.moe_dispatch == "device"
     dec = StaticDecoder(model, B, batch.cache_len or cache_length(S), device_dispatch=device_dispatch,
-                        cuda_graphs=cuda_graphs and device_dispatch, compile=batch.compiled)
+                        cuda_graphs=cuda_graphs and device_dispatch, compile=batch.compiled,
+                        attention=batch.decode_attention)
     was_training = model.training
     model.eval()
     try:
