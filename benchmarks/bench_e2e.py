@@ -222,7 +222,7 @@ def bench_rollout(args, rows: list) -> None:
                     for new_tokens in lengths:
                         if new_tokens != args.new_tokens and not graphs and any(g for _, g, _ in configs):
                             continue  # the longer row runs with graphs only (the engine's default)
-                        for attn in attentions:
+                        for attn in attentions if decode != "eager" else ["sdpa"]:  # eager: SDPA only
                             rows.append(_time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs,
                                                       new_tokens, preset, wb, bw, comp, attn))
                             print(_rollout_line(rows[-1]), flush=True)
@@ -280,7 +280,8 @@ def _ratios(rows: list, paths: list[str]) -> None:
             r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
         if r["experts"] != paths[0]:
             first = next((q for q in roll if q["experts"] == paths[0]
-                          and same(r, q, "preset", "recipe", "decode", "graphs", "compile", "new_tokens")), None)
+                          and same(r, q, "preset", "recipe", "decode", "graphs", "compile", "new_tokens")
+                          and q.get("decode_attention", "sdpa") == r.get("decode_attention", "sdpa")), None)
             if first is not None:
                 r[f"vs_{paths[0]}"] = r["tokens_per_s"] / first["tokens_per_s"]
 

@@ -71,6 +71,31 @@ def test_decode_attention_is_deterministic_and_fp32_works():
     assert ((a.double() - ref).abs() <= 1e-5 * ref.abs().amax()).all()
 
 
+def test_decode_attention_fp16_keeps_small_probabilities():
+    """FP16: one dominant key and 511 keys of probability ~7e-8 each (in FP16's subnormal range, where a
+    plain FP16 copy of p keeps ~1 significant bit): their values still reach the output to its rounding."""
+    s, d = 512, 32
+    q = torch.zeros(1, 1, 1, d, dtype=torch.float16)
+    q[..., 0] = 9.66  # score of key 0: 9.66^2 / sqrt(32) = 16.5; the others score 0: p ~ exp(-16.5)
+    k = torch.zeros(1, 1, s, d, dtype=torch.float16)
+    k[:, :, 0, 0] = 9.66
+    v = torch.full((1, 1, s, d), 64.0, dtype=torch.float16)
+    v[:, :, 0] = 0.0  # the output is the small keys' share alone, ~2.2e-3
+    mask = torch.ones(1, s, dtype=torch.bool)
+    q, k, v, mask = q.to(DEV), k.to(DEV), v.to(DEV), mask.to(DEV)
+    got = da.decode_attention(q, k, v, mask, torch.tensor([s], device=DEV), block_s=64)
+    _within_one_rounding(got, da.decode_attention_reference(q, k, v, mask, s), "fp16 small p")
+
+
+def test_decode_attention_refuses_fp64_and_mixed_dtypes():
+    q, k, v, mask = _case(1, 1, 2, 16, 32, dtype=torch.float64)
+    n = torch.tensor([16], device=DEV)
+    with pytest.raises(ValueError, match="must share one of"):
+        da.decode_attention(q, k, v, mask, n)
+    with pytest.raises(ValueError, match="must share one of"):
+        da.decode_attention(q.float(), k.float(), v.bfloat16(), mask, n)
+
+
 def test_decode_attention_row_with_no_visible_key_is_zero():
     q, k, v, mask = _case(2, 1, 2, 16, 32)
     mask[1] = False

@@ -93,6 +93,8 @@ def test_triton_decode_attention_matches_sdpa_and_rescores_bit_for_bit():
         RolloutEngine(model, TOK, decode_attention="flash")
     with pytest.raises(ValueError, match="decode attention must be one of"):
         StaticKVCache(model.config, 2, 8, attention="flash")
+    with pytest.raises(ValueError, match="float64"):
+        RolloutEngine(tiny(), TOK, decode_attention="triton")  # fp64 activations: SDPA only
 
 
 def test_done_check_interval_and_chunks_do_not_change_results():

@@ -42,6 +42,8 @@ def test_make_backend_picks_quads_engine_and_refuses_unknown(tmp_path):
     assert engine.decode_attention == "triton"  # rollout.decode_attention reaches the engine
     with pytest.raises(ValueError, match="rollout.decode_attention must be sdpa or triton"):
         RolloutSection(decode_attention="flash")
+    with pytest.raises(ValueError, match="the quads engine's"):  # vLLM attends its own way
+        make_backend(_cfg("vllm"), rollout, tok, get_recipe("quads"), tmp_path)
     with pytest.raises(ValueError, match="rollout_backend must be one of"):
         make_backend(_cfg("sglang"), rollout, tok, get_recipe("quads"), tmp_path)
     check_backend("quads", world=2)  # one engine per rank under torchrun

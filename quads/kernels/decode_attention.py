@@ -17,7 +17,9 @@ what SDPA reads, and the longer the responses the more.
   tensor-core tile: ``q . k`` is an MMA of the BF16 (FP16) inputs (exact products, fp32 sums), and the
   fp32 probabilities enter ``p @ v`` as two half-precision terms ``p_hi + p_lo`` (16 significant bits),
   so the result stays within one output rounding of the exact value (tests: against an fp64
-  reference); fp32 inputs multiply in IEEE fp32. A row with no visible key gets zeros (SDPA gives NaN; the
+  reference); fp32 inputs multiply in IEEE fp32; fp64 is refused (the reference computes it). No FMA
+  contraction (``EXACT``): the bits do not depend on Triton's default, so rescoring in another process
+  gives the same ones. A row with no visible key gets zeros (SDPA gives NaN; the
   engine never has one: a query always sees itself).
 - ``decode_attention_reference``: the same in PyTorch (fp64 by default), what the kernel is tested against.
 - ``quads::decode_attention``: the launcher as one custom op, so a compiled decode step keeps it opaque.
@@ -29,7 +31,7 @@ import math
 
 import torch
 
-from quads.kernels._common import HAS_TRITON, interpreted
+from quads.kernels._common import EXACT, HAS_TRITON, interpreted
 
 SMS = 132  # H200 streaming multiprocessors: the split heuristic aims at 4 programs per SM
 
@@ -61,8 +63,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Te
     if torch.is_tensor(length) and (length.numel() != 1 or length.dtype.is_floating_point):
         raise ValueError(f"decode_attention: length must be one integer (a [1] tensor on the device), got "
                          f"{length.dtype} {tuple(length.shape)}")  # fmt: skip
-    if len({q.device, k.device, v.device, key_mask.device}) != 1:
-        raise ValueError("decode_attention: q, k, v and key_mask must be on one device")
+    devices = {q.device, k.device, v.device, key_mask.device, *((length.device,) if torch.is_tensor(length) else ())}
+    if len(devices) != 1:
+        raise ValueError("decode_attention: q, k, v, key_mask and length must be on one device")
 
 
 def splits_for(bh: int, s: int, block_s: int) -> int:
@@ -94,14 +97,15 @@ if HAS_TRITON:
         q_ptr, k_ptr, v_ptr, m_ptr, len_ptr, ws_ptr, S, NKV, G, sm_scale,
         sqb, sqh, sqg, skb, skh, sks, svb, svh, svs, smb,
         GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
-        F32: tl.constexpr, INTERP: tl.constexpr,
+        F32: tl.constexpr, PSCALE: tl.constexpr, INTERP: tl.constexpr,
     ):  # fmt: skip
         """Grid (B * nkv, SPLITS): the online softmax of the g queries of one key/value head (padded to GP
         rows of a tensor-core tile) over columns ``[split * CHUNK, min((split + 1) * CHUNK, length, S))``;
         writes max ``m``, sum ``l`` and the weighted values ``acc`` (fp32, ``ws[bh, split] = [m (GP) | l (GP)
         | acc (GP x D)]``). ``q . k`` is one MMA per block (exact products, fp32 sums); the probabilities
         enter the ``p @ v`` MMA as two half-precision terms, ``p_hi + p_lo`` (16 significant bits), so
-        that the value sum keeps nearly fp32's precision."""
+        that the value sum keeps nearly fp32's precision; FP16 terms are taken of ``p * PSCALE`` (2**15),
+        which keeps small probabilities out of FP16's subnormals, and the sums scaled back exactly."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // NKV
@@ -134,10 +138,13 @@ if HAS_TRITON:
             if F32:
                 acc = _dot(p, vt, acc, F32, INTERP)
             else:
-                p_hi = p.to(vt.dtype)
+                ps = p * PSCALE  # FP16: out of its subnormal range (exact: a power of two)
+                p_hi = ps.to(vt.dtype)
                 acc = _dot(p_hi, vt, acc, F32, INTERP)
-                acc = _dot((p - p_hi.to(tl.float32)).to(vt.dtype), vt, acc, F32, INTERP)
+                acc = _dot((ps - p_hi.to(tl.float32)).to(vt.dtype), vt, acc, F32, INTERP)
             m = m_new
+        if not F32:
+            acc = acc * (1.0 / PSCALE)  # exact
         w = ws_ptr + (bh.to(tl.int64) * SPLITS + split) * GP * (D + 2)
         tl.store(w + rg, m)
         tl.store(w + GP + rg, l)
@@ -171,6 +178,9 @@ if HAS_TRITON:
                  mask=rg[:, None] < G)  # fmt: skip
 
 
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the kernel takes (fp64: the reference)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
                      length: torch.Tensor, *, block_s: int = 64, splits: int | None = None,
                      num_warps: int = 4) -> torch.Tensor:
@@ -181,6 +191,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use decode_attention_reference")
     _check(q, k, v, key_mask, length)
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"decode_attention: q, k and v must share one of {DTYPES}; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype} (fp64: decode_attention_reference)")  # fmt: skip
     if not torch.is_tensor(length):
         length = torch.tensor([int(length)], device=q.device)
     b, h, g, d = q.shape
@@ -205,10 +218,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0),
         GP=gp, D=d, BLOCK_S=block_s, CHUNK=chunk, SPLITS=split, F32=q.dtype == torch.float32,
-        INTERP=interpreted(q), num_warps=num_warps,
+        PSCALE=32768.0 if q.dtype == torch.float16 else 1.0, INTERP=interpreted(q), num_warps=num_warps, **EXACT,
     )  # fmt: skip
     _combine_kernel[(b * h,)](ws, out, h, g, out.stride(0), out.stride(1), out.stride(2), GP=gp, D=d,
-                              SPLITS=split, num_warps=num_warps)  # fmt: skip
+                              SPLITS=split, num_warps=num_warps, **EXACT)  # fmt: skip
     return out
 
 

@@ -135,6 +135,9 @@ class RolloutEngine:
         if decode_attention == "triton" and self.device.type != "cuda" and not interpreter_on():
             raise ValueError("decode_attention='triton' needs a CUDA device (or Triton's CPU interpreter, "
                              "TRITON_INTERPRET=1, for tests); use 'sdpa'")
+        if decode_attention == "triton" and activation_dtype(model) == torch.float64:
+            raise ValueError("decode_attention='triton' takes bf16 / fp16 / fp32 activations; this model's are "
+                             "float64: use 'sdpa'")
         self._decoders: dict[tuple, StaticDecoder] = {}  # (B, cache length, dispatch, graphs) -> decoder
 
     def decode_plan(self) -> tuple[str, str, bool]:
