@@ -357,22 +357,28 @@ def tune_space() -> list[tuple]:
             for sk in (1, 2, 4):
                 for nw, ns in ((4, 3), (8, 3)):
                     out.append(("w4a16", 64, (bn, bk, sk, nw, ns)))
-    # occupancy first (Nsight Compute, 1b decode: 225 registers, 2 blocks of 4 warps per SM): smaller decoded
-    # tiles (block_k 64), fewer stages, and a register cap (the last element, PTX .maxnreg); then the grid
-    # of run 6 (block_n, block_k, warps and stages, split-K, M tile)
+    # occupancy first (Nsight Compute, 1b decode: 225 registers, 2 blocks of 4 warps per SM): the K tile decoded
+    # 64 columns at a time (sub_k, the 8th element), smaller decoded tiles (block_k 64), fewer stages, and a
+    # register cap (the 7th, PTX .maxnreg); then the grid of run 6 (block_n, block_k, warps and stages,
+    # split-K, M tile)
     moe = []
+    for bn in (32, 64):  # the K tile decoded 64 columns at a time (the last element, sub_k)
+        for bk in (128, 256):
+            for nw, ns in ((4, 2), (4, 3), (8, 2), (8, 3)):
+                for bm in (None, 16):
+                    moe.append((bn, bk, nw, ns, None, bm, None, 64))
     for bn in (32, 64):
         for bk in (64, 128):
             for nw, ns in ((4, 2), (4, 3), (8, 2), (8, 3)):
                 for bm in (None, 16):
                     for reg in (None, 128, 168):
-                        moe.append((bn, bk, nw, ns, None, bm, reg))
+                        moe.append((bn, bk, nw, ns, None, bm, reg, None))
     for bn in (16, 32, 64, 128):
         for bk in (128, 256):
             for nw, ns in ((4, 3), (4, 4), (8, 3)):
                 for sk in (None, 1, 2):  # None: the launcher's split heuristic
                     for bm in (None, 16, 32):  # None: twice the mean rows per expert
-                        moe.append((bn, bk, nw, ns, sk, bm, None))
+                        moe.append((bn, bk, nw, ns, sk, bm, None, None))
     out += [("moe", 0, c) for c in dict.fromkeys(moe)]
     for cfg in ((1, None, 2), (1, None, 4), (1, None, 8), (2, None, 4), (2, 1024, 8), (2, 512, 4), (1, 1024, 4)):
         out.append(("quant_row", 0, cfg))
@@ -398,10 +404,11 @@ def _tune_call(kind: str, key, cfg, data: dict):
         return [lambda q=q: w4a16.gemm(x, q, kernel="tiled", block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
                                        num_stages=ns) for q in data["fp4"]]  # fmt: skip
     if kind == "moe":
-        bn, bk, nw, ns, sk, bm, reg = cfg
+        bn, bk, nw, ns, sk, bm, reg, sub = cfg
         x, ends = data["moe_x"][key]
         return [lambda q=q: w4a16.grouped_gemm(x, q, ends, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
-                                               split_k=sk, block_m=bm, max_registers=reg) for q in data["moe_w"]]  # fmt: skip
+                                               split_k=sk, block_m=bm, max_registers=reg, sub_k=sub)
+                for q in data["moe_w"]]  # fmt: skip
     xq = data["xq"]
     if kind == "quant_row":
         if cfg[1] is None:
@@ -522,7 +529,7 @@ def tuning_from_rows(rows: list) -> dict:
         c = best("tune moe", shapes)
         if c is not None:
             table["w4a16_grouped_gemm"][case].update(
-                zip(("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers"), c))
+                zip(("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers", "sub_k"), c))
     for kind, case in (("tune quant_row", "per_token"), ("tune quant_amax_tile", "amax_known"),
                        ("tune row_amax", "row_amax")):  # fmt: skip
         c = best(kind)

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--calls", type=int, default=6, help="calls per shape (ncu: skip the first 2)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1 (a smoke run)")
-    for k in ("block-m", "block-n", "block-k", "num-warps", "num-stages", "split-k", "max-registers"):
+    for k in ("block-m", "block-n", "block-k", "num-warps", "num-stages", "split-k", "max-registers", "sub-k"):
         ap.add_argument(f"--{k}", type=int, default=None)
     ap.add_argument("--config", default=None,
                     help="a tuning.json (e.g. the tune suite's --tuning-out): its w4a16_grouped_gemm.decode config, "
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --device cpu under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
-    names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "max_registers")
+    names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k", "max_registers", "sub_k")
     explicit = {}
     if a.config:
         explicit = {k: v for k, v in json.loads(Path(a.config).read_text())["w4a16_grouped_gemm"]["decode"].items()

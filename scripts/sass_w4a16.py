@@ -14,7 +14,8 @@ expert's M tiles, which also holds the K loop's prologue and the tile's epilogue
 the loops' instructions, the weight elements each thread decodes per K step, their ratio, the K loop's
 global loads (per thread and K step: the loads one thread has in flight at once, by width), registers
 and shared memory per block with the blocks and warps that fit on one SM (``resident``; an 8th case field
-caps the registers, PTX ``.maxnreg``, as ``w4a16.grouped_gemm(max_registers=...)`` does) and the
+caps the registers, PTX ``.maxnreg``, as ``w4a16.grouped_gemm(max_registers=...)`` does; a 9th the
+grouped kernel's ``sub_k``) and the
 longest loop's opcode histogram.
 """
 
@@ -59,6 +60,12 @@ CASES = [  # (kernel, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
     ("grouped", 32, 64, 128, 1, 4, 3, 168),
     ("grouped", 32, 64, 128, 1, 4, 3, 128),
     ("grouped", 32, 64, 64, 1, 4, 3, 128),
+    # the K tile decoded and multiplied 64 columns at a time (9th field: sub_k)
+    ("grouped", 32, 64, 128, 1, 4, 3, None, 64),
+    ("grouped", 32, 64, 128, 1, 4, 2, None, 64),
+    ("grouped", 32, 64, 256, 1, 4, 3, None, 64),
+    ("grouped", 32, 64, 256, 1, 4, 2, None, 64),
+    ("grouped", 32, 64, 128, 1, 8, 3, None, 64),
     # the GEMV kernel (tuning.json w4a16_gemv.small) at M = 1, 2, 4, 8, 16, then neighbours
     ("gemv", 1, 128, 64, 8, 4, 1),
     ("gemv", 2, 128, 64, 8, 4, 1),
@@ -72,16 +79,18 @@ CASES = [  # (kernel, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
 ]
 
 
-def sass_of(kernel: str, bm: int, bn: int, bk: int, split: int, warps: int, stages: int, maxnreg: int | None = None) -> str:
+def sass_of(kernel: str, bm: int, bn: int, bk: int, split: int, warps: int, stages: int, maxnreg: int | None = None,
+            sub_k: int | None = None) -> str:
     fn, sig = {"gemm": (w4a16._gemm_kernel, GEMM_SIG), "gemv": (w4a16._gemv_kernel, GEMM_SIG),
                "grouped": (w4a16._grouped_kernel, GROUPED_SIG)}[kernel]  # fmt: skip
     div = [i for i, (n, t) in enumerate(sig.items()) if t.startswith("*") or n in ("N", "K", "KT", "stride_xm")]
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "EVEN_K": True, "INTERP": False}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "EVEN_K": True, "INTERP": False,
+              **({"SUB_K": sub_k or bk} if kernel == "grouped" else {})}  # fmt: skip
     src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                     attrs={(i,): [["tt.divisibility", 16]] for i in div})  # fmt: skip
     options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    key = (kernel, bm, bn, bk, split, warps, stages, *((maxnreg,) if maxnreg else ()))
+    key = (kernel, bm, bn, bk, split, warps, stages, *((maxnreg, sub_k) if sub_k else (maxnreg,) if maxnreg else ()))
     REGISTERS[key] = registers_of(k.asm["cubin"])
     SHARED[key] = k.metadata.shared
     if "sass" in k.asm:
@@ -165,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in [c for c in CASES if c[0] in args.kernels.split(",")]:
         kernel, bm, bn, bk, split, warps, stages = case[:7]
         maxnreg = case[7] if len(case) > 7 else None
+        sub_k = case[8] if len(case) > 8 else None
         sass = sass_of(*case)
         body, kbody = inner_loop(sass), k_loop(sass, "FFMA" if kernel == "gemv" else "MMA")
         loads = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split(" ")[0] for i in kbody
@@ -177,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                "instructions_per_element": round(len(body) / per_thread, 2), "k_loop_instructions": len(kbody),
                "k_loop_instructions_per_element": round(len(kbody) / per_thread, 2),
                "k_loop_global_loads": dict(loads.most_common()), "local_memory_instructions": spills,
-               "registers": REGISTERS.get(case), "max_registers": maxnreg, "shared_bytes": SHARED.get(case),
+               "registers": REGISTERS.get(case), "max_registers": maxnreg, "sub_k": sub_k, "shared_bytes": SHARED.get(case),
                **resident(REGISTERS.get(case), warps, SHARED.get(case, 0)),
                "opcodes": dict(ops.most_common())}  # fmt: skip
         rows.append(row)
@@ -185,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{per_thread} weights per thread per K step, {len(body) / per_thread:.2f} per weight; K loop alone "
               f"{len(kbody)}, {len(kbody) / per_thread:.2f} per weight; its global loads "
               f"{dict(loads.most_common())}; {spills} local-memory (spill) instructions; "
-              f"{REGISTERS.get(case)} registers{f' (cap {maxnreg})' if maxnreg else ''}, {SHARED.get(case)} B shared, "
+              f"{REGISTERS.get(case)} registers{f' (cap {maxnreg})' if maxnreg else ''}{f', sub_k {sub_k}' if sub_k else ''}, "
+              f"{SHARED.get(case)} B shared, "
               f"{row.get('blocks_per_sm')} blocks = {row.get('warps_per_sm')} warps per SM")  # fmt: skip
         print("   ", ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
     print("triton", triton.__version__)

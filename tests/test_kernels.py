@@ -454,15 +454,16 @@ def test_gpu_gemms_real_size(m, n, k):
 
 
 def test_tune_space_has_each_grouped_config_once_and_kinds_select_it():
-    """The grouped kernel's sweep (7-tuples ending in the register cap) has no config twice, covers the
-    occupancy configs (block_k 64, two stages, capped registers), and ``--tune-kinds`` rejects a kind
+    """The grouped kernel's sweep (8-tuples ending in the register cap and sub_k) has no config twice, covers
+    the occupancy configs (sub_k 64, block_k 64, two stages, capped registers), and ``--tune-kinds`` rejects a kind
     that selects nothing before touching a GPU."""
     from quads.bench import _load_bench
 
     bench = _load_bench()
     moe_cfgs = [c for kind, _, c in bench.tune_space() if kind == "moe"]
-    assert len(moe_cfgs) == len(set(moe_cfgs)) and all(len(c) == 7 for c in moe_cfgs)
-    assert (64, 64, 4, 2, None, None, 128) in moe_cfgs and (64, 128, 4, 3, None, None, None) in moe_cfgs
+    assert len(moe_cfgs) == len(set(moe_cfgs)) and all(len(c) == 8 for c in moe_cfgs)
+    assert (64, 64, 4, 2, None, None, 128, None) in moe_cfgs and (64, 128, 4, 3, None, None, None, None) in moe_cfgs
+    assert (64, 128, 4, 2, None, None, None, 64) in moe_cfgs
     with pytest.raises(ValueError, match="selects no config"):
         bench.bench_tune([], workers=0, kinds="nope")
     with pytest.raises(ValueError, match="shape groups are 1b and qwen3"):
@@ -479,7 +480,7 @@ def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
     fast, slow = (64, 128, 2, 4, 5), (32, 256, 1, 4, 3)
     rows = [{"bench": "tune w4a16", "shape": f"M={m} N={n} K={k}", "cfg": list(c), "us": us}
             for n, k in bench.TUNE_SHAPES for m in (1, 16, 64) for c, us in ((fast, 9.0), (slow, 10.0))]
-    moe_fast, moe_slow = (64, 64, 4, 2, None, 32, 128), (32, 256, 8, 3, 2, 16, None)
+    moe_fast, moe_slow = (64, 128, 4, 2, None, 32, 128, 64), (32, 256, 8, 3, 2, 16, None, None)
     rows += [{"bench": "tune moe", "shape": sh, "cfg": list(c), "us": us}
              for sh in ("T=1", "T=16", "T=64", "1b gate_up T=128", "1b down T=128")
              for c, us in ((moe_fast, 5.0), (moe_slow, 6.0))]
@@ -491,6 +492,6 @@ def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
     assert not any(key.startswith("n") for key in table["w4a16_gemm"])  # one winner for both shapes
     assert table["rac_quantize"]["pass4"] == {"block_m": 2, "block_s": 512, "num_warps": 4}
     assert table["w4a16_grouped_gemm"]["decode"] == dict(zip(
-        ("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers"), moe_fast))
+        ("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers", "sub_k"), moe_fast))
     assert table["nvfp4_quantize"] == tuning.table()["nvfp4_quantize"]  # not timed: kept
     assert json.dumps(tuning.table(), sort_keys=True) == before

@@ -332,6 +332,21 @@ def test_grouped_gemm_max_registers_changes_no_bit():
         w4a16.grouped_gemm(x, p, ends, max_registers=16)
 
 
+@pytest.mark.parametrize("k", [256, 208], ids=str)  # 208: the last K tile partly past K
+def test_grouped_gemm_sub_k_decodes_the_tile_in_parts(k):
+    """``sub_k`` 64 at block_k 128 / 256: each K tile decoded and multiplied 64 columns at a time, the same
+    product to fp32 summation order; a sub_k that is no multiple of 64 dividing block_k is refused."""
+    q = _weight((3, 32, k), experts_amax=True)
+    p = w4a16.pack(q)
+    ends = torch.tensor([20, 20, 37], dtype=torch.int32, device=DEV)
+    x = _x(40, k)
+    want = w4a16.grouped_gemm_reference(x, p, ends)
+    for bk in (128, 256):
+        _bf16_close(w4a16.grouped_gemm(x, p, ends, block_m=16, block_k=bk, sub_k=64), want, f"sub_k 64, block_k {bk}")
+    with pytest.raises(ValueError, match="sub_k"):
+        w4a16.grouped_gemm(x, p, ends, block_k=128, sub_k=96)
+
+
 def test_grouped_gemm_rows_past_one_tile_and_empty_batch():
     q = _weight((3, 32, 128), experts_amax=True)
     p = w4a16.pack(q)
@@ -368,7 +383,7 @@ def test_tuning_table_has_the_w4a16_cases():
                                                           "num_stages"}  # fmt: skip
     for case in ("decode", "prefill"):
         assert set(tuning.config("w4a16_grouped_gemm", case)) == {"block_m", "block_n", "block_k", "split_k",
-                                                                  "num_warps", "num_stages", "max_registers"}  # fmt: skip
+                                                                  "num_warps", "num_stages", "max_registers", "sub_k"}  # fmt: skip
     assert set(tuning.config("w4a16_gemv", "small")) == {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
     assert set(tuning.config("w4a16_dispatch", "dense")) == {"gemv_max_m", "fused_max_m"}
     assert set(tuning.config("w4a16_dispatch", "grouped")) == {"fused_max_rows_per_expert"}

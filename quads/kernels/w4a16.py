@@ -465,10 +465,12 @@ if HAS_TRITON:
     def _grouped_kernel(
         x_ptr, c_ptr, s_ptr, g_ptr, ends_ptr, out_ptr, ws_ptr, T, N, K, KT, E, stride_xm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        EVEN_K: tl.constexpr, INTERP: tl.constexpr,
+        EVEN_K: tl.constexpr, INTERP: tl.constexpr, SUB_K: tl.constexpr,
     ):  # fmt: skip
         """Grid (N tiles, E + 1, SPLIT_K): program e < E runs the rows of expert e (split s: a contiguous
-        range of the K tiles, into ``ws[s]``), program E writes zeros to the rows past ``ends[E-1]``."""
+        range of the K tiles, into ``ws[s]``), program E writes zeros to the rows past ``ends[E-1]``. Each
+        K tile of ``BLOCK_K`` columns is loaded in one pipeline stage and decoded and multiplied ``SUB_K``
+        columns at a time (a smaller decoded tile: fewer registers, more resident warps)."""
         pid_n = tl.program_id(0)
         e = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -497,14 +499,15 @@ if HAS_TRITON:
                 rm = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
                 acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                 for kt in range(lo, hi):
-                    k0 = kt * BLOCK_K
-                    rk = k0 + tl.arange(0, BLOCK_K)
-                    xm = rm[:, None] < end
-                    if not EVEN_K:
-                        xm = xm & (rk[None, :] < K)
-                    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0)
-                    w = _decode(ce, se, g, rn, k0, N, K, KT, BLOCK_N, BLOCK_K, EVEN_K, INTERP)
-                    acc = _dot(x.to(tl.bfloat16), tl.trans(w), acc, INTERP)
+                    for sub in tl.static_range(BLOCK_K // SUB_K):  # decoded and multiplied SUB_K columns at a time
+                        k0 = kt * BLOCK_K + sub * SUB_K
+                        rk = k0 + tl.arange(0, SUB_K)
+                        xm = rm[:, None] < end
+                        if not EVEN_K:
+                            xm = xm & (rk[None, :] < K)
+                        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0)
+                        w = _decode(ce, se, g, rn, k0, N, K, KT, BLOCK_N, SUB_K, EVEN_K, INTERP)
+                        acc = _dot(x.to(tl.bfloat16), tl.trans(w), acc, INTERP)
                 om = (rm[:, None] < end) & (rn[None, :] < N)
                 if SPLIT_K == 1:
                     tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(acc, out_ptr), mask=om)
@@ -718,6 +721,7 @@ def grouped_gemm(
     num_stages: int | None = None,
     split_k: int | None = None,
     max_registers: int | None = None,
+    sub_k: int | None = None,
     fused_max_rows_per_expert: int | None = None,
 ) -> torch.Tensor:
     """Grouped MoE W4A16 (module docstring): ``x`` ``[T, K]`` BF16 sorted by expert, packed ``w``
@@ -732,7 +736,10 @@ def grouped_gemm(
     null picks ``grouped_block_m``, ``split_k`` null (or 0) ``grouped_split_for``; ``max_registers``
     (null: the compiler's choice) caps the registers per thread (PTX ``.maxnreg``), which trades spills
     for resident warps: the decode config's 225 registers allow 2 blocks of 4 warps per SM (Nsight
-    Compute, docs/PERF.md). A launch option: the result is the same bits under every value."""
+    Compute, docs/PERF.md). A launch option: the result is the same bits under every value. ``sub_k`` (null:
+    ``block_k``; a multiple of 64 dividing it) decodes and multiplies each K tile that many columns at a
+    time (compiled for sm_90, 64 at block_k 128 needs 128 registers instead of 217); the fp32 sums run
+    in the same K order."""
     _require_triton()
     _check_x(x, w, "w4a16.grouped_gemm", experts=True)
     e = w.experts
@@ -743,7 +750,7 @@ def grouped_gemm(
     t, k, n = x.shape[0], w.k, w.n
     case = "decode" if t <= GROUPED_DECODE_ROWS * e else "prefill"
     d = _cfg("w4a16_grouped_gemm", case, block_m=block_m, block_n=block_n, block_k=block_k,
-             num_warps=num_warps, num_stages=num_stages, split_k=split_k, max_registers=max_registers)  # fmt: skip
+             num_warps=num_warps, num_stages=num_stages, split_k=split_k, max_registers=max_registers, sub_k=sub_k)  # fmt: skip
     rpe = fused_max_rows_per_expert
     if t > e * (rpe if rpe is not None else tuning.config("w4a16_dispatch", "grouped")["fused_max_rows_per_expert"]):
         y = torch._grouped_mm(x, dequantize_bf16(w).transpose(-2, -1), offs=ends)
@@ -755,11 +762,14 @@ def grouped_gemm(
     if t == 0:
         return out
     bn = d["block_n"]
+    sk = min(d.get("sub_k") or bk, bk)
+    if sk % LAYOUT_K or bk % sk:
+        raise ValueError(f"w4a16.grouped_gemm: sub_k must be a multiple of {LAYOUT_K} dividing block_k {bk}, got {sk}")
     split = max(1, min(d["split_k"] or grouped_split_for(t, e, n, k, bn, bk), -(-k // bk)))
     ws = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _grouped_kernel[(triton.cdiv(n, bn), e + 1, split)](
         x, w.codes, w.scales, w.global_scale, ends, out, ws, t, n, k, w.codes.shape[-3], e, x.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, BLOCK_K=bk, EVEN_K=k % bk == 0, INTERP=interpreted(x),
+        BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, BLOCK_K=bk, EVEN_K=k % bk == 0, INTERP=interpreted(x), SUB_K=sk,
         num_warps=d["num_warps"], num_stages=d["num_stages"], **_max_registers(d.get("max_registers"), x),
     )  # fmt: skip
     return _sum_splits(ws, out, split)
