@@ -3,7 +3,7 @@
 # kernel at 225 registers per thread, 2 blocks of 4 warps per SM (12.5% theoretical occupancy), each
 # scheduler issuing every 2 cycles; compiled offline, block_k 64 with two stages needs 120 registers (16
 # warps per SM, no spill). This call (one H200, <= 570 s from its start):
-#   1. the tune suite for the grouped kernel at the 1b decode shapes (`--tune-kinds moe --tune-moe-shapes 1b`:
+#   1. the tune suite for the grouped kernel at the 1b decode shapes (`--tune-kinds moe --tune-moe-shapes 1b`: sub_k 64,
 #      block_k 64, two stages and register caps 128 / 168 first, then run 6's grid), its fastest decode config
 #      in $OUT/tuning.json;
 #   2. the 1b e2e rollout rows (run 18's command, bf16 + w4a16) with the committed table, then, in this
