@@ -455,8 +455,9 @@ def _moe_data(
     return {"moe_w": ws, "moe_x": xs, "moe_ends": {t: ends for t, (x, ends) in xs.items()}}
 
 
-def _tune_warm(items: list, dev: str = "cuda") -> int:
-    """Worker: compile (run once) each config of ``items`` on minimal data. Returns the failures."""
+def _tune_warm(items: list, dev: str = "cuda", moe_groups: frozenset = frozenset({"1b", "qwen3"})) -> int:
+    """Worker: compile (run once) each config of ``items`` on minimal data (the grouped kernel's at the shapes
+    of ``moe_groups``). Returns the failures."""
     torch.manual_seed(0)
     bad = 0
     small = dev != "cuda"
@@ -476,9 +477,9 @@ def _tune_warm(items: list, dev: str = "cuda") -> int:
                     data["moe_1b"] = [] if small else [_moe_data(1, dev, e, n, k, topk, tokens)
                                                        for group, (e, n, k, topk), _, tokens, _ in TUNE_MOE_SETS
                                                        if group == "1b"]  # fmt: skip
-                for t in (1, 16, 64):
+                for t in (1, 16, 64) if "qwen3" in moe_groups or small else ():
                     _tune_call(kind, t, cfg, data)[0]()
-                for d1b in data["moe_1b"]:
+                for d1b in data["moe_1b"] if "1b" in moe_groups else ():
                     _tune_call(kind, 128, cfg, d1b)[0]()
             else:
                 if "xq" not in data:
@@ -549,6 +550,7 @@ def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None, kin
     given; the grouped kernel's only at the shapes named in ``moe_shapes``, "qwen3" and/or "1b", when
     given) and print the fastest per case as a table of tuning.json's form (also to ``tuning_out``)."""
     import concurrent.futures as cf
+    import functools
     import multiprocessing as mp
     import os
     import time
@@ -571,7 +573,8 @@ def bench_tune(rows: list, workers: int = 12, tuning_out: str | None = None, kin
     if workers > 0:
         chunks = [space[i::workers] for i in range(workers)]
         with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-            bad = sum(ex.map(_tune_warm, chunks))
+            groups = frozenset(moe_only or {group for group, *_ in TUNE_MOE_SETS})
+            bad = sum(ex.map(functools.partial(_tune_warm, moe_groups=groups), chunks))
         print(f"tune: compiled {len(space)} configs in {time.time() - t0:.0f} s ({bad} failed)", flush=True)
     wait = os.environ.get("TUNE_WAIT")  # a file that appears when the tests running beside us are done
     while wait and not os.path.exists(wait) and time.time() - t0 < 150:
