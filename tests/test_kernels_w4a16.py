@@ -332,10 +332,11 @@ def test_grouped_gemm_max_registers_changes_no_bit():
         w4a16.grouped_gemm(x, p, ends, max_registers=16)
 
 
-@pytest.mark.parametrize("k", [256, 208], ids=str)  # 208: the last K tile partly past K
-def test_grouped_gemm_sub_k_decodes_the_tile_in_parts(k):
+def test_grouped_gemm_sub_k_decodes_the_tile_in_parts():
     """``sub_k`` 64 at block_k 128 / 256: each K tile decoded and multiplied 64 columns at a time, the same
-    product to fp32 summation order; a sub_k that is no multiple of 64 dividing block_k is refused."""
+    product to fp32 summation order (K = 208: whole and partial K tiles, a part wholly past K); a sub_k
+    that is no multiple of 64 dividing block_k is refused."""
+    k = 208
     q = _weight((3, 32, k), experts_amax=True)
     p = w4a16.pack(q)
     ends = torch.tensor([20, 20, 37], dtype=torch.int32, device=DEV)
