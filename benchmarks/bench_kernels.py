@@ -346,17 +346,22 @@ def tune_space() -> list[tuple]:
     """(kind, key, config) for every config the sweep times (config tuples in launcher-argument order,
     see ``_tune_call``)."""
     out: list[tuple] = []
-    for m in (1, 16):
+    for m in (1, 16):  # the dense tiled kernel (the 6th element: sub_k, the K tile decoded in parts)
         for bn in (32, 64, 128):
             for bk in (128, 256):
                 for sk in (1, 2, 4, 8):
                     for nw, ns in ((4, 3), (4, 5), (8, 4)):
-                        out.append(("w4a16", m, (bn, bk, sk, nw, ns)))
+                        out.append(("w4a16", m, (bn, bk, sk, nw, ns, None)))
+            for sk in (1, 2, 4):
+                for nw, ns in ((4, 2), (4, 3)):
+                    out.append(("w4a16", m, (bn, 256, sk, nw, ns, 64)))
     for bn in (32, 64, 128):
         for bk in (64, 128):
             for sk in (1, 2, 4):
                 for nw, ns in ((4, 3), (8, 3)):
-                    out.append(("w4a16", 64, (bn, bk, sk, nw, ns)))
+                    out.append(("w4a16", 64, (bn, bk, sk, nw, ns, None)))
+        for sk in (1, 2):
+            out.append(("w4a16", 64, (bn, 128, sk, 4, 3, 64)))
     # occupancy first (Nsight Compute, 1b decode: 225 registers, 2 blocks of 4 warps per SM): the K tile decoded
     # 64 columns at a time (sub_k, the 8th element), smaller decoded tiles (block_k 64), fewer stages, and a
     # register cap (the 7th, PTX .maxnreg); then the grid of run 6 (block_n, block_k, warps and stages,
@@ -399,10 +404,10 @@ def _tune_call(kind: str, key, cfg, data: dict):
     from quads.prototype.kernels import rac
 
     if kind == "w4a16":
-        bn, bk, sk, nw, ns = cfg
+        bn, bk, sk, nw, ns, sub = (*cfg, None)[:6]  # 5-tuples: rows of sweeps before sub_k
         x = data["x"][key]
         return [lambda q=q: w4a16.gemm(x, q, kernel="tiled", block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
-                                       num_stages=ns) for q in data["fp4"]]  # fmt: skip
+                                       num_stages=ns, sub_k=sub) for q in data["fp4"]]  # fmt: skip
     if kind == "moe":
         bn, bk, nw, ns, sk, bm, reg, sub = cfg
         x, ends = data["moe_x"][key]
@@ -516,13 +521,13 @@ def tuning_from_rows(rows: list) -> dict:
         c = best("tune w4a16", shapes)
         if c is not None:
             for b in buckets:
-                gemm_t[f"m{b}"] = dict(zip(("block_n", "block_k", "split_k", "num_warps", "num_stages"), c))
+                gemm_t[f"m{b}"] = dict(zip(("block_n", "block_k", "split_k", "num_warps", "num_stages", "sub_k"), c))
         for (n, k), sh in zip(TUNE_SHAPES, shapes):
             cs = best("tune w4a16", [sh])
             for b in buckets:
                 key = f"n{n}_k{k}_m{b}"
                 if cs is not None and cs != c:
-                    gemm_t[key] = dict(zip(("block_n", "block_k", "split_k", "num_warps", "num_stages"), cs))
+                    gemm_t[key] = dict(zip(("block_n", "block_k", "split_k", "num_warps", "num_stages", "sub_k"), cs))
                 elif c is not None:
                     gemm_t.pop(key, None)
     # every timed shape has <= 16 routed rows per expert: the launcher's "decode" case (prefill is not timed)

@@ -46,6 +46,10 @@ CASES = [  # (kernel, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
     ("grouped", 16, 64, 128, 4, 4, 3),  # T = 1 on E = 128
     ("gemm", 16, 64, 256, 1, 4, 3),
     ("gemm", 16, 128, 128, 1, 4, 3),
+    ("gemm", 16, 32, 256, 1, 4, 3, None, 64),  # the K tile in parts of 64 columns (sub_k)
+    ("gemm", 16, 64, 256, 1, 4, 3, None, 64),
+    ("gemm", 16, 64, 256, 1, 4, 2, None, 64),
+    ("gemm", 16, 128, 128, 1, 4, 3, None, 64),
     ("grouped", 32, 64, 256, 1, 8, 3),
     ("grouped", 32, 64, 256, 1, 4, 3),
     # occupancy candidates for the 1b decode step (Nsight Compute: 225 registers, 2 blocks of 4 warps per
@@ -85,7 +89,7 @@ def sass_of(kernel: str, bm: int, bn: int, bk: int, split: int, warps: int, stag
                "grouped": (w4a16._grouped_kernel, GROUPED_SIG)}[kernel]  # fmt: skip
     div = [i for i, (n, t) in enumerate(sig.items()) if t.startswith("*") or n in ("N", "K", "KT", "stride_xm")]
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "EVEN_K": True, "INTERP": False,
-              **({"SUB_K": sub_k or bk} if kernel == "grouped" else {})}  # fmt: skip
+              **({"SUB_K": sub_k or bk} if kernel in ("grouped", "gemm") else {})}  # fmt: skip
     src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                     attrs={(i,): [["tt.divisibility", 16]] for i in div})  # fmt: skip
     options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}

@@ -464,6 +464,9 @@ def test_tune_space_has_each_grouped_config_once_and_kinds_select_it():
     assert len(moe_cfgs) == len(set(moe_cfgs)) and all(len(c) == 8 for c in moe_cfgs)
     assert (64, 64, 4, 2, None, None, 128, None) in moe_cfgs and (64, 128, 4, 3, None, None, None, None) in moe_cfgs
     assert (64, 128, 4, 2, None, None, None, 64) in moe_cfgs
+    dense = [(m, c) for kind, m, c in bench.tune_space() if kind == "w4a16"]
+    assert len(dense) == len(set(dense)) and all(len(c) == 6 for _, c in dense)
+    assert (16, (32, 256, 1, 4, 2, 64)) in dense and (1, (32, 256, 1, 4, 3, None)) in dense
     with pytest.raises(ValueError, match="selects no config"):
         bench.bench_tune([], workers=0, kinds="nope")
     with pytest.raises(ValueError, match="shape groups are 1b and qwen3"):

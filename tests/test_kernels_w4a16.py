@@ -332,7 +332,7 @@ def test_grouped_gemm_max_registers_changes_no_bit():
         w4a16.grouped_gemm(x, p, ends, max_registers=16)
 
 
-def test_grouped_gemm_sub_k_decodes_the_tile_in_parts():
+def test_sub_k_decodes_the_k_tile_in_parts():
     """``sub_k`` 64 at block_k 128 / 256: each K tile decoded and multiplied 64 columns at a time, the same
     product to fp32 summation order (K = 208: whole and partial K tiles, a part wholly past K); a sub_k
     that is no multiple of 64 dividing block_k is refused."""
@@ -346,6 +346,12 @@ def test_grouped_gemm_sub_k_decodes_the_tile_in_parts():
         _bf16_close(w4a16.grouped_gemm(x, p, ends, block_m=16, block_k=bk, sub_k=64), want, f"sub_k 64, block_k {bk}")
     with pytest.raises(ValueError, match="sub_k"):
         w4a16.grouped_gemm(x, p, ends, block_k=128, sub_k=96)
+    # the dense tiled kernel shares the K tile (``_k_tile``)
+    qd = _weight((48, k))
+    pd, xd = w4a16.pack(qd), _x(5, k)
+    _bf16_close(w4a16.gemm(xd, pd, kernel="tiled", block_k=256, sub_k=64), w4a16.gemm_reference(xd, pd), "dense sub_k")
+    with pytest.raises(ValueError, match="sub_k"):
+        w4a16.gemm(xd, pd, kernel="tiled", block_k=128, sub_k=96)
 
 
 def test_grouped_gemm_rows_past_one_tile_and_empty_batch():

@@ -335,12 +335,29 @@ if HAS_TRITON:
         return v
 
     @triton.jit
+    def _k_tile(acc, x_ptr, rm, row_end, stride_xm, c_ptr, s_ptr, g, rn, k0, N, K, KT, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+        """``acc`` + rows ``rm`` (those below ``row_end``) of ``x`` x the weight's rows ``rn``, over columns
+        [k0, k0 + BLOCK_K): the tile decoded (``_decode``) and multiplied on the tensor cores ``SUB_K``
+        columns at a time, in K order (a smaller decoded tile holds fewer registers)."""
+        for sub in tl.static_range(BLOCK_K // SUB_K):
+            ks = k0 + sub * SUB_K
+            rk = ks + tl.arange(0, SUB_K)
+            xm = rm[:, None] < row_end
+            if not EVEN_K:
+                xm = xm & (rk[None, :] < K)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0)
+            w = _decode(c_ptr, s_ptr, g, rn, ks, N, K, KT, BLOCK_N, SUB_K, EVEN_K, INTERP)
+            acc = _dot(x.to(tl.bfloat16), tl.trans(w), acc, INTERP)
+        return acc
+
+    @triton.jit
     def _gemm_kernel(
         x_ptr, c_ptr, s_ptr, g_ptr, out_ptr, ws_ptr, M, N, K, KT, stride_xm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        EVEN_K: tl.constexpr, INTERP: tl.constexpr,
+        EVEN_K: tl.constexpr, INTERP: tl.constexpr, SUB_K: tl.constexpr,
     ):  # fmt: skip
-        """Grid (N tiles, M tiles, SPLIT_K): split s runs a contiguous range of the K tiles."""
+        """Grid (N tiles, M tiles, SPLIT_K): split s runs a contiguous range of the K tiles (``_k_tile``)."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -353,14 +370,8 @@ if HAS_TRITON:
         hi = tl.minimum(lo + per, n_tiles)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for kt in range(lo, hi):
-            k0 = kt * BLOCK_K
-            rk = k0 + tl.arange(0, BLOCK_K)
-            xm = rm[:, None] < M
-            if not EVEN_K:
-                xm = xm & (rk[None, :] < K)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0)
-            w = _decode(c_ptr, s_ptr, g, rn, k0, N, K, KT, BLOCK_N, BLOCK_K, EVEN_K, INTERP)
-            acc = _dot(x.to(tl.bfloat16), tl.trans(w), acc, INTERP)
+            acc = _k_tile(acc, x_ptr, rm, M, stride_xm, c_ptr, s_ptr, g, rn, kt * BLOCK_K, N, K, KT, BLOCK_N,
+                          BLOCK_K, SUB_K, EVEN_K, INTERP)  # fmt: skip
         om = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT_K == 1:
             tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(acc, out_ptr), mask=om)
@@ -468,9 +479,7 @@ if HAS_TRITON:
         EVEN_K: tl.constexpr, INTERP: tl.constexpr, SUB_K: tl.constexpr,
     ):  # fmt: skip
         """Grid (N tiles, E + 1, SPLIT_K): program e < E runs the rows of expert e (split s: a contiguous
-        range of the K tiles, into ``ws[s]``), program E writes zeros to the rows past ``ends[E-1]``. Each
-        K tile of ``BLOCK_K`` columns is loaded in one pipeline stage and decoded and multiplied ``SUB_K``
-        columns at a time (a smaller decoded tile: fewer registers, more resident warps)."""
+        range of the K tiles, into ``ws[s]``, ``_k_tile``), program E writes zeros to the rows past ``ends[E-1]``."""
         pid_n = tl.program_id(0)
         e = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -499,15 +508,8 @@ if HAS_TRITON:
                 rm = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
                 acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                 for kt in range(lo, hi):
-                    for sub in tl.static_range(BLOCK_K // SUB_K):  # decoded and multiplied SUB_K columns at a time
-                        k0 = kt * BLOCK_K + sub * SUB_K
-                        rk = k0 + tl.arange(0, SUB_K)
-                        xm = rm[:, None] < end
-                        if not EVEN_K:
-                            xm = xm & (rk[None, :] < K)
-                        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0)
-                        w = _decode(ce, se, g, rn, k0, N, K, KT, BLOCK_N, SUB_K, EVEN_K, INTERP)
-                        acc = _dot(x.to(tl.bfloat16), tl.trans(w), acc, INTERP)
+                    acc = _k_tile(acc, x_ptr, rm, end, stride_xm, ce, se, g, rn, kt * BLOCK_K, N, K, KT, BLOCK_N,
+                                  BLOCK_K, SUB_K, EVEN_K, INTERP)  # fmt: skip
                 om = (rm[:, None] < end) & (rn[None, :] < N)
                 if SPLIT_K == 1:
                     tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(acc, out_ptr), mask=om)
@@ -604,6 +606,7 @@ def gemm(
     num_warps: int | None = None,
     num_stages: int | None = None,
     fused_max_m: int | None = None,
+    sub_k: int | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` BF16 x packed weight ``[N, K]`` -> ``[M, N]`` BF16 (module docstring).
 
@@ -614,7 +617,8 @@ def gemm(
     bound, where decoding each weight tile once per row tile costs more than one decode pass).
     ``kernel`` "gemv" or "tiled" runs that kernel at any M (the benchmark's side-by-side timing).
     Launch config of the tiled kernel: ``w4a16_gemm.n{N}_k{K}_{bucket}`` if present, else
-    ``w4a16_gemm.{bucket}`` (``m_bucket``); explicit arguments override either table. ``split_k`` None
+    ``w4a16_gemm.{bucket}`` (``m_bucket``); explicit arguments override either table; ``sub_k`` (null:
+    ``block_k``) decodes and multiplies each K tile that many columns at a time (``_k_tile``). ``split_k`` None
     or 0 (in the call or the table) picks one with ``split_for`` (tiled) or ``gemv_split_for`` (GEMV).
 
     Both kernels multiply the same BF16 weights (``dequantize``, bit for bit) with the BF16 activations:
@@ -637,8 +641,10 @@ def gemm(
                      num_stages=num_stages)  # fmt: skip
     mb = m_bucket(m)
     case = f"n{n}_k{k}_{mb}" if f"n{n}_k{k}_{mb}" in tuning.table()["w4a16_gemm"] else mb
-    d = _cfg("w4a16_gemm", case, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    d = _cfg("w4a16_gemm", case, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+             sub_k=sub_k)  # fmt: skip
     bn, bk = d["block_n"], min(d["block_k"], _padded_k(k))
+    sk = _sub_k(d.get("sub_k"), bk, "w4a16.gemm")
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     split = (split_k if split_k is not None else d["split_k"]) or split_for(m, n, k, bn, bk)
     split = max(1, min(split, -(-k // bk)))
@@ -649,10 +655,19 @@ def gemm(
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     _gemm_kernel[grid](
         x, w.codes, w.scales, w.global_scale, out, ws, m, n, k, w.codes.shape[-3], x.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=k % bk == 0, INTERP=interpreted(x),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=k % bk == 0, INTERP=interpreted(x), SUB_K=sk,
         num_warps=d["num_warps"], num_stages=d["num_stages"],
     )  # fmt: skip
     return _sum_splits(ws, out, split)
+
+
+def _sub_k(sub_k: int | None, bk: int, what: str) -> int:
+    """The columns a K tile of ``bk`` is decoded and multiplied in at a time: ``sub_k`` (null: ``bk``), a
+    multiple of 64 dividing ``bk``."""
+    sk = min(sub_k or bk, bk)
+    if sk % LAYOUT_K or bk % sk:
+        raise ValueError(f"{what}: sub_k must be a multiple of {LAYOUT_K} dividing block_k {bk}, got {sk}")
+    return sk
 
 
 def _sum_splits(ws: torch.Tensor, out: torch.Tensor, split: int) -> torch.Tensor:
@@ -762,9 +777,7 @@ def grouped_gemm(
     if t == 0:
         return out
     bn = d["block_n"]
-    sk = min(d.get("sub_k") or bk, bk)
-    if sk % LAYOUT_K or bk % sk:
-        raise ValueError(f"w4a16.grouped_gemm: sub_k must be a multiple of {LAYOUT_K} dividing block_k {bk}, got {sk}")
+    sk = _sub_k(d.get("sub_k"), bk, "w4a16.grouped_gemm")
     split = max(1, min(d["split_k"] or grouped_split_for(t, e, n, k, bn, bk), -(-k // bk)))
     ws = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _grouped_kernel[(triton.cdiv(n, bn), e + 1, split)](
