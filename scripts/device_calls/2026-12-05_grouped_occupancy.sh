@@ -9,7 +9,7 @@
 #   2. the 1b e2e rollout rows (run 18's command, bf16 + w4a16) with the committed table, then, in this
 #      device copy only, that winner copied over quads/kernels/tuning.json and the rows again (bf16, w4a16,
 #      w4a4+rac50): a same-machine A/B of the table;
-#   3. with the time left, the grouped kernel's GPU tests (max_registers changes no bit).
+#   3. with the time left, the W4A16 kernels' GPU tests (real sizes; max_registers changes no bit; _k_tile, fbc763d).
 # OUT=$OUT bash scripts/device_calls/2026-12-05_grouped_occupancy.sh
 # Adopt the winner by committing its decode entry to quads/kernels/tuning.json (docs/PERF.md records the run).
 export PYTHONPATH=.; mkdir -p $OUT; git rev-parse HEAD > $OUT/tree.txt 2>&1
@@ -26,6 +26,6 @@ if [ -f $OUT/tuning.json ]; then
   echo "after rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e.log
   git checkout quads/kernels/tuning.json
 fi
-[ $(left) -gt 40 ] && timeout $(cap 120) python3 -m pytest -q tests/test_kernels_w4a16.py -k "grouped" > $OUT/gpu_tests.txt 2>&1
+[ $(left) -gt 40 ] && timeout $(cap 150) python3 -m pytest -q tests/test_kernels_w4a16.py > $OUT/gpu_tests.txt 2>&1
 grep -h "compiled\|done in\|rc=" $OUT/tune_moe.log; python3 -c "import json;print(json.load(open('$OUT/tuning.json'))['w4a16_grouped_gemm'])" 2>&1
 grep -h "vs bf16\|rc=" $OUT/e2e.log; tail -n 2 $OUT/gpu_tests.txt 2>/dev/null; true
