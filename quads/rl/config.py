@@ -137,9 +137,7 @@ class RolloutSection:
     max_new_tokens: int = 48  # response length cap (arithmetic level 6 answers take up to 46 characters + eos)
     cuda_graphs: bool = True  # quads backend on CUDA: replay the static decode step from a CUDA graph (false: debugging)
     compile: bool = True  # quads backend on CUDA: torch.compile the static decode step (fused kernels, own rounding; false: debugging)
-    # quads backend: how the static decode step attends; sdpa = SDPA over the whole KV cache (unwritten columns
-    # masked), triton = quads.kernels.decode_attention, reading only the columns written so far (CUDA)
-    decode_attention: Literal["sdpa", "triton"] = "sdpa"
+    decode_attention: Literal["sdpa", "triton"] = "sdpa"  # quads backend: the static decode step's attention; sdpa = over the whole KV cache, unwritten columns masked; triton = quads.kernels.decode_attention, reading only the columns written so far (CUDA; not timed yet, docs/PERF.md)
 
     def __post_init__(self) -> None:
         _positive("rollout", prompts_per_step=self.prompts_per_step, temperature=self.temperature,
