@@ -38,7 +38,7 @@ GEMM_SIG = {"x_ptr": "*bf16", "c_ptr": "*i32", "s_ptr": "*i32", "g_ptr": "*fp32"
 GROUPED_SIG = {"x_ptr": "*bf16", "c_ptr": "*i32", "s_ptr": "*i32", "g_ptr": "*fp32", "ends_ptr": "*i32",
                "out_ptr": "*bf16", "ws_ptr": "*fp32", "T": "i32", "N": "i32", "K": "i32", "KT": "i32", "E": "i32",
                "stride_xm": "i32"}  # fmt: skip
-CASES = [  # (kernel, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): tuning.json's decode
+CASES = [  # (kernel, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, register cap[, sub_k]]): tuning.json's decode
     # configs first (dense M <= 16; grouped at the 1b decode step and at T=1 on E=128), then neighbours
     ("gemm", 16, 32, 256, 1, 4, 3),
     ("gemm", 16, 32, 256, 2, 4, 3),
