@@ -273,10 +273,10 @@ def bench_attention(rows: list, copy_bw: float) -> None:
             for n in lengths:
                 mask = torch.zeros(b, s, dtype=torch.bool, device="cuda")
                 mask[:, :n] = True
-                length = torch.tensor([n], device="cuda")
+                last = torch.tensor([n - 1], device="cuda")  # n columns written
                 t_sdpa = time_graph([lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
                                      for q, k, v in sets])  # fmt: skip
-                t_da = time_graph([lambda q=q, k=k, v=v: da.decode_attention(q, k, v, mask, length) for q, k, v in sets])
+                t_da = time_graph([lambda q=q, k=k, v=v: da.decode_attention(q, k, v, mask, last) for q, k, v in sets])
                 floor = 2 * b * h * n * d * 2 / copy_bw  # written keys + values read once, at the copy rate
                 rows.append({"bench": "decode attention", "shape": f"{preset} B={b} nkv={h} g={g} D={d} S={s} length={n}",
                              "us": t_da * 1e6, "sdpa_us": t_sdpa * 1e6, "x_vs_sdpa": t_sdpa / t_da,

@@ -40,34 +40,34 @@ def _within_one_rounding(got: torch.Tensor, ref: torch.Tensor, what: str) -> Non
 ], ids=str)
 def test_decode_attention_matches_fp64_reference(b, h, g, s, d, n, pad, splits):
     q, k, v, mask = _case(b, h, g, s, d, pad=pad)
-    length = torch.tensor([n], device=DEV)
-    got = da.decode_attention(q, k, v, mask, length, block_s=16, splits=splits)
+    last = torch.tensor([n - 1], device=DEV)  # n columns written
+    got = da.decode_attention(q, k, v, mask, last, block_s=16, splits=splits)
     assert got.dtype == q.dtype and got.shape == q.shape
-    _within_one_rounding(got, da.decode_attention_reference(q, k, v, mask, length), f"S={s} n={n}")
+    _within_one_rounding(got, da.decode_attention_reference(q, k, v, mask, last), f"S={s} n={n}")
     # the engine's path today: SDPA over the whole cache with the mask hiding unwritten columns
     seen = mask & (torch.arange(s, device=DEV) < n)
     sdpa = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=seen[:, None, None, :])
     assert torch.allclose(got.float(), sdpa, rtol=2 * torch.finfo(q.dtype).eps, atol=1e-6)
 
 
-def test_decode_attention_never_reads_columns_past_length():
-    """Columns from ``length`` on may hold anything (NaN here): they are not read, even when the mask
+def test_decode_attention_never_reads_columns_after_last():
+    """Columns after ``last`` may hold anything (NaN here): they are not read, even when the mask
     says True there."""
     q, k, v, mask = _case(2, 2, 2, 48, 32)
     n = 21
     k[:, :, n:], v[:, :, n:] = float("nan"), float("nan")
-    got = da.decode_attention(q, k, v, mask, torch.tensor([n], device=DEV), block_s=16, splits=2)
+    got = da.decode_attention(q, k, v, mask, torch.tensor([n - 1], device=DEV), block_s=16, splits=2)
     assert torch.isfinite(got).all()
-    _within_one_rounding(got, da.decode_attention_reference(q, k[:, :, :n], v[:, :, :n], mask[:, :n], n),
+    _within_one_rounding(got, da.decode_attention_reference(q, k[:, :, :n], v[:, :, :n], mask[:, :n], n - 1),
                          "prefix")  # fmt: skip
 
 
 def test_decode_attention_is_deterministic_and_fp32_works():
     q, k, v, mask = _case(2, 2, 2, 37, 32, dtype=torch.float32, pad=[3, 0])
-    length = torch.tensor([37], device=DEV)
-    a = da.decode_attention(q, k, v, mask, length, block_s=16, splits=3)
-    assert torch.equal(a, da.decode_attention(q, k, v, mask, length, block_s=16, splits=3))
-    ref = da.decode_attention_reference(q, k, v, mask, length)
+    last = torch.tensor([36], device=DEV)
+    a = da.decode_attention(q, k, v, mask, last, block_s=16, splits=3)
+    assert torch.equal(a, da.decode_attention(q, k, v, mask, last, block_s=16, splits=3))
+    ref = da.decode_attention_reference(q, k, v, mask, last)
     assert ((a.double() - ref).abs() <= 1e-5 * ref.abs().amax()).all()
 
 
@@ -83,13 +83,13 @@ def test_decode_attention_fp16_keeps_small_probabilities():
     v[:, :, 0] = 0.0  # the output is the small keys' share alone, ~2.2e-3
     mask = torch.ones(1, s, dtype=torch.bool)
     q, k, v, mask = q.to(DEV), k.to(DEV), v.to(DEV), mask.to(DEV)
-    got = da.decode_attention(q, k, v, mask, torch.tensor([s], device=DEV), block_s=64)
-    _within_one_rounding(got, da.decode_attention_reference(q, k, v, mask, s), "fp16 small p")
+    got = da.decode_attention(q, k, v, mask, torch.tensor([s - 1], device=DEV), block_s=64)
+    _within_one_rounding(got, da.decode_attention_reference(q, k, v, mask, s - 1), "fp16 small p")
 
 
 def test_decode_attention_refuses_fp64_and_mixed_dtypes():
     q, k, v, mask = _case(1, 1, 2, 16, 32, dtype=torch.float64)
-    n = torch.tensor([16], device=DEV)
+    n = torch.tensor([15], device=DEV)
     with pytest.raises(ValueError, match="must share one of"):
         da.decode_attention(q, k, v, mask, n)
     with pytest.raises(ValueError, match="must share one of"):
@@ -99,18 +99,18 @@ def test_decode_attention_refuses_fp64_and_mixed_dtypes():
 def test_decode_attention_row_with_no_visible_key_is_zero():
     q, k, v, mask = _case(2, 1, 2, 16, 32)
     mask[1] = False
-    got = da.decode_attention(q, k, v, mask, torch.tensor([16], device=DEV), block_s=16)
+    got = da.decode_attention(q, k, v, mask, torch.tensor([15], device=DEV), block_s=16)
     assert (got[1] == 0).all() and torch.isfinite(got).all()
 
 
 def test_decode_attention_rejects_bad_shapes():
     q, k, v, mask = _case(2, 2, 2, 16, 32)
-    n = torch.tensor([16], device=DEV)
+    n = torch.tensor([15], device=DEV)
     with pytest.raises(ValueError, match="key_mask"):
         da.decode_attention(q, k, v, mask[:, :8], n)
     with pytest.raises(ValueError, match="disagree"):
         da.decode_attention(q[:1], k, v, mask, n)
-    with pytest.raises(ValueError, match="length"):
+    with pytest.raises(ValueError, match="last must be one integer"):
         da.decode_attention(q, k, v, mask, torch.tensor([1.0, 2.0], device=DEV))
     with pytest.raises(ValueError, match="powers of two"):
         da.decode_attention(q, k, v, mask, n, block_s=24)
@@ -128,8 +128,8 @@ def test_splits_keep_four_blocks_and_stop_at_four_programs_per_sm():
 @pytest.mark.parametrize("s,n", [(128, 80), (544, 544), (4096, 1500)])
 def test_gpu_decode_attention_1b_shapes(s, n):
     q, k, v, mask = _case(128, 4, 4, s, 64, pad=[i % 9 for i in range(128)])
-    length = torch.tensor([n], device=DEV)
-    got = da.decode_attention(q, k, v, mask, length)
-    _within_one_rounding(got, da.decode_attention_reference(q, k, v, mask, length), f"1b S={s}")
+    last = torch.tensor([n - 1], device=DEV)
+    got = da.decode_attention(q, k, v, mask, last)
+    _within_one_rounding(got, da.decode_attention_reference(q, k, v, mask, last), f"1b S={s}")
     op = torch.compile(lambda *a: da.decode_attention_op(*a), fullgraph=True)
-    assert torch.equal(op(q, k, v, mask, length), got)
+    assert torch.equal(op(q, k, v, mask, last), got)

@@ -2,15 +2,15 @@
 
 The rollout engine's fixed-shape decode step (``quads.model.attention.StaticKVCache``) keeps keys and
 values in buffers ``[B, nkv, S, D]`` sized for the whole generation, and SDPA reads all S columns at
-every step, the ones not written yet included (hidden by the key mask). Here the number of columns that
-may hold keys is a device tensor (``length``, the cache's write position + 1), so one captured CUDA
-graph serves every step while each step reads only ``length`` columns: over a generation about half of
-what SDPA reads, and the longer the responses the more.
+every step, the ones not written yet included (hidden by the key mask). Here the last column that may hold a key is
+a device tensor (``last``, the cache's write position ``StaticKVCache.pos``), so one captured CUDA graph
+serves every step while each step reads only columns ``0..last``: over a generation about half of what
+SDPA reads, and the longer the responses the more.
 
-- ``decode_attention(q [B, nkv, g, D], k, v [B, nkv, S, D], key_mask [B, S] bool, length [1] int) ->
+- ``decode_attention(q [B, nkv, g, D], k, v [B, nkv, S, D], key_mask [B, S] bool, last [1] int) ->
   [B, nkv, g, D]``: for each of the g query heads of a key/value head (GQA), softmax over the keys with
-  ``key_mask`` True among columns ``[0, length)`` of ``q . k / sqrt(D)``, times v; columns from
-  ``length`` on are never read. Flash-decoding: grid (B x nkv, splits), each program runs an online
+  ``key_mask`` True among columns ``0..last`` of ``q . k / sqrt(D)``, times v; columns after ``last``
+  are never read. Flash-decoding: grid (B x nkv, splits), each program runs an online
   softmax over its chunk of the columns in fp32 and writes (max, sum, weighted values) to an fp32
   workspace; a second kernel combines the splits in a fixed order (the same call gives the same bits
   every time) and casts once (RNE) to ``q``'s dtype. The g queries of a head are padded to one 16-row
@@ -37,11 +37,11 @@ SMS = 132  # H200 streaming multiprocessors: the split heuristic aims at 4 progr
 
 
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
-                               length: torch.Tensor | int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+                               last: torch.Tensor | int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """``decode_attention`` in PyTorch, computed in ``dtype`` (fp64: the exact reference) and returned in it;
-    columns from ``length`` on are hidden, rows with no visible key give zeros."""
-    _check(q, k, v, key_mask, length)
-    n = int(length) if not torch.is_tensor(length) else int(length.reshape(-1)[0])
+    columns after ``last`` are hidden, rows with no visible key give zeros."""
+    _check(q, k, v, key_mask, last)
+    n = 1 + (int(last) if not torch.is_tensor(last) else int(last.reshape(-1)[0]))
     s = k.shape[2]
     visible = key_mask.bool() & (torch.arange(s, device=k.device) < n)[None, :]  # [B, S]
     qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -51,7 +51,7 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return torch.einsum("bhgs,bhsd->bhgd", p, vd)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, length) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, last) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"decode_attention: q must be [B, nkv, g, D] and k, v [B, nkv, S, D] alike; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
@@ -60,12 +60,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Te
         raise ValueError(f"decode_attention: q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, nkv or D")
     if key_mask.shape != (b, k.shape[2]):
         raise ValueError(f"decode_attention: key_mask must be [B, S] = {(b, k.shape[2])}, got {tuple(key_mask.shape)}")
-    if torch.is_tensor(length) and (length.numel() != 1 or length.dtype.is_floating_point):
-        raise ValueError(f"decode_attention: length must be one integer (a [1] tensor on the device), got "
-                         f"{length.dtype} {tuple(length.shape)}")  # fmt: skip
-    devices = {q.device, k.device, v.device, key_mask.device, *((length.device,) if torch.is_tensor(length) else ())}
+    if torch.is_tensor(last) and (last.numel() != 1 or last.dtype.is_floating_point):
+        raise ValueError(f"decode_attention: last must be one integer (a [1] tensor on the device), got "
+                         f"{last.dtype} {tuple(last.shape)}")  # fmt: skip
+    devices = {q.device, k.device, v.device, key_mask.device, *((last.device,) if torch.is_tensor(last) else ())}
     if len(devices) != 1:
-        raise ValueError("decode_attention: q, k, v, key_mask and length must be on one device")
+        raise ValueError("decode_attention: q, k, v, key_mask and last must be on one device")
 
 
 def splits_for(bh: int, s: int, block_s: int) -> int:
@@ -94,13 +94,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_kernel(
-        q_ptr, k_ptr, v_ptr, m_ptr, len_ptr, ws_ptr, S, NKV, G, sm_scale,
+        q_ptr, k_ptr, v_ptr, m_ptr, last_ptr, ws_ptr, S, NKV, G, sm_scale,
         sqb, sqh, sqg, skb, skh, sks, svb, svh, svs, smb,
         GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
         F32: tl.constexpr, PSCALE: tl.constexpr, INTERP: tl.constexpr,
     ):  # fmt: skip
         """Grid (B * nkv, SPLITS): the online softmax of the g queries of one key/value head (padded to GP
-        rows of a tensor-core tile) over columns ``[split * CHUNK, min((split + 1) * CHUNK, length, S))``;
+        rows of a tensor-core tile) over columns ``[split * CHUNK, min((split + 1) * CHUNK, last + 1, S))``;
         writes max ``m``, sum ``l`` and the weighted values ``acc`` (fp32, ``ws[bh, split] = [m (GP) | l (GP)
         | acc (GP x D)]``). ``q . k`` is one MMA per block (exact products, fp32 sums); the probabilities
         enter the ``p @ v`` MMA as two half-precision terms, ``p_hi + p_lo`` (16 significant bits), so
@@ -110,7 +110,7 @@ if HAS_TRITON:
         split = tl.program_id(1)
         b = bh // NKV
         h = bh % NKV
-        n = tl.load(len_ptr).to(tl.int32)
+        n = tl.load(last_ptr).to(tl.int32) + 1  # columns 0..last may hold keys
         lo = split * CHUNK
         hi = tl.minimum(tl.minimum(lo + CHUNK, n), S)
         rg = tl.arange(0, GP)
@@ -182,20 +182,21 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the kernel takes
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
-                     length: torch.Tensor, *, block_s: int = 64, splits: int | None = None,
+                     last: torch.Tensor, *, block_s: int = 64, splits: int | None = None,
                      num_warps: int = 4) -> torch.Tensor:
     """Decode attention (module docstring): ``q`` ``[B, nkv, g, D]``, ``k``/``v`` ``[B, nkv, S, D]`` (the
-    cache buffers), ``key_mask`` ``[B, S]`` (True: a key the query may see), ``length`` ``[1]`` integer on
-    the device (columns from it on are not read) -> ``[B, nkv, g, D]`` in ``q``'s dtype. ``splits`` None
+    cache buffers), ``key_mask`` ``[B, S]`` (True: a key the query may see), ``last`` ``[1]`` integer on
+    the device (the last column that may hold a key; the columns after it are not read) -> ``[B, nkv, g, D]``
+    in ``q``'s dtype. ``splits`` None
     picks ``splits_for``; D must be a power of two (the built-in presets' 32 and 64)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use decode_attention_reference")
-    _check(q, k, v, key_mask, length)
+    _check(q, k, v, key_mask, last)
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"decode_attention: q, k and v must share one of {DTYPES}; got {q.dtype}, {k.dtype}, "
                          f"{v.dtype} (fp64: decode_attention_reference)")  # fmt: skip
-    if not torch.is_tensor(length):
-        length = torch.tensor([int(length)], device=q.device)
+    if not torch.is_tensor(last):
+        last = torch.tensor([int(last)], device=q.device)
     b, h, g, d = q.shape
     s = k.shape[2]
     if d & (d - 1) or d < 16 or block_s & (block_s - 1) or block_s < 16:
@@ -214,7 +215,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
         return out
     ws = torch.empty(b * h * split * gp * (d + 2), dtype=torch.float32, device=q.device)
     _split_kernel[(b * h, split)](
-        q, k, v, mask, length, ws, s, h, g, 1.0 / math.sqrt(d),
+        q, k, v, mask, last, ws, s, h, g, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0),
         GP=gp, D=d, BLOCK_S=block_s, CHUNK=chunk, SPLITS=split, F32=q.dtype == torch.float32,
@@ -227,16 +228,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
 
 @torch.library.custom_op("quads::decode_attention", mutates_args=())
 def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
-                         length: torch.Tensor) -> torch.Tensor:
-    return decode_attention(q, k, v, key_mask, length)
+                         last: torch.Tensor) -> torch.Tensor:
+    return decode_attention(q, k, v, key_mask, last)
 
 
 @_decode_attention_op.register_fake
-def _(q, k, v, key_mask, length):
+def _(q, k, v, key_mask, last):
     return torch.empty_like(q)
 
 
 def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
-                        length: torch.Tensor) -> torch.Tensor:
+                        last: torch.Tensor) -> torch.Tensor:
     """``decode_attention`` as the custom op ``quads::decode_attention`` (opaque to ``torch.compile``)."""
-    return torch.ops.quads.decode_attention(q, k, v, key_mask, length)
+    return torch.ops.quads.decode_attention(q, k, v, key_mask, last)

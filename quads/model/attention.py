@@ -116,7 +116,7 @@ class StaticKVCache(KVCache):
     both by one between steps, so no shape and no host value changes from step to step and one
     captured CUDA graph serves every step. ``attention``: how a decode step attends, "sdpa" (SDPA over
     all ``max_len`` columns, the unwritten ones masked) or "triton" (``quads.kernels.decode_attention``:
-    reads only the ``limit`` = ``pos + 1`` columns written so far; a different fp32 summation order). Rows are never dropped (``select`` is refused): finished
+    reads only the columns ``0..pos`` written so far; a different fp32 summation order). Rows are never dropped (``select`` is refused): finished
     rows stay in their slot (``MoEForCausalLM.decode_step`` zeroes them).
     """
 
@@ -127,7 +127,6 @@ class StaticKVCache(KVCache):
         super().__init__(cfg, batch, max_len, dtype=dtype, device=device)
         self.attention = attention
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
-        self.limit = torch.zeros(1, dtype=torch.long, device=device)  # pos + 1: the columns a step may read
         self.row_pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.key_mask = torch.zeros(batch, self.max_len, dtype=torch.bool, device=device)
         self.decoding = False
@@ -148,13 +147,11 @@ class StaticKVCache(KVCache):
         self.key_mask.zero_()
         self.key_mask[:, :P] = prompt_mask.bool()
         self.pos.fill_(P)
-        self.limit.fill_(P + 1)
         self.row_pos.copy_(prompt_mask.long().sum(-1))
         self.decoding = True
 
     def advance_decode(self) -> None:
         self.pos += 1
-        self.limit += 1
         self.row_pos += 1
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,9 +233,9 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, nkv, S, D]
         if rows is not None and L == 1 and getattr(cache, "attention", "sdpa") == "triton":
-            # the fixed-shape decode step over the written columns only (StaticKVCache.limit)
+            # the fixed-shape decode step over the written columns only (0..cache.pos)
             g = self.n_heads // self.n_kv
-            out = decode_attention_op(q.reshape(B, self.n_kv, g, self.head_dim), k, v, cache.key_mask, cache.limit)
+            out = decode_attention_op(q.reshape(B, self.n_kv, g, self.head_dim), k, v, cache.key_mask, cache.pos)
             out = torch.where(rows[:, None, None, None], out, 0.0).reshape(B, self.n_heads, 1, self.head_dim)
             return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
         if rows is not None and L == 1 and self.n_kv != self.n_heads:

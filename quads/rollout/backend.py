@@ -83,7 +83,7 @@ def make_backend(cfg, rollout_model: nn.Module, tokenizer: Tokenizer, recipe: Re
         return RolloutEngine(rollout_model, tokenizer, device=cfg.device, recipe=recipe.name,
                              cuda_graphs=cfg.rollout.cuda_graphs, compile=cfg.rollout.compile,
                              decode_attention=cfg.rollout.decode_attention)
-    if getattr(cfg.rollout, "decode_attention", "sdpa") != "sdpa":
+    if cfg.rollout.decode_attention != "sdpa":
         raise ValueError(f"rollout.decode_attention={cfg.rollout.decode_attention} is the quads engine's; the "
                          f"{name} backend attends its own way: use rollout.decode_attention sdpa with it")
     if recipe.rollout.error_scale != 1.0:

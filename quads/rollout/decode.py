@@ -91,7 +91,6 @@ class StaticDecoder:
         self.batch, self.max_len = batch, max_len
         self.cache = StaticKVCache(cfg, batch, max_len, dtype=activation_dtype(model), device=dev,
                                    attention=attention)  # fmt: skip
-        self.attention = attention
         self.tokens = torch.zeros(batch, dtype=torch.long, device=dev)
         self.rows = torch.zeros(batch, dtype=torch.bool, device=dev)
         self.device_dispatch = device_dispatch
