@@ -273,15 +273,14 @@ def _ratios(rows: list, paths: list[str]) -> None:
         return all(r[k] == q[k] for k in keys)
 
     for r in roll:
-        cfg = ("preset", "experts", "decode", "graphs", "compile", "new_tokens")
-        base = next((q for q in roll if q["recipe"] == "bf16" and same(r, q, *cfg)
-                     and q.get("decode_attention", "sdpa") == r.get("decode_attention", "sdpa")), None)
+        cfg = ("preset", "experts", "decode", "graphs", "compile", "decode_attention", "new_tokens")
+        base = next((q for q in roll if q["recipe"] == "bf16" and same(r, q, *cfg)), None)
         if base is not None:
             r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
         if r["experts"] != paths[0]:
             first = next((q for q in roll if q["experts"] == paths[0]
-                          and same(r, q, "preset", "recipe", "decode", "graphs", "compile", "new_tokens")
-                          and q.get("decode_attention", "sdpa") == r.get("decode_attention", "sdpa")), None)
+                          and same(r, q, "preset", "recipe", "decode", "graphs", "compile", "decode_attention",
+                                   "new_tokens")), None)
             if first is not None:
                 r[f"vs_{paths[0]}"] = r["tokens_per_s"] / first["tokens_per_s"]
 
