@@ -242,6 +242,7 @@ def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, n
         eng = RolloutEngine(model, tok, device=args.device, decode=decode, cuda_graphs=graphs, compile=comp,
                             decode_attention=attention)  # fmt: skip
         first = eng.generate(prompts, sp)  # warm-up on the timed batch shape: kernels, allocator, graph capture
+        row["decode_attention"] = first.decode_attention  # what "auto" resolved to on this device and path
         tps, dec, pre = [], [], []
         for _ in range(args.reps):
             b = eng.generate(prompts, sp)
@@ -745,8 +746,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="rollout decode paths, comma list: auto (static on CUDA), static, eager (the reference)")
     ap.add_argument("--graphs", default="on,off", help="static decode on CUDA: CUDA graphs on, off or on,off")
     ap.add_argument("--compile", default="on", help="static decode on CUDA: torch.compile of the step: on, off or on,off")
-    ap.add_argument("--decode-attention", default="sdpa",
-                    help="rollout: the static step's attention, sdpa, triton or sdpa,triton (RolloutEngine.decode_attention)")
+    ap.add_argument("--decode-attention", default="auto",
+                    help="rollout: the static step's attention, auto (the engine's default: triton on CUDA), sdpa, "
+                         "triton, or a comma list such as sdpa,triton (RolloutEngine.decode_attention)")
     ap.add_argument("--long-tokens", type=int, default=512, help="rollout: the longer-response row (0 = none)")
     ap.add_argument("--long-recipes", default="bf16,w4a4+rac50", help="recipes that get the longer-response row")
     ap.add_argument("--profile-recipes", default="bf16,w4a4+rac50", help="profile suite: recipes to trace")

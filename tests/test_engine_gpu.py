@@ -145,6 +145,7 @@ def test_triton_decode_attention_graph_compiled_and_rescored(recipe):
     params = stopping_params(model, 1.0)
     off = RolloutEngine(model, TOK, cuda_graphs=False, decode_attention="triton").generate(PROMPTS, params)
     on = RolloutEngine(model, TOK, decode_attention="triton").generate(PROMPTS, params)
+    assert RolloutEngine(model, TOK).decode_attention == "triton"  # auto, the default, on CUDA
     assert on.stats.decode_path == "static+compile+graph+triton-attention/device"
     assert on.response_ids == off.response_ids and on.finish_reasons == off.finish_reasons
     assert torch.equal(on.logprobs, off.logprobs) and torch.equal(on.routing, off.routing)

@@ -89,8 +89,9 @@ def test_triton_decode_attention_matches_sdpa_and_rescores_bit_for_bit():
     assert not torch.equal(got.logprobs, ref.logprobs)  # another kernel ran, not SDPA again
     res = score_rollout(model, got)
     assert torch.equal(res.logprobs, got.logprobs) and torch.equal(res.routing, got.routing)
-    with pytest.raises(ValueError, match="decode_attention must be one of"):
+    with pytest.raises(ValueError, match="decode_attention must be auto or one of"):
         RolloutEngine(model, TOK, decode_attention="flash")
+    assert RolloutEngine(model, TOK).decode_attention == "sdpa"  # auto: Triton attention on CUDA only
     with pytest.raises(ValueError, match="decode attention must be one of"):
         StaticKVCache(model.config, 2, 8, attention="flash")
     with pytest.raises(ValueError, match="float64"):

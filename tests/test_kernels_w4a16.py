@@ -385,9 +385,9 @@ def test_bad_inputs_say_what_to_do():
 
 
 def test_tuning_table_has_the_w4a16_cases():
+    dense = {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
     for case in ("m1", "m4", "m16", "m32", "m64", "large"):
-        assert set(tuning.config("w4a16_gemm", case)) == {"block_n", "block_k", "split_k", "num_warps",
-                                                          "num_stages"}  # fmt: skip
+        assert dense <= set(tuning.config("w4a16_gemm", case)) <= dense | {"sub_k"}
     for case in ("decode", "prefill"):
         assert set(tuning.config("w4a16_grouped_gemm", case)) == {"block_m", "block_n", "block_k", "split_k",
                                                                   "num_warps", "num_stages", "max_registers", "sub_k"}  # fmt: skip

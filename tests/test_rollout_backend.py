@@ -29,9 +29,9 @@ def _pair(recipe="quads"):
     return trainer, rollout, tok
 
 
-def _cfg(backend):
+def _cfg(backend, attention="triton"):
     return SimpleNamespace(rollout_backend=backend, device="cpu", rollout=SimpleNamespace(cuda_graphs=False, compile=True,
-                                                                                     decode_attention="triton"))
+                                                                                     decode_attention=attention))
 
 
 def test_make_backend_picks_quads_engine_and_refuses_unknown(tmp_path):
@@ -40,7 +40,9 @@ def test_make_backend_picks_quads_engine_and_refuses_unknown(tmp_path):
     assert isinstance(engine, RolloutEngine) and isinstance(engine, RolloutBackend)
     assert engine.model is rollout and engine.recipe == "quads"
     assert engine.decode_attention == "triton"  # rollout.decode_attention reaches the engine
-    with pytest.raises(ValueError, match="rollout.decode_attention must be sdpa or triton"):
+    assert make_backend(_cfg("quads", "auto"), rollout, tok, get_recipe("quads"), tmp_path).decode_attention == "sdpa"
+    assert RolloutSection().decode_attention == "auto"
+    with pytest.raises(ValueError, match="rollout.decode_attention must be auto, sdpa or triton"):
         RolloutSection(decode_attention="flash")
     with pytest.raises(ValueError, match="the quads engine's"):  # vLLM attends its own way
         make_backend(_cfg("vllm"), rollout, tok, get_recipe("quads"), tmp_path)

@@ -137,13 +137,13 @@ class RolloutSection:
     max_new_tokens: int = 48  # response length cap (arithmetic level 6 answers take up to 46 characters + eos)
     cuda_graphs: bool = True  # quads backend on CUDA: replay the static decode step from a CUDA graph (false: debugging)
     compile: bool = True  # quads backend on CUDA: torch.compile the static decode step (fused kernels, own rounding; false: debugging)
-    decode_attention: Literal["sdpa", "triton"] = "sdpa"  # quads backend: the static decode step's attention; sdpa = over the whole KV cache, unwritten columns masked; triton = quads.kernels.decode_attention, reading only the columns written so far (CUDA; not timed yet, docs/PERF.md)
+    decode_attention: Literal["auto", "sdpa", "triton"] = "auto"  # quads backend: the static decode step's attention; sdpa = over the whole KV cache, unwritten columns masked; triton = quads.kernels.decode_attention, reading only the columns written so far (CUDA); auto = triton on CUDA, else sdpa
 
     def __post_init__(self) -> None:
         _positive("rollout", prompts_per_step=self.prompts_per_step, temperature=self.temperature,
                   max_new_tokens=self.max_new_tokens)
-        if self.decode_attention not in ("sdpa", "triton"):
-            raise ValueError(f"rollout.decode_attention must be sdpa or triton; got {self.decode_attention!r}")
+        if self.decode_attention not in ("auto", "sdpa", "triton"):
+            raise ValueError(f"rollout.decode_attention must be auto, sdpa or triton; got {self.decode_attention!r}")
         if self.n_samples < 2:
             raise ValueError(f"rollout.n_samples must be >= 2 (GRPO compares samples); got {self.n_samples}")
 

@@ -83,9 +83,9 @@ def make_backend(cfg, rollout_model: nn.Module, tokenizer: Tokenizer, recipe: Re
         return RolloutEngine(rollout_model, tokenizer, device=cfg.device, recipe=recipe.name,
                              cuda_graphs=cfg.rollout.cuda_graphs, compile=cfg.rollout.compile,
                              decode_attention=cfg.rollout.decode_attention)
-    if cfg.rollout.decode_attention != "sdpa":
-        raise ValueError(f"rollout.decode_attention={cfg.rollout.decode_attention} is the quads engine's; the "
-                         f"{name} backend attends its own way: use rollout.decode_attention sdpa with it")
+    if cfg.rollout.decode_attention == "triton":
+        raise ValueError(f"rollout.decode_attention=triton is the quads engine's; the {name} backend attends its "
+                         "own way: use rollout.decode_attention auto or sdpa with it")
     if recipe.rollout.error_scale != 1.0:
         raise ValueError(f"recipe.rollout_error_scale={recipe.rollout.error_scale:g} (the mismatch amplifier) needs "
                          "the quads rollout backend; use --rollout-backend quads or rollout_error_scale 1")
