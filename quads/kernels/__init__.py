@@ -7,7 +7,7 @@
 - ``w4a16.py``: the W4A16 GEMMs (dense and grouped MoE) over NVFP4 weights in a pre-shuffled packed
   layout built at weight-sync time; the rollout's W4A16 layers call them on CUDA.
 - ``decode_attention.py``: the rollout's decode-step attention over a fixed-shape KV cache that reads only
-  the columns written so far (opt-in: ``RolloutEngine(decode_attention="triton")``).
+  the columns written so far (the engine's default on CUDA: ``RolloutEngine(decode_attention="auto")``).
 - ``_common.py``: exact E4M3/E2M1/BF16 rounding and decoding helpers (jit), shared by the kernels.
 - ``tuning.py`` + ``tuning.json``: the launch configs, a data file the launchers read.
 - ``prototype/``: the W4A4 GEMM and fused-RAC kernels that only tests and benchmarks call so far (the base of
