@@ -7,6 +7,8 @@
 #      64 new tokens and 512 for bf16 / w4a16.
 # OUT=$OUT bash scripts/device_calls/2026-12-03_new_defaults.sh
 export PYTHONPATH=.; mkdir -p $OUT; git rev-parse HEAD > $OUT/tree.txt 2>&1; git status --short >> $OUT/tree.txt
+# what a CUDA extension build would have here (nvcc, ninja, CUDA_HOME, headers), for the next kernel
+(which nvcc ninja g++ c++; nvcc --version | tail -n 2; python3 -c "import torch.utils.cpp_extension as c; print('CUDA_HOME', c.CUDA_HOME)"; ls /usr/local/cuda/include/cuda_runtime.h; python3 -c "import ninja" && echo py-ninja) > $OUT/toolchain.txt 2>&1
 T0=$(date +%s); left() { echo $(( 420 - ($(date +%s) - T0) )); }
 cap() { local l; l=$(left); [ $l -lt $1 ] && echo $l || echo $1; }
 timeout $(cap 170) python3 -m pytest -q tests/test_kernels_w4a16.py tests/test_engine_gpu.py tests/test_decode_attention.py \
