@@ -222,8 +222,36 @@ def bench_moe(rows: list, quick: bool, copy_bw: float) -> None:
                      f"active={active}", "us": t_q * 1e6, "bf16_us": t_bf * 1e6, "x_vs_bf16": t_bf / t_q,
                      "baseline": "torch._grouped_mm bf16", "w_TBps": wbytes / t_q / 1e12,
                      "frac_copy": wbytes / t_q / copy_bw, "bf16_w_TBps": active * n * k * 2 / t_bf / 1e12})  # fmt: skip
+        _bench_moe_cuda(rows, x, sets, ends, n, k, f"{what} T={tokens} top{topk} E={e} N={n} K={k}", t_q, t_bf, wbytes,
+                        copy_bw)  # fmt: skip
         del sets
         torch.cuda.empty_cache()
+
+
+def _bench_moe_cuda(rows, x, sets, ends, n, k, shape, t_triton, t_bf, wbytes, copy_bw) -> None:
+    """The CUDA grouped decode kernel (``w4a16_cuda``, each compiled config that takes the shape) on the same
+    weight sets and routes as the Triton row beside it; a failed build or launch is a row with its error."""
+    from quads.kernels import w4a16, w4a16_cuda
+
+    if not w4a16_cuda.available():
+        return
+    for ng, nt, warps in w4a16_cuda.CONFIGS:
+        if not w4a16_cuda.supports(x, n, k, ng, warps):
+            continue
+        row = {"bench": "grouped MoE W4A16 cuda", "shape": shape, "cfg": [ng, nt, warps]}
+        try:
+            fns = [lambda p=p: w4a16_cuda.grouped_gemm(x, p.codes, p.scales, p.global_scale, ends, n, k, ng=ng, nt=nt,
+                                                       warps=warps) for _, p in sets]  # fmt: skip
+            got, want = fns[0](), w4a16.grouped_gemm(x, sets[0][1], ends, backend="triton")
+            t = time_graph(fns)
+            row.update({"us": t * 1e6, "triton_us": t_triton * 1e6, "bf16_us": t_bf * 1e6, "x_vs_bf16": t_bf / t,
+                        "x_vs_triton": t_triton / t, "w_TBps": wbytes / t / 1e12, "frac_copy": wbytes / t / copy_bw,
+                        "max_rel_vs_triton": float(((got.double() - want.double()).abs().max()
+                                                    / want.double().abs().max().clamp_min(1e-30)))})  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - recorded, the other rows still run
+            row["error"] = f"{type(err).__name__}: {str(err)[-2000:]}"
+        rows.append(row)
+        print("row", json.dumps(row), flush=True)
 
 
 def bench_w4a4(rows: list) -> None:

@@ -738,6 +738,7 @@ def grouped_gemm(
     max_registers: int | None = None,
     sub_k: int | None = None,
     fused_max_rows_per_expert: int | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Grouped MoE W4A16 (module docstring): ``x`` ``[T, K]`` BF16 sorted by expert, packed ``w``
     ``[E, N, K]``, ``ends`` ``[E]`` int32 on the device -> ``[T, N]`` BF16.
@@ -754,7 +755,13 @@ def grouped_gemm(
     Compute, docs/PERF.md). A launch option: the result is the same bits under every value. ``sub_k`` (null:
     ``block_k``; a multiple of 64 dividing it) decodes and multiplies each K tile that many columns at a
     time (compiled for sm_90, 64 at block_k 128 needs 128 registers instead of 217); the fp32 sums run
-    in the same K order."""
+    in the same K order.
+
+    ``backend`` (null: the config's, ``tuning.json`` ``w4a16_grouped_gemm.<case>.backend``): "triton", or "cuda",
+    the CUDA kernel of ``w4a16_cuda`` (launch config ``w4a16_grouped_cuda.decode``) where it takes the operands
+    (``w4a16_cuda.supports``: BF16 on an sm_89+ GPU with nvcc, K a multiple of 64), the Triton kernel otherwise;
+    asked for explicitly where it cannot run, an error. Both give the same operands and fp32 sums in another
+    order (the GEMMs' tolerance)."""
     _require_triton()
     _check_x(x, w, "w4a16.grouped_gemm", experts=True)
     e = w.experts
@@ -771,6 +778,19 @@ def grouped_gemm(
         y = torch._grouped_mm(x, dequantize_bf16(w).transpose(-2, -1), offs=ends)
         rows = torch.arange(t, device=x.device)
         return torch.where((rows < ends[-1])[:, None], y, 0.0)  # rows past the last offset are not written
+    choice = backend or d.get("backend") or "triton"
+    if choice not in ("triton", "cuda"):
+        raise ValueError(f"w4a16.grouped_gemm: backend must be triton or cuda, got {choice!r}")
+    if choice == "cuda":
+        from quads.kernels import w4a16_cuda
+
+        c = tuning.config("w4a16_grouped_cuda", "decode")
+        if w4a16_cuda.supports(x, n, k, c["ng"], c["warps"]):
+            return w4a16_cuda.grouped_gemm(x, w.codes, w.scales, w.global_scale, ends, n, k, **c)
+        if backend == "cuda":
+            raise ValueError(f"w4a16.grouped_gemm: backend='cuda' takes BF16 x on an sm_89+ GPU with a CUDA compiler, "
+                             f"K a multiple of 64 and N of {16 * c['ng'] * c['warps']}; got {x.dtype} on {x.device}, "
+                             f"K={k}, N={n}")  # fmt: skip
     bk = min(d["block_k"], _padded_k(k))
     bm = d["block_m"] or grouped_block_m(t, e)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
