@@ -63,7 +63,8 @@ def test_graph_matches_no_graph(recipe, temperature, compile):
     on = eng.generate(PROMPTS, params)
     again = eng.generate(PROMPTS, params)
     c = "+compile" if compile else ""
-    assert on.stats.decode_path == f"static{c}+graph/device" and off.stats.decode_path == f"static{c}/device"
+    a = "+triton-attention" if eng.decode_attention == "triton" else ""  # "auto": Triton attention on CUDA
+    assert on.stats.decode_path == f"static{c}+graph{a}/device" and off.stats.decode_path == f"static{c}{a}/device"
     assert on.compiled == off.compiled == compile
     assert on.stats.graph_captures == 1 and again.stats.graph_captures == 0
     assert len({len(r) for r in on.response_ids}) > 1
@@ -204,7 +205,7 @@ def test_w4a4_layers_read_only_packed_weights(recipe):
     params = stopping_params(model, 1.0)
     off = RolloutEngine(model, TOK, cuda_graphs=False, compile=True).generate(PROMPTS, params)
     on = RolloutEngine(model, TOK, cuda_graphs=True, done_check_interval=4, compile=True).generate(PROMPTS, params)
-    assert on.stats.decode_path == "static+compile+graph/device" and on.stats.graph_captures == 1
+    assert on.stats.decode_path == "static+compile+graph+triton-attention/device" and on.stats.graph_captures == 1
     assert on.response_ids == off.response_ids and on.finish_reasons == off.finish_reasons
     assert torch.equal(on.logprobs, off.logprobs) and torch.equal(on.routing, off.routing)
     assert packed_only()

@@ -3,6 +3,7 @@
 // quads_cuda::w4a16_grouped_decode and quads_cuda::w4a16_decode (CUDA only); the launcher checks shapes.
 #include <cstdint>
 
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
