@@ -29,7 +29,7 @@ def _every_scale_byte(gbits: int) -> nvfp4.NVFP4Tensor:
     b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     c = torch.arange(16, dtype=torch.uint8)
     codes = (c[0::2] | (c[1::2] << 4)).expand(256, 8).contiguous()
-    g = torch.tensor([gbits], dtype=torch.int32).view(torch.float32).reshape(())
+    g = torch.tensor([gbits - (1 << 32) if gbits >= 1 << 31 else gbits], dtype=torch.int32).view(torch.float32).reshape(())
     return nvfp4.NVFP4Tensor(codes=codes.cuda(), scales=b[:, None].view(torch.float8_e4m3fn).cuda(),
                              global_scale=g.cuda(), shape=torch.Size((256, 16)), dtype=torch.bfloat16)
 
