@@ -60,12 +60,13 @@ def test_cuda_decode_of_weight_stacks_bit_exact():
 def test_cuda_grouped_identity_rows_give_the_weights(cfg):
     """x = identity rows of one expert: every output is one exact product (w * 1) plus exact zeros, so the
     GEMM returns the decoded weight's columns bit for bit, whatever the summation order."""
-    q = _weight((1, 128, 256))
+    ng, nt, warps = cfg
+    n = 16 * ng * warps * 2  # two blocks of warps
+    q = _weight((1, n, 256))
     p = w4a16.pack(q)
     x = torch.eye(256, dtype=torch.bfloat16, device="cuda")
     ends = torch.tensor([256], dtype=torch.int32, device="cuda")
-    ng, nt, warps = cfg
-    y = w4a16_cuda.grouped_gemm(x, p.codes, p.scales, p.global_scale, ends, 128, 256, ng=ng, nt=nt, warps=warps)
+    y = w4a16_cuda.grouped_gemm(x, p.codes, p.scales, p.global_scale, ends, n, 256, ng=ng, nt=nt, warps=warps)
     want = nvfp4.dequantize(q, torch.bfloat16)[0].T.contiguous() + 0.0
     assert torch.equal(y.view(torch.int16), want.view(torch.int16))
 
