@@ -110,7 +110,8 @@ class RolloutEngine:
         the whole cache, the unwritten columns masked, or "triton", ``quads.kernels.decode_attention``,
         which reads only the columns written so far (CUDA; on the CPU only under Triton's interpreter, for
         tests); its fp32 sums run in another order, recorded in the batch for rescoring. "auto" (the
-        default) = "triton" on CUDA with Triton installed and bf16 / fp16 / fp32 activations (1b, H200:
+        default) = "triton" on CUDA with Triton installed and a bf16 / fp16 model (an fp32 model may run under
+        autocast, whose q, k and v dtypes differ: SDPA takes that, the kernel does not) (1b, H200:
         4.25 -> 3.21 ms per decode step at 512 new tokens, docs/PERF.md run 24), else "sdpa".
         """
         if decode_attention != "auto" and decode_attention not in DECODE_ATTENTION:
@@ -135,7 +136,7 @@ class RolloutEngine:
         self.compile = compile
         if decode_attention == "auto":
             decode_attention = ("triton" if self.device.type == "cuda" and HAS_TRITON
-                                and activation_dtype(model) != torch.float64 else "sdpa")
+                                and activation_dtype(model) in (torch.bfloat16, torch.float16) else "sdpa")
         self.decode_attention = decode_attention
         if decode_attention == "triton" and self.device.type != "cuda" and not interpreter_on():
             raise ValueError("decode_attention='triton' needs a CUDA device (or Triton's CPU interpreter, "
