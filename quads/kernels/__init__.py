@@ -6,6 +6,9 @@
   scales) and dequantize; bit-exact with ``quads.formats.nvfp4``.
 - ``w4a16.py``: the W4A16 GEMMs (dense and grouped MoE) over NVFP4 weights in a pre-shuffled packed
   layout built at weight-sync time; the rollout's W4A16 layers call them on CUDA.
+- ``w4a16_cuda.py`` + ``csrc/``: the grouped W4A16 decode kernel in CUDA (the decode written straight into the
+  tensor cores' operand registers), built with nvcc on first use; ``tuning.json``'s grouped ``backend: cuda``
+  selects it (the Triton kernel stays the default until it is faster, docs/PERF.md).
 - ``decode_attention.py``: the rollout's decode-step attention over a fixed-shape KV cache that reads only
   the columns written so far (the engine's default on CUDA: ``RolloutEngine(decode_attention="auto")``).
 - ``_common.py``: exact E4M3/E2M1/BF16 rounding and decoding helpers (jit), shared by the kernels.
