@@ -38,17 +38,17 @@ from quads.kernels import w4a16_cuda  # noqa: E402
 
 HEADER = Path(__file__).resolve().parents[1] / "quads" / "kernels" / "csrc" / "w4a16_grouped.cuh"
 SIG = "const uint32_t*, const uint32_t*, const uint32_t*, const float*, const int*, uint32_t*, int, int, int, int, long long"
-CASES = [c for c in w4a16_cuda.CONFIGS if c[2] == 4]  # (NG, NT, WARPS): the instantiations the extension builds
+CASES = [c for c in w4a16_cuda.CONFIGS if c[2] == 4]  # (NG, NT, WARPS, KSPLIT): instantiations the extension builds
 
 
-def compile_case(ng: int, nt: int, warps: int, clang: str, fast_path: bool = False) -> tuple[str, int | None, str]:
+def compile_case(ng: int, nt: int, warps: int, ksplit: int, clang: str, fast_path: bool = False) -> tuple[str, int | None, str]:
     """(SASS text, registers, ptxas log) of one instantiation (``fast_path``: without the decode's rare branches)."""
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         src, ptx, cubin = (os.path.join(d, n) for n in ("k.cu", "k.ptx", "k.cubin"))
         fast = "#define QUADS_SASS_FAST_PATH 1\n" if fast_path else ""
         Path(src).write_text(f'#define QUADS_OFFLINE_SASS 1\n{fast}#include "{HEADER}"\n'
-                             f"template __global__ void quads_w4a16::grouped_decode_kernel<{ng}, {nt}, {warps}>({SIG});\n")
+                             f"template __global__ void quads_w4a16::grouped_decode_kernel<{ng}, {nt}, {warps}, {ksplit}>({SIG});\n")
         subprocess.run([clang, "-x", "cuda", "--cuda-device-only", "--cuda-gpu-arch=sm_80", "-nocudainc", "-nocudalib",
                         "-O3", "-Wno-unknown-cuda-version", "-S", "-o", ptx, src], check=True, capture_output=True)
         text = Path(ptx).read_text()
@@ -70,19 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clang", default="clang-14", help="a clang with the NVPTX target (Debian: apt install clang-14)")
     args = ap.parse_args(argv)
     rows = []
-    for ng, nt, warps in CASES:
-        full, regs, _ = compile_case(ng, nt, warps, args.clang)
-        sass = compile_case(ng, nt, warps, args.clang, fast_path=True)[0]
+    for ng, nt, warps, ksplit in CASES:
+        full, regs, _ = compile_case(ng, nt, warps, ksplit, args.clang)
+        sass = compile_case(ng, nt, warps, ksplit, args.clang, fast_path=True)[0]
         body = k_loop(sass, "HMMA")
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split(" ")[0] for i in body)
         weights = 2 * 2 * 16 * ng  # two K tiles per loop trip, two 16-weight blocks per feature group each
         spills = len(re.findall(r"\b(STL|LDL)\b", full))
         row = {**({"code": args.label} if args.label else {}), "kernel": "cuda_grouped_decode", "ng": ng, "nt": nt,
-               "warps": warps, "k_loop_instructions": len(body), "weights_per_lane": weights,
+               "warps": warps, "ksplit": ksplit, "k_loop_instructions": len(body), "weights_per_lane": weights,
                "k_loop_instructions_per_weight": round(len(body) / weights, 2), "registers": regs,
                "local_memory_instructions": spills, "opcodes": dict(ops.most_common())}  # fmt: skip
         rows.append(row)
-        print(f"NG={ng} NT={nt} warps={warps}: K loop {len(body)} instructions for {weights} weights per lane = "
+        print(f"NG={ng} NT={nt} warps={warps} ksplit={ksplit}: K loop {len(body)} instructions for {weights} weights per lane = "
               f"{len(body) / weights:.2f} per weight; {regs} registers, {spills} local-memory instructions")
         print("   ", ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
     print("triton", triton.__version__, "(its ptxas and disassembler)")

@@ -392,7 +392,7 @@ def test_tuning_table_has_the_w4a16_cases():
         assert set(tuning.config("w4a16_grouped_gemm", case)) == {"block_m", "block_n", "block_k", "split_k", "num_warps",
                                                                   "num_stages", "max_registers", "sub_k", "backend"}  # fmt: skip
         assert tuning.config("w4a16_grouped_gemm", case)["backend"] in ("triton", "cuda")
-    assert set(tuning.config("w4a16_grouped_cuda", "decode")) == {"ng", "nt", "warps"}
+    assert set(tuning.config("w4a16_grouped_cuda", "decode")) == {"ng", "nt", "warps", "ksplit"}
     assert set(tuning.config("w4a16_gemv", "small")) == {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
     assert set(tuning.config("w4a16_dispatch", "dense")) == {"gemv_max_m", "fused_max_m"}
     assert set(tuning.config("w4a16_dispatch", "grouped")) == {"fused_max_rows_per_expert"}

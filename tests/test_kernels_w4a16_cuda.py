@@ -60,13 +60,14 @@ def test_cuda_decode_of_weight_stacks_bit_exact():
 def test_cuda_grouped_identity_rows_give_the_weights(cfg):
     """x = identity rows of one expert: every output is one exact product (w * 1) plus exact zeros, so the
     GEMM returns the decoded weight's columns bit for bit, whatever the summation order."""
-    ng, nt, warps = cfg
-    n = 16 * ng * warps * 2  # two blocks of warps
+    ng, nt, warps, ksplit = cfg
+    n = 16 * ng * (warps // ksplit) * 2  # two blocks
     q = _weight((1, n, 256))
     p = w4a16.pack(q)
     x = torch.eye(256, dtype=torch.bfloat16, device="cuda")
     ends = torch.tensor([256], dtype=torch.int32, device="cuda")
-    y = w4a16_cuda.grouped_gemm(x, p.codes, p.scales, p.global_scale, ends, n, 256, ng=ng, nt=nt, warps=warps)
+    y = w4a16_cuda.grouped_gemm(x, p.codes, p.scales, p.global_scale, ends, n, 256, ng=ng, nt=nt, warps=warps,
+                                ksplit=ksplit)
     want = nvfp4.dequantize(q, torch.bfloat16)[0].T.contiguous() + 0.0
     assert torch.equal(y.view(torch.int16), want.view(torch.int16))
 
@@ -79,8 +80,8 @@ def test_cuda_grouped_identity_rows_give_the_weights(cfg):
 def test_cuda_grouped_matches_the_reference(cfg, tokens, e, n, k, topk, skew):
     """The 1b decode GEMMs and Qwen3-30B-A3B's gate_up, with masked slots (zeros) and, skewed, one expert with
     hundreds of rows (many passes over K): within one BF16 ulp of the reference's fp32 sums."""
-    ng, nt, warps = cfg
-    if n % (16 * ng * warps):
+    ng, nt, warps, ksplit = cfg
+    if n % (16 * ng * (warps // ksplit)):
         pytest.skip("N not a multiple of this config's features per block")
     torch.manual_seed(0)
     w = (torch.randn(e, n, k, device="cuda") * 0.02).bfloat16()
@@ -92,7 +93,8 @@ def test_cuda_grouped_matches_the_reference(cfg, tokens, e, n, k, topk, skew):
     ids.view(-1)[: tokens // 4] = e  # some masked slots
     routes = moe.static_routes(ids, e)
     x = torch.randn(tokens * topk, k, device="cuda").bfloat16()
-    got = w4a16_cuda.grouped_gemm(x, p.codes, p.scales, p.global_scale, routes.ends, n, k, ng=ng, nt=nt, warps=warps)
+    got = w4a16_cuda.grouped_gemm(x, p.codes, p.scales, p.global_scale, routes.ends, n, k, ng=ng, nt=nt, warps=warps,
+                                  ksplit=ksplit)
     _bf16_close(got, w4a16.grouped_gemm_reference(x, p, routes.ends), f"cuda {cfg} T={tokens} E={e} N={n} K={k}")
     assert _rel(got, w4a16.grouped_gemm(x, p, routes.ends, backend="triton")) < 2.0**-8
 

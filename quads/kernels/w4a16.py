@@ -785,11 +785,11 @@ def grouped_gemm(
         from quads.kernels import w4a16_cuda
 
         c = tuning.config("w4a16_grouped_cuda", "decode")
-        if w4a16_cuda.supports(x, n, k, c["ng"], c["warps"]):
+        if w4a16_cuda.supports(x, n, k, c["ng"], c["warps"], c["ksplit"]):
             return w4a16_cuda.grouped_gemm(x, w.codes, w.scales, w.global_scale, ends, n, k, **c)
         if backend == "cuda":
             raise ValueError(f"w4a16.grouped_gemm: backend='cuda' takes BF16 x on an sm_89+ GPU with a CUDA compiler, "
-                             f"K a multiple of 64 and N of {16 * c['ng'] * c['warps']}; got {x.dtype} on {x.device}, "
+                             f"K a multiple of 64 and N of {16 * c['ng'] * c['warps'] // c['ksplit']}; got {x.dtype} on {x.device}, "
                              f"K={k}, N={n}")  # fmt: skip
     bk = min(d["block_k"], _padded_k(k))
     bm = d["block_m"] or grouped_block_m(t, e)

@@ -28,9 +28,11 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-# the template instantiations compiled into the extension (w4a16_grouped.cu): (features groups of 16 per warp,
-# row tiles of 8 per pass, warps per block)
-CONFIGS = ((1, 2, 4), (2, 1, 4), (2, 2, 4), (2, 4, 4), (4, 2, 4), (2, 2, 8))
+# the template instantiations compiled into the extension (w4a16_grouped.cu, the same list): (feature groups of 16
+# per warp, row tiles of 8 per pass, warps per block, warps sharing a feature group's K); runs 28-29 timed and
+# tested the ksplit 1 ones
+CONFIGS = ((1, 2, 4, 1), (2, 1, 4, 1), (2, 2, 4, 1), (2, 4, 4, 1), (4, 2, 4, 1), (2, 2, 8, 1),
+           (2, 1, 4, 4), (2, 2, 4, 4), (2, 4, 4, 4), (1, 4, 4, 4), (2, 2, 4, 2), (2, 4, 8, 4))
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -54,21 +56,22 @@ def build() -> None:
          is_python_module=False, verbose=False)  # fmt: skip
 
 
-def supports(x: torch.Tensor, n: int, k: int, ng: int, warps: int) -> bool:
+def supports(x: torch.Tensor, n: int, k: int, ng: int, warps: int, ksplit: int = 1) -> bool:
     """Whether the kernel takes these operands: BF16 rows on a capable GPU, K a multiple of 64 (no padding
-    columns), N a multiple of the block's 16 ng warps features, rows 16-byte aligned."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and k % 64 == 0 and n % (16 * ng * warps) == 0
+    columns), N a multiple of the block's 16 ng (warps / ksplit) features, rows 16-byte aligned."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and k % 64 == 0 and n % (16 * ng * (warps // ksplit)) == 0
             and x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and available(x.device))  # fmt: skip
 
 
 def grouped_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-                 ends: torch.Tensor, n: int, k: int, *, ng: int, nt: int, warps: int) -> torch.Tensor:
+                 ends: torch.Tensor, n: int, k: int, *, ng: int, nt: int, warps: int, ksplit: int = 1) -> torch.Tensor:
     """``w4a16.grouped_gemm``'s product on the CUDA kernel: BF16 ``x`` [T, K] sorted by expert, the packed
     weight's tensors, ``ends`` int32 [E] on the device -> BF16 [T, N] (rows past ``ends[E-1]`` zero)."""
-    if (ng, nt, warps) not in CONFIGS:
-        raise ValueError(f"w4a16_cuda.grouped_gemm: (ng, nt, warps) must be one of {CONFIGS}, got {(ng, nt, warps)}")
+    if (ng, nt, warps, ksplit) not in CONFIGS:
+        raise ValueError(f"w4a16_cuda.grouped_gemm: (ng, nt, warps, ksplit) must be one of {CONFIGS}, got "
+                         f"{(ng, nt, warps, ksplit)}")
     build()
-    return torch.ops.quads_cuda.w4a16_grouped_decode(x, codes, scales, global_scale, ends, n, k, ng, nt, warps)
+    return torch.ops.quads_cuda.w4a16_grouped_decode(x, codes, scales, global_scale, ends, n, k, ng, nt, warps, ksplit)
 
 
 def decode(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,12 @@
 
 namespace {
 
-template <int NG, int NT, int WARPS>
+template <int NG, int NT, int WARPS, int KSPLIT>
 void launch(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& gscale,
             const at::Tensor& ends, at::Tensor& out, int64_t n, int64_t k) {
   const int E = (int)codes.size(0);
-  const dim3 grid((unsigned)((n + 16 * NG * WARPS - 1) / (16 * NG * WARPS)), (unsigned)(E + 1));
-  quads_w4a16::grouped_decode_kernel<NG, NT, WARPS><<<grid, WARPS * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
+  const dim3 grid((unsigned)(n / (16 * NG * (WARPS / KSPLIT))), (unsigned)(E + 1));
+  quads_w4a16::grouped_decode_kernel<NG, NT, WARPS, KSPLIT><<<grid, WARPS * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const uint32_t*>(x.data_ptr()), reinterpret_cast<const uint32_t*>(codes.data_ptr()),
       reinterpret_cast<const uint32_t*>(scales.data_ptr()), gscale.data_ptr<float>(), ends.data_ptr<int>(),
       reinterpret_cast<uint32_t*>(out.data_ptr()), (int)x.size(0), (int)n, (int)k, E, (long long)x.stride(0));
@@ -27,24 +27,36 @@ void launch(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scal
 
 at::Tensor grouped_decode(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                           const at::Tensor& gscale, const at::Tensor& ends, int64_t n, int64_t k, int64_t ng,
-                          int64_t nt, int64_t warps) {
+                          int64_t nt, int64_t warps, int64_t ksplit) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, "x: BF16 [T, K] rows");
   TORCH_CHECK(k % 64 == 0 && x.size(1) == k && x.stride(0) % 8 == 0, "K a multiple of 64, rows 16-byte aligned");
   TORCH_CHECK(codes.scalar_type() == at::kInt && codes.is_contiguous() && scales.is_contiguous(), "packed layout");
-  TORCH_CHECK(n % (16 * ng * warps) == 0, "N a multiple of 16 ng warps");
+  TORCH_CHECK(ksplit >= 1 && warps % ksplit == 0 && n % (16 * ng * (warps / ksplit)) == 0,
+              "N a multiple of 16 ng (warps / ksplit)");
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return out;
-#define QUADS_CASE(NG, NT, W) \
-  if (ng == NG && nt == NT && warps == W) { launch<NG, NT, W>(x, codes, scales, gscale, ends, out, n, k); return out; }
-  QUADS_CASE(1, 2, 4)
-  QUADS_CASE(2, 1, 4)
-  QUADS_CASE(2, 2, 4)
-  QUADS_CASE(2, 4, 4)
-  QUADS_CASE(4, 2, 4)
-  QUADS_CASE(2, 2, 8)
+#define QUADS_CASE(NG, NT, W, KS)                                                  \
+  if (ng == NG && nt == NT && warps == W && ksplit == KS) {                        \
+    launch<NG, NT, W, KS>(x, codes, scales, gscale, ends, out, n, k);              \
+    return out;                                                                    \
+  }
+  // the instantiations: w4a16_cuda.CONFIGS, the same list
+  QUADS_CASE(1, 2, 4, 1)
+  QUADS_CASE(2, 1, 4, 1)
+  QUADS_CASE(2, 2, 4, 1)
+  QUADS_CASE(2, 4, 4, 1)
+  QUADS_CASE(4, 2, 4, 1)
+  QUADS_CASE(2, 2, 8, 1)
+  QUADS_CASE(2, 1, 4, 4)
+  QUADS_CASE(2, 2, 4, 4)
+  QUADS_CASE(2, 4, 4, 4)
+  QUADS_CASE(1, 4, 4, 4)
+  QUADS_CASE(2, 2, 4, 2)
+  QUADS_CASE(2, 4, 8, 4)
 #undef QUADS_CASE
-  TORCH_CHECK(false, "w4a16_grouped_decode: no instantiation for ng=", ng, " nt=", nt, " warps=", warps);
+  TORCH_CHECK(false, "w4a16_grouped_decode: no instantiation for ng=", ng, " nt=", nt, " warps=", warps, " ksplit=",
+              ksplit);
 }
 
 at::Tensor decode(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& gscale) {
@@ -65,7 +77,7 @@ at::Tensor decode(const at::Tensor& codes, const at::Tensor& scales, const at::T
 
 TORCH_LIBRARY(quads_cuda, m) {
   m.def("w4a16_grouped_decode(Tensor x, Tensor codes, Tensor scales, Tensor gscale, Tensor ends, int n, int k, "
-        "int ng, int nt, int warps) -> Tensor");
+        "int ng, int nt, int warps, int ksplit) -> Tensor");
   m.def("w4a16_decode(Tensor codes, Tensor scales, Tensor gscale) -> Tensor");
 }
 

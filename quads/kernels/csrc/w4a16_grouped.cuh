@@ -33,6 +33,10 @@
 #define __launch_bounds__(a, b) __attribute__((launch_bounds(a, b)))
 typedef unsigned int uint32_t;
 typedef unsigned long long uint64_t;
+#define __shared__ __attribute__((shared))
+#define QUADS_SYNCTHREADS() asm volatile("bar.sync 0;" ::: "memory")
+#else
+#define QUADS_SYNCTHREADS() __syncthreads()
 
 #endif
 
@@ -191,13 +195,17 @@ __device__ __forceinline__ void tile_products(float (&acc)[NT][NG][4], const Til
 }
 
 // x, out: BF16 [T, K] / [T, N] (as 32-bit words: two BF16 per word); codes int32 [E, K/64, N, 8];
-// scales int32 [E, K/64, N]; gscale fp32 [E]; ends int32 [E]. A warp owns 16 NG features; a pass over K
-// accumulates 8 NT rows.
-template <int NG, int NT, int WARPS>
+// scales int32 [E, K/64, N]; gscale fp32 [E]; ends int32 [E]. A block holds WARPS / KSPLIT feature groups of
+// 16 NG features; KSPLIT warps share a group, warp p of them taking the K tiles p, p + KSPLIT, ... (more warps
+// and loads in flight, chains KSPLIT times shorter), their fp32 partials summed in p order through shared
+// memory (deterministic); a pass over K accumulates 8 NT rows.
+template <int NG, int NT, int WARPS, int KSPLIT>
 __global__ void __launch_bounds__(WARPS * 32, 1) grouped_decode_kernel(
     const uint32_t* __restrict__ x, const uint32_t* __restrict__ codes, const uint32_t* __restrict__ scales,
     const float* __restrict__ gscale, const int* __restrict__ ends, uint32_t* __restrict__ out, int T, int N, int K,
     int E, long long stride_xm) {
+  static_assert(WARPS % KSPLIT == 0, "KSPLIT warps per feature group");
+  constexpr int GROUPS = WARPS / KSPLIT;
 #ifdef QUADS_OFFLINE_SASS
   const int tid = (int)__nvvm_read_ptx_sreg_tid_x();
   int bx, by;
@@ -208,16 +216,17 @@ __global__ void __launch_bounds__(WARPS * 32, 1) grouped_decode_kernel(
 #endif
   const int lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, tig = lane & 3;
-  const int n0 = (bx * WARPS + warp) * 16 * NG;
+  const int fg = warp / KSPLIT, part = warp % KSPLIT;
+  const int n0 = (bx * GROUPS + fg) * 16 * NG;  // N is a multiple of the block's 16 NG GROUPS features
   const int e = by;
-  if (n0 >= N) return;
   const int start = e > 0 ? ends[e - 1] : 0;
   unsigned short* out16 = reinterpret_cast<unsigned short*>(out);
   if (e == E) {  // the rows past the last expert's (masked slots): zeros
-    for (long long r = start + gid; r < T; r += 8) {
+    if (part == 0)
+      for (long long r = start + gid; r < T; r += 8) {
 #pragma unroll
-      for (int j = 0; j < 2 * NG; ++j) out[(r * N + n0) / 2 + 4 * j + tig] = 0u;  // 8 NG words
-    }
+        for (int j = 0; j < 2 * NG; ++j) out[(r * N + n0) / 2 + 4 * j + tig] = 0u;  // 8 NG words
+      }
     return;
   }
   const int end = ends[e];
@@ -226,6 +235,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) grouped_decode_kernel(
   const uint32_t* ce = codes + (long long)e * KT * N * 8;
   const uint32_t* se = scales + (long long)e * KT * N;
   const long long stride_w = stride_xm / 2;
+  constexpr int ACC = NT * NG * 4;
+  __shared__ float partial[KSPLIT > 1 ? WARPS : 1][ACC][32];
   for (long long m0 = start; m0 < end; m0 += 8 * NT) {  // experts without rows read no weights
     float acc[NT][NG][4];
 #pragma unroll
@@ -235,15 +246,36 @@ __global__ void __launch_bounds__(WARPS * 32, 1) grouped_decode_kernel(
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][j][i] = 0.0f;
     Tile<NG, NT> t0, t1;  // two K tiles in flight: one computed while the next one loads
-    load_tile<NG, NT>(t0, ce, se, x, 0, N, n0, gid, tig, m0, end, stride_w);
-    for (int kt = 0; kt < KT; kt += 2) {
-      if (kt + 1 < KT) load_tile<NG, NT>(t1, ce, se, x, kt + 1, N, n0, gid, tig, m0, end, stride_w);
+    if (part < KT) load_tile<NG, NT>(t0, ce, se, x, part, N, n0, gid, tig, m0, end, stride_w);
+    for (int kt = part; kt < KT; kt += 2 * KSPLIT) {
+      if (kt + KSPLIT < KT) load_tile<NG, NT>(t1, ce, se, x, kt + KSPLIT, N, n0, gid, tig, m0, end, stride_w);
       tile_products<NG, NT>(acc, t0, g);
-      if (kt + 1 < KT) {
-        if (kt + 2 < KT) load_tile<NG, NT>(t0, ce, se, x, kt + 2, N, n0, gid, tig, m0, end, stride_w);
+      if (kt + KSPLIT < KT) {
+        if (kt + 2 * KSPLIT < KT) load_tile<NG, NT>(t0, ce, se, x, kt + 2 * KSPLIT, N, n0, gid, tig, m0, end, stride_w);
         tile_products<NG, NT>(acc, t1, g);
       }
     }
+    if (KSPLIT > 1) {  // the group's partials, summed by its first warp in part order
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int j = 0; j < NG; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) partial[warp][(nt * NG + j) * 4 + i][lane] = acc[nt][j][i];
+      QUADS_SYNCTHREADS();
+      if (part == 0) {
+#pragma unroll
+        for (int p = 1; p < KSPLIT; ++p)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int j = 0; j < NG; ++j)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) acc[nt][j][i] += partial[warp + p][(nt * NG + j) * 4 + i][lane];
+      }
+      QUADS_SYNCTHREADS();  // the next pass writes the partials again
+    }
+    if (part != 0) continue;
     // acc[nt][j] = out^T tile: (c0, c1) = features gid of group j at rows 2 tig, 2 tig + 1; (c2, c3) = feature gid + 8
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
