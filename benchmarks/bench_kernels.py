@@ -246,8 +246,8 @@ def _bench_moe_cuda(rows, x, sets, ends, n, k, shape, t_triton, t_bf, wbytes, co
             t = time_graph(fns)
             row.update({"us": t * 1e6, "triton_us": t_triton * 1e6, "bf16_us": t_bf * 1e6, "x_vs_bf16": t_bf / t,
                         "x_vs_triton": t_triton / t, "w_TBps": wbytes / t / 1e12, "frac_copy": wbytes / t / copy_bw,
-                        "max_rel_vs_triton": float(((got.double() - want.double()).abs().max()
-                                                    / want.double().abs().max().clamp_min(1e-30)))})  # fmt: skip
+                        "max_rel_vs_triton": float((got.double() - want.double()).abs().max()
+                                                    / want.double().abs().max().clamp_min(1e-30))})  # fmt: skip
         except Exception as err:  # noqa: BLE001 - recorded, the other rows still run
             row["error"] = f"{type(err).__name__}: {str(err)[-2000:]}"
         rows.append(row)

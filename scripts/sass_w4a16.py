@@ -167,6 +167,14 @@ def k_loop(sass: str, marker: str = "MMA") -> list[str]:
     return [line.split("\t", 1)[1].strip() for line in body or [] if "\t" in line]
 
 
+def write_rows(path: str | None, rows: list[dict], append: bool) -> None:
+    """The rows as JSON lines in ``path`` (appended or replacing it; nothing when ``path`` is None)."""
+    if path:
+        with open(path, "a" if append else "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="also write the rows as JSON lines here")
@@ -204,10 +212,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row.get('blocks_per_sm')} blocks = {row.get('warps_per_sm')} warps per SM")  # fmt: skip
         print("   ", ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
     print("triton", triton.__version__)
-    if args.out:
-        with open(args.out, "a" if args.append else "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    write_rows(args.out, rows, args.append)
     return 0
 
 

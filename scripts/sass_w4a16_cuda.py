@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import subprocess
@@ -32,7 +31,7 @@ from pathlib import Path
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_w4a16 import k_loop  # noqa: E402
+from sass_w4a16 import k_loop, write_rows  # noqa: E402
 
 from quads.kernels import w4a16_cuda  # noqa: E402
 
@@ -86,10 +85,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(body) / weights:.2f} per weight; {regs} registers, {spills} local-memory instructions")
         print("   ", ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
     print("triton", triton.__version__, "(its ptxas and disassembler)")
-    if args.out:
-        with open(args.out, "a" if args.append else "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    write_rows(args.out, rows, args.append)
     return 0
 
 

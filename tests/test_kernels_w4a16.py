@@ -598,17 +598,24 @@ def test_gpu_grouped_real_size(tokens, e, n, k, topk):
 
 
 @gpu
-def test_gpu_grouped_gemm_in_a_cuda_graph_follows_refreshed_weights():
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_grouped_gemm_in_a_cuda_graph_follows_refreshed_weights(backend):
+    """Also for the CUDA kernel (quads.kernels.w4a16_cuda, tests/test_kernels_w4a16_cuda.py) where it can run."""
+    if backend == "cuda":
+        from quads.kernels import w4a16_cuda
+
+        if not w4a16_cuda.available():
+            pytest.skip("the CUDA kernel needs compute capability >= 8.9 and nvcc")
     e, n, k = 64, 512, 1024
     q = nvfp4.quantize(torch.randn(e, n, k, device="cuda").bfloat16(), amax=torch.rand(e, 1, 1, device="cuda"))
     p = w4a16.pack(q)
     routes = moe.static_routes(torch.randint(0, e, (128, 8), device="cuda"), e)
     x = torch.randn(1024, k, device="cuda").bfloat16()
-    w4a16.grouped_gemm(x, p, routes.ends)
+    w4a16.grouped_gemm(x, p, routes.ends, backend=backend)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = w4a16.grouped_gemm(x, p, routes.ends)
+        y = w4a16.grouped_gemm(x, p, routes.ends, backend=backend)
     q2 = nvfp4.quantize(torch.randn(e, n, k, device="cuda").bfloat16(), amax=torch.rand(e, 1, 1, device="cuda"))
     assert p.copy_(w4a16.pack(q2))
     g.replay()

@@ -99,22 +99,12 @@ def test_cuda_grouped_matches_the_reference(cfg, tokens, e, n, k, topk, skew):
     assert _rel(got, w4a16.grouped_gemm(x, p, routes.ends, backend="triton")) < 2.0**-8
 
 
-def test_cuda_backend_through_grouped_gemm_in_a_cuda_graph_follows_refreshed_weights():
-    e, n, k = 64, 512, 1024
-    q = nvfp4.quantize(torch.randn(e, n, k, device="cuda").bfloat16(), amax=torch.rand(e, 1, 1, device="cuda"))
-    p = w4a16.pack(q)
-    routes = moe.static_routes(torch.randint(0, e, (128, 8), device="cuda"), e)
-    x = torch.randn(1024, k, device="cuda").bfloat16()
-    w4a16.grouped_gemm(x, p, routes.ends, backend="cuda")
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = w4a16.grouped_gemm(x, p, routes.ends, backend="cuda")
-    q2 = nvfp4.quantize(torch.randn(e, n, k, device="cuda").bfloat16(), amax=torch.rand(e, 1, 1, device="cuda"))
-    assert p.copy_(w4a16.pack(q2))
-    g.replay()
-    _bf16_close(y, w4a16.grouped_gemm_reference(x, w4a16.pack(q2), routes.ends), "cuda graph replay after refresh")
-    with pytest.raises(ValueError, match="backend='cuda' takes"):  # K not a multiple of 64: refused when asked for
-        q3 = nvfp4.quantize(torch.randn(4, 128, 96, device="cuda").bfloat16(), amax=torch.ones(4, 1, 1, device="cuda"))
-        w4a16.grouped_gemm(torch.randn(8, 96, device="cuda").bfloat16(), w4a16.pack(q3),
-                           torch.tensor([2, 4, 6, 8], dtype=torch.int32, device="cuda"), backend="cuda")
+def test_cuda_backend_refuses_what_it_cannot_run():
+    """Asked for explicitly, the CUDA backend refuses K not a multiple of 64 (chosen by the table, it would run the
+    Triton kernel, as the table's default does here); its graph replay after a weight refresh is
+    tests/test_kernels_w4a16.py's, parametrized over the backend."""
+    q = nvfp4.quantize(torch.randn(4, 128, 96, device="cuda").bfloat16(), amax=torch.ones(4, 1, 1, device="cuda"))
+    x, ends = torch.randn(8, 96, device="cuda").bfloat16(), torch.tensor([2, 4, 6, 8], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="backend='cuda' takes"):
+        w4a16.grouped_gemm(x, w4a16.pack(q), ends, backend="cuda")
+    _bf16_close(w4a16.grouped_gemm(x, w4a16.pack(q), ends), w4a16.grouped_gemm_reference(x, w4a16.pack(q), ends), "K=96")
