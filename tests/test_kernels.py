@@ -494,7 +494,8 @@ def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
     assert all(table["w4a16_gemm"][f"m{b}"] == want for b in (1, 4, 16, 32, 64))
     assert not any(key.startswith("n") for key in table["w4a16_gemm"])  # one winner for both shapes
     assert table["rac_quantize"]["pass4"] == {"block_m": 2, "block_s": 512, "num_warps": 4}
-    assert table["w4a16_grouped_gemm"]["decode"] == dict(zip(
-        ("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers", "sub_k"), moe_fast))
+    assert table["w4a16_grouped_gemm"]["decode"] == {**dict(zip(
+        ("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers", "sub_k"), moe_fast)),
+        "backend": tuning.config("w4a16_grouped_gemm", "decode")["backend"]}  # the backend is the table's, kept
     assert table["nvfp4_quantize"] == tuning.table()["nvfp4_quantize"]  # not timed: kept
     assert json.dumps(tuning.table(), sort_keys=True) == before

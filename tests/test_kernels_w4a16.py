@@ -620,3 +620,17 @@ def test_gpu_grouped_gemm_in_a_cuda_graph_follows_refreshed_weights(backend):
     assert p.copy_(w4a16.pack(q2))
     g.replay()
     _bf16_close(y, w4a16.grouped_gemm_reference(x, w4a16.pack(q2), routes.ends), "graph replay after refresh")
+
+
+def test_cuda_rows_per_pass_follows_the_rows_per_expert():
+    """The CUDA kernel's pass size (pure Python, no GPU): 32 rows at the 1b decode's 1,024 rows over 64 experts,
+    8 at Qwen3-30B-A3B's 512 over 128 (run 28's fastest for each), only compiled instantiations."""
+    from quads.kernels import w4a16_cuda
+
+    assert w4a16_cuda.rows_per_pass(1024, 64, 2, 4, 1) == 4
+    assert w4a16_cuda.rows_per_pass(512, 128, 2, 4, 1) == 1
+    assert w4a16_cuda.rows_per_pass(8, 128, 2, 4, 1) == 1
+    assert w4a16_cuda.rows_per_pass(10**6, 64, 2, 4, 1) == 4  # the most compiled
+    assert w4a16_cuda.rows_per_pass(1024, 64, 1, 4, 4) == 4 and w4a16_cuda.rows_per_pass(64, 64, 1, 4, 4) == 4
+    for c in w4a16_cuda.CONFIGS:
+        assert (c[0], w4a16_cuda.rows_per_pass(300, 16, c[0], c[2], c[3]), c[2], c[3]) in w4a16_cuda.CONFIGS

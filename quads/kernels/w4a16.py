@@ -758,7 +758,8 @@ def grouped_gemm(
     in the same K order.
 
     ``backend`` (null: the config's, ``tuning.json`` ``w4a16_grouped_gemm.<case>.backend``): "triton", or "cuda",
-    the CUDA kernel of ``w4a16_cuda`` (launch config ``w4a16_grouped_cuda.decode``) where it takes the operands
+    the CUDA kernel of ``w4a16_cuda`` (launch config ``w4a16_grouped_cuda.decode``; its ``nt`` null:
+    ``w4a16_cuda.rows_per_pass``) where it takes the operands
     (``w4a16_cuda.supports``: BF16 on an sm_89+ GPU with nvcc, K a multiple of 64), the Triton kernel otherwise;
     asked for explicitly where it cannot run, an error. Both give the same operands and fp32 sums in another
     order (the GEMMs' tolerance)."""
@@ -785,6 +786,7 @@ def grouped_gemm(
         from quads.kernels import w4a16_cuda
 
         c = tuning.config("w4a16_grouped_cuda", "decode")
+        c["nt"] = c["nt"] or w4a16_cuda.rows_per_pass(t, e, c["ng"], c["warps"], c["ksplit"])
         if w4a16_cuda.supports(x, n, k, c["ng"], c["warps"], c["ksplit"]):
             return w4a16_cuda.grouped_gemm(x, w.codes, w.scales, w.global_scale, ends, n, k, **c)
         if backend == "cuda":

@@ -35,6 +35,17 @@ CONFIGS = ((1, 2, 4, 1), (2, 1, 4, 1), (2, 2, 4, 1), (2, 4, 4, 1), (4, 2, 4, 1),
            (2, 1, 4, 4), (2, 2, 4, 4), (2, 4, 4, 4), (1, 4, 4, 4), (2, 2, 4, 2), (2, 4, 8, 4))
 
 
+def rows_per_pass(rows: int, experts: int, ng: int, warps: int, ksplit: int) -> int:
+    """Row tiles of 8 per pass over K (``nt``) when the config leaves it null: the fewest that hold 1.5x the mean
+    rows per expert (most experts in one pass: each further pass decodes the expert's weights again), among the
+    compiled 1, 2, 4 (run 28: 32 rows per pass at the 1b decode's ~16 rows per expert, 8 at Qwen3's <= 4)."""
+    want = -(-3 * rows // (2 * 8 * max(experts, 1)))
+    for nt in (1, 2, 4):
+        if nt >= want and (ng, nt, warps, ksplit) in CONFIGS:
+            return nt
+    return max((c[1] for c in CONFIGS if (c[0], c[2], c[3]) == (ng, warps, ksplit)), default=1)
+
+
 def available(device: torch.device | None = None) -> bool:
     """A CUDA GPU of compute capability >= 8.9 (the E4M3 convert) and a CUDA compiler for the build."""
     if not torch.cuda.is_available():

@@ -266,7 +266,9 @@ def _probe_problems(level: str) -> list[str]:
         bad.append(f"seccomp filter not active (Seccomp {got['seccomp']}, fork {got['fork']})")
     if len(got["pids"]) > 2:
         bad.append(f"PID namespace: the program sees processes {got['pids']}")
-    extra = sorted(set(got["root"]) - {"usr", "lib", "lib64", "proc", "dev", "tmp", *_top_dirs()})
+    # what _bwrap_argv puts there: /usr, the library folders a host has (/lib32 too, on a multilib host), /proc, /dev,
+    # /tmp and the interpreter's folders
+    extra = sorted(set(got["root"]) - {"usr", "lib", "lib64", "lib32", "proc", "dev", "tmp", *_top_dirs()})
     if extra:
         bad.append(f"file system view holds {extra}")
     if got["ifaces"] != ["lo"]:
