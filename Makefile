@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 .PHONY: run test test-main test-vllm test-vllm-diagnose test-vllm-engine test-vllm-packed test-vllm-avx2 test-verl lint setup clean
 
-$(STAMP): pyproject.toml scripts/setup_env.sh
+$(STAMP): pyproject.toml scripts/setup_env.sh scripts/setup_lib.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup_env.sh
 	touch $(STAMP)
 
@@ -45,7 +45,7 @@ test:
 test-main: $(STAMP) lint
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q $(PYTEST_ARGS)
 
-$(VLLM_STAMP): pyproject.toml scripts/setup_vllm_env.sh | $(STAMP)
+$(VLLM_STAMP): pyproject.toml scripts/setup_vllm_env.sh scripts/setup_lib.sh | $(STAMP)
 	PYTHON=$(PYTHON) bash scripts/setup_vllm_env.sh
 	touch $(VLLM_STAMP)
 
@@ -70,7 +70,7 @@ test-vllm-avx2: $(VLLM_STAMP)
 	.venv-vllm/bin/python scripts/force_avx2.py -m pytest -q -p no:cacheprovider tests/test_vllm.py
 	.venv-vllm/bin/python scripts/force_avx2.py -m pytest -q -p no:cacheprovider tests/test_vllm_packed.py
 
-$(VERL_STAMP): pyproject.toml scripts/setup_verl_env.sh | $(STAMP) $(if $(WITH_VLLM),$(VLLM_STAMP))
+$(VERL_STAMP): pyproject.toml scripts/setup_verl_env.sh scripts/setup_lib.sh | $(STAMP) $(if $(WITH_VLLM),$(VLLM_STAMP))
 	PYTHON=$(PYTHON) bash scripts/setup_verl_env.sh
 	touch $(VERL_STAMP)
 

