@@ -1,4 +1,4 @@
-// Grouped MoE W4A16 GEMM at decode over the packed NVFP4 layout of quads.kernels.w4a16 (CUDA, sm_80+).
+// Grouped MoE W4A16 GEMM at decode over the packed NVFP4 layout of quads.kernels.w4a16 (CUDA, sm_89+: the E4M3 convert).
 //
 // out[t, :] = x[t, :] @ W_e^T for the rows t of expert e (ends[e-1] <= t < ends[e]); rows from ends[E-1] on
 // are written as zeros. The weight each product uses is bf16(fp32(e2m1 * s) * S_dec[e]), the value of
@@ -6,13 +6,14 @@
 // operand (mma.sync m16n8k16, BF16 in, FP32 accumulate): no shared-memory round trip, which is what the
 // Triton kernel (w4a16._grouped_kernel, the reference beside this one) pays for tl.dot's operand layout.
 //
-// The decode is _decode_pairs' (w4a16.py), instruction for instruction: per 16-element block the 8
-// magnitudes bf16(fp32(s * m) * g) for m in {0, .5, 1, 1.5, 2, 3, 4, 6} as two 8-byte tables, then 4 weights
-// per byte permute and the sign by XOR.
+// The decode is _decode_pairs' (w4a16.py): per 16-element block the 8 magnitudes bf16(fp32(s * m) * g) for
+// m in {0, .5, 1, 1.5, 2, 3, 4, 6} as two 8-byte tables, then 4 weights per byte permute and the sign by XOR;
+// the table here comes from two roundings where that is exact (`table`, below).
 //
 // Work split: a warp owns 16 NG output features (NG groups of 16, one mma m-tile each: the weights are the A
 // operand, the activations the B operand, so the tensor cores compute out^T) of one expert and runs the whole K
-// loop; a block is WARPS such warps side by side along N; grid (N / (16 NG WARPS), E + 1). In K tile t (64
+// loop (or, with KSPLIT > 1, every KSPLIT-th K tile of it, see grouped_decode_kernel); a block is WARPS warps,
+// WARPS / KSPLIT feature groups side by side along N; grid (N / (16 NG WARPS / KSPLIT), E + 1). In K tile t (64
 // columns = 8 code words and 4 block scales per feature), lane (gid = lane / 4, tig = lane % 4) decodes block
 // tig of features n0 + 16 j + gid and n0 + 16 j + 8 + gid (code words 2 tig, 2 tig + 1: 16 weights and one
 // scale each, so one table per 16 weights) and feeds them to four mma's, k step q in 0..3 taking the block's
@@ -24,7 +25,7 @@
 // more rows takes more passes.
 //
 // Requirements (checked by the launcher, w4a16_cuda.py): K a multiple of 64 (no padding columns), x and
-// out BF16 row-major with 16-byte aligned rows, N a multiple of 16 NG WARPS.
+// out BF16 row-major with 16-byte aligned rows, N a multiple of 16 NG WARPS / KSPLIT.
 
 #ifdef QUADS_OFFLINE_SASS  // compiled without the CUDA headers (scripts/sass_w4a16_cuda.py)
 #define __global__ __attribute__((global))
