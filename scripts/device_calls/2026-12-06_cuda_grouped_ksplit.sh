@@ -27,7 +27,8 @@ for r in rows:
 best = min((sum(v), c) for c, v in t.items() if len(v) == 2)[1]
 tab = json.load(open("quads/kernels/tuning.json"))
 tab["w4a16_grouped_gemm"]["decode"]["backend"] = "cuda"
-tab["w4a16_grouped_cuda"]["decode"] = dict(zip(("ng", "nt", "warps", "ksplit"), best))
+tab["w4a16_grouped_gemm"]["prefill"]["backend"] = "cuda"  # W4A4 + RAC's stacked rows (2 x 1,024 at the 1b decode)
+tab["w4a16_grouped_cuda"]["decode"] = {**dict(zip(("ng", "nt", "warps", "ksplit"), best)), "nt": None}  # per call
 json.dump(tab, open("quads/kernels/tuning.json", "w"), indent=1)
 print("cuda decode config", best, "1b gate_up + down us", round(sum(t[best]), 1))
 PY
