@@ -199,9 +199,11 @@ __device__ __forceinline__ void tile_products(float (&acc)[NT][NG][4], const Til
 // scales int32 [E, K/64, N]; gscale fp32 [E]; ends int32 [E]. A block holds WARPS / KSPLIT feature groups of
 // 16 NG features; KSPLIT warps share a group, warp p of them taking the K tiles p, p + KSPLIT, ... (more warps
 // and loads in flight, chains KSPLIT times shorter), their fp32 partials summed in p order through shared
-// memory (deterministic); a pass over K accumulates 8 NT rows.
+// memory (deterministic); a pass over K accumulates 8 NT rows. With KSPLIT > 1 (4x the blocks) and NT <= 2 the
+// registers are capped for 4 resident blocks (128 per thread; compiled offline without spills, 16 warps per SM
+// instead of 12); elsewhere the compiler's choice.
 template <int NG, int NT, int WARPS, int KSPLIT>
-__global__ void __launch_bounds__(WARPS * 32, 1) grouped_decode_kernel(
+__global__ void __launch_bounds__(WARPS * 32, (KSPLIT > 1 && NT <= 2) ? 4 : 1) grouped_decode_kernel(
     const uint32_t* __restrict__ x, const uint32_t* __restrict__ codes, const uint32_t* __restrict__ scales,
     const float* __restrict__ gscale, const int* __restrict__ ends, uint32_t* __restrict__ out, int T, int N, int K,
     int E, long long stride_xm) {
