@@ -11,7 +11,7 @@ kernel.
 Why a CUDA kernel: the Triton kernel spends 8.8 SASS instructions per weight (run 25, Nsight Compute), much of
 it on the decoded tile's round trip through shared memory into ``tl.dot``'s operand layout; here the decode
 writes the tensor cores' A fragment in registers (the weights are the A operand, out^T is computed) and the
-activations' B fragments are their rows as loaded: 3.7 instructions per weight in the K loop, compiled
+activations' B fragments are their rows as loaded: 3.4-4.5 instructions per weight in the K loop, compiled
 offline (``scripts/sass_w4a16_cuda.py``).
 
 Built with ``torch.utils.cpp_extension.load`` (nvcc and ninja, on the device's image) for the current GPU's
