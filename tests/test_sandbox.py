@@ -163,3 +163,24 @@ def test_process_level_audit_hook_blocks_fork_and_ctypes():
     assert not res.ok and "os.fork is not allowed" in res.reason
     res = run_python("import ctypes\nctypes.CDLL(None).fork()", **PROCESS)
     assert not res.ok and "not allowed" in res.reason
+
+
+def test_the_probe_expects_every_top_folder_the_sandbox_mounts():
+    """The isolation probe refuses a view holding an unexpected entry of /, so everything _bwrap_argv mounts at the
+    top must be in its expected set, on any host (a /lib32 on multilib hosts once failed it: c617fea)."""
+    import shutil
+
+    from quads.tasks import sandbox
+
+    if shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin") is None:
+        pytest.skip("no setpriv (util-linux): the sandbox's command line cannot be built here")
+    argv = sandbox._bwrap_argv(SandboxLimits(), 3, 4)
+    argv = argv[: argv.index("--")]
+    mounted = set()
+    for i, a in enumerate(argv):
+        if a in ("--ro-bind", "--bind", "--symlink"):
+            mounted.add(argv[i + 2])
+        elif a in ("--dir", "--tmpfs", "--proc", "--dev"):
+            mounted.add(argv[i + 1])
+    tops = {os.path.normpath(d).split(os.sep)[1] for d in mounted if d.startswith("/")}
+    assert tops and tops <= sandbox._expected_root(), sorted(tops - sandbox._expected_root())

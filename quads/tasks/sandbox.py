@@ -266,9 +266,7 @@ def _probe_problems(level: str) -> list[str]:
         bad.append(f"seccomp filter not active (Seccomp {got['seccomp']}, fork {got['fork']})")
     if len(got["pids"]) > 2:
         bad.append(f"PID namespace: the program sees processes {got['pids']}")
-    # what _bwrap_argv puts there: /usr, the library folders a host has (/lib32 too, on a multilib host), /proc, /dev,
-    # /tmp and the interpreter's folders
-    extra = sorted(set(got["root"]) - {"usr", "lib", "lib64", "lib32", "proc", "dev", "tmp", *_top_dirs()})
+    extra = sorted(set(got["root"]) - _expected_root())
     if extra:
         bad.append(f"file system view holds {extra}")
     if got["ifaces"] != ["lo"]:
@@ -291,6 +289,12 @@ def require_isolation(level: str) -> None:
 
 def _top_dirs() -> set[str]:
     return {Path(p).parts[1] for p in _python_paths()[0]}
+
+
+def _expected_root() -> set[str]:
+    """The entries of / that the probe may see, what ``_bwrap_argv`` puts there: /usr, the library folders a host
+    has (/lib32 too, on a multilib host), /proc, /dev, /tmp and the interpreter's folders."""
+    return {"usr", "lib", "lib64", "lib32", "proc", "dev", "tmp", *_top_dirs()}
 
 
 @functools.cache
