@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_w4a16 import registers_of, write_rows  # noqa: E402
+from sass_w4a16 import add_output_args, registers_of, write_rows  # noqa: E402
 
 from quads.kernels import nvfp4_quant  # noqa: E402
 
@@ -49,9 +49,7 @@ def compile_case(per_row: bool, bm: int, bk: int, warps: int) -> tuple[str, int 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="also write the rows as JSON lines here")
-    ap.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
-    ap.add_argument("--label", default=None, help="a 'code' field for every row (which version was compiled)")
+    add_output_args(ap)
     args = ap.parse_args(argv)
     rows = []
     for what, per_row, bm, bk, warps in CASES:

@@ -22,19 +22,22 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from quads.kernels import rac_select as rs
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sass_w4a16 import add_output_args, write_rows  # noqa: E402
+
+from quads.kernels import rac_select as rs  # noqa: E402
 
 ROWS_PER_EXPERT, M = 16, 1024  # the 1b decode shape of bench_kernels.py --only rac: 128 tokens x top-8 / 64 experts
 SELECT_SIG = {"r_ptr": "*fp32", "group_ptr": "*i64", "s_ptr": "*i64", "rank_ptr": "*i32", "gmax_ptr": "*fp32",
@@ -126,9 +129,7 @@ def estimate(name: str, consts: dict, warps: int, static: int, bodies: list[int]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="also write the rows as JSON lines here")
-    ap.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
-    ap.add_argument("--label", default=None, help="a 'code' field for every row (which version was compiled)")
+    add_output_args(ap)
     ap.add_argument("--ks", default="1024,256,4096", help="comma list of K (1b: gate_up 1024, down 256)")
     args = ap.parse_args(argv)
     rows = []
@@ -154,10 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"loops {bodies[:6]}, est. {est} warp-instructions per expert, compiled in {secs:.1f} s")  # fmt: skip
             print("   ", ", ".join(f"{o} {c}" for o, c in ops.most_common(14)))
     print("triton", triton.__version__)
-    if args.out:
-        with open(args.out, "a" if args.append else "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    write_rows(args.out, rows, args.append)
     return 0
 
 

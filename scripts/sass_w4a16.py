@@ -167,6 +167,13 @@ def k_loop(sass: str, marker: str = "MMA") -> list[str]:
     return [line.split("\t", 1)[1].strip() for line in body or [] if "\t" in line]
 
 
+def add_output_args(ap: argparse.ArgumentParser) -> None:
+    """The sass scripts' output options: --out (JSON lines), --append, --label (a 'code' field for every row)."""
+    ap.add_argument("--out", default=None, help="also write the rows as JSON lines here")
+    ap.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
+    ap.add_argument("--label", default=None, help="a 'code' field for every row (which version was compiled)")
+
+
 def write_rows(path: str | None, rows: list[dict], append: bool) -> None:
     """The rows as JSON lines in ``path`` (appended or replacing it; nothing when ``path`` is None)."""
     if path:
@@ -177,9 +184,7 @@ def write_rows(path: str | None, rows: list[dict], append: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="also write the rows as JSON lines here")
-    ap.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
-    ap.add_argument("--label", default=None, help="a 'code' field for every row (which version was compiled)")
+    add_output_args(ap)
     ap.add_argument("--kernels", default="gemm,grouped,gemv", help="comma list of the kernels to compile")
     args = ap.parse_args(argv)
     rows = []

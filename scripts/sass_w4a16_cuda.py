@@ -31,7 +31,7 @@ from pathlib import Path
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_w4a16 import k_loop, write_rows  # noqa: E402
+from sass_w4a16 import add_output_args, k_loop, write_rows  # noqa: E402
 
 from quads.kernels import w4a16_cuda  # noqa: E402
 
@@ -63,9 +63,7 @@ def compile_case(ng: int, nt: int, warps: int, ksplit: int, clang: str, fast_pat
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="also write the rows as JSON lines here")
-    ap.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
-    ap.add_argument("--label", default=None, help="a 'code' field for every row (which version was compiled)")
+    add_output_args(ap)
     ap.add_argument("--clang", default="clang-14", help="a clang with the NVPTX target (Debian: apt install clang-14)")
     args = ap.parse_args(argv)
     rows = []
