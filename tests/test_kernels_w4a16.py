@@ -125,13 +125,16 @@ def test_kernel_decode_bit_exact(kernel):
     assert torch.equal(y.view(torch.int16), want.contiguous().view(torch.int16))
 
 
-def _every_code_and_scale(global_scale_bits: int) -> nvfp4.NVFP4Tensor:
-    """[254, 16]: row r has the r-th finite E4M3 scale byte and the 16 E2M1 codes in order."""
+def _every_code_and_scale(global_scale_bits: int, nan_scales: bool = False) -> nvfp4.NVFP4Tensor:
+    """[254, 16]: row r has the r-th finite E4M3 scale byte and the 16 E2M1 codes in order ([256, 16] with
+    ``nan_scales``: the NaN bytes 0x7F / 0xFF too). ``global_scale_bits``: the fp32 global scale's bits, as an
+    unsigned 32-bit number."""
     b = torch.arange(256, dtype=torch.int32)
-    b = b[(b & 0x7F) != 0x7F].to(torch.uint8)
+    b = (b if nan_scales else b[(b & 0x7F) != 0x7F]).to(torch.uint8)
     c = torch.arange(16, dtype=torch.uint8)
     codes = (c[0::2] | (c[1::2] << 4)).expand(len(b), 8).contiguous()
-    g = torch.tensor([global_scale_bits], dtype=torch.int32).view(torch.float32).reshape(())
+    bits = global_scale_bits - (1 << 32) if global_scale_bits >= 1 << 31 else global_scale_bits
+    g = torch.tensor([bits], dtype=torch.int32).view(torch.float32).reshape(())
     return nvfp4.NVFP4Tensor(codes=codes.to(DEV), scales=b[:, None].view(torch.float8_e4m3fn).to(DEV),
                              global_scale=g.to(DEV), shape=torch.Size((len(b), 16)), dtype=torch.bfloat16)
 

@@ -15,23 +15,13 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("the CUDA W4A16 kernel needs a CUDA GPU (sm_89+) and nvcc; none here", allow_module_level=True)
 
-from test_kernels_w4a16 import _bf16_close, _rel, _same_bits, _weight  # noqa: E402
+from test_kernels_w4a16 import _bf16_close, _every_code_and_scale, _rel, _same_bits, _weight  # noqa: E402
 
 from quads.formats import nvfp4  # noqa: E402
 from quads.kernels import w4a16, w4a16_cuda  # noqa: E402
 from quads.model import moe  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not w4a16_cuda.available(), reason="needs compute capability >= 8.9 and nvcc")
-
-
-def _every_scale_byte(gbits: int) -> nvfp4.NVFP4Tensor:
-    """[256, 16]: row r has E4M3 scale byte r (the NaN bytes 0x7F / 0xFF included) and the 16 E2M1 codes."""
-    b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    c = torch.arange(16, dtype=torch.uint8)
-    codes = (c[0::2] | (c[1::2] << 4)).expand(256, 8).contiguous()
-    g = torch.tensor([gbits - (1 << 32) if gbits >= 1 << 31 else gbits], dtype=torch.int32).view(torch.float32).reshape(())
-    return nvfp4.NVFP4Tensor(codes=codes.cuda(), scales=b[:, None].view(torch.float8_e4m3fn).cuda(),
-                             global_scale=g.cuda(), shape=torch.Size((256, 16)), dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("gbits", [0x3A07CB7C, 0x3F800000, 0xBF800000, 0x7E7FFFFF, 0x00012345, 0x05000000, 0x7A800000,
@@ -42,7 +32,7 @@ def test_cuda_decode_every_code_and_scale_byte_bit_exact(gbits):
     """Every (E2M1 code, E4M3 scale byte) pair: the decode's table from two roundings where exponent shifts
     are exact, the exact table (8 roundings) where they are not (subnormal or overflowing products, NaN / inf,
     zero scales), so the bits are the reference's for every global scale."""
-    q = _every_scale_byte(gbits)
+    q = _every_code_and_scale(gbits, nan_scales=True)  # all 256 scale bytes
     want = nvfp4.dequantize(q, torch.bfloat16)
     p = w4a16.pack(q)
     got = w4a16_cuda.decode(p.codes.unsqueeze(0), p.scales.unsqueeze(0), p.global_scale)[0, :, :16]

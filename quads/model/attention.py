@@ -73,6 +73,8 @@ class KVCache:
     sequences dropped). The model advances ``length`` once per forward, after the last layer.
     """
 
+    attention = "sdpa"  # how a decode step attends over it (StaticKVCache may say "triton")
+
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int | None = None, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         self.max_len = max_len or cfg.max_seq_len
@@ -232,7 +234,7 @@ class Attention(nn.Module):
         v = v.view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, nkv, S, D]
-        if rows is not None and L == 1 and getattr(cache, "attention", "sdpa") == "triton":
+        if rows is not None and L == 1 and cache is not None and cache.attention == "triton":
             # the fixed-shape decode step over the written columns only (0..cache.pos)
             g = self.n_heads // self.n_kv
             out = decode_attention_op(q.reshape(B, self.n_kv, g, self.head_dim), k, v, cache.key_mask, cache.pos)

@@ -110,9 +110,9 @@ class RolloutEngine:
         the whole cache, the unwritten columns masked, or "triton", ``quads.kernels.decode_attention``,
         which reads only the columns written so far (CUDA; on the CPU only under Triton's interpreter, for
         tests); its fp32 sums run in another order, recorded in the batch for rescoring. "auto" (the
-        default) = "triton" on CUDA with Triton installed and a bf16 / fp16 model (an fp32 model may run under
-        autocast, whose q, k and v dtypes differ: SDPA takes that, the kernel does not) (1b, H200:
-        4.25 -> 3.21 ms per decode step at 512 new tokens, docs/PERF.md run 24), else "sdpa".
+        default) = "triton" on CUDA with Triton installed and a bf16 / fp16 model (1b, H200: 4.25 -> 3.21 ms per
+        decode step at 512 new tokens, docs/PERF.md run 24), else "sdpa" (an fp32 model may run under autocast,
+        whose q, k and v dtypes differ: SDPA takes that, the kernel does not).
         """
         if decode_attention != "auto" and decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be auto or one of {DECODE_ATTENTION}, got {decode_attention!r}")
