@@ -317,14 +317,20 @@ def bench_attention(rows: list, copy_bw: float) -> None:
 RAC_SHAPES = [(1024, "gate_up"), (256, "down")]  # the 1b's expert projections: K, name
 
 
+# group_units launch configs (block_m, block_k, cols, amax_block_m, num_warps); the first is its default
+GROUP_UNITS_CONFIGS = [(8, 128, None, 4, 4), (16, 128, None, 4, 4), (4, 128, None, 4, 4), (8, 64, None, 4, 4),
+                       (16, 256, None, 8, 4), (8, 256, None, 2, 4), (4, 64, None, 2, 2), (8, 128, 256, 4, 4)]
+
+
 def bench_rac(rows: list) -> None:
     """``factored.operands`` (W4A4 + RAC 50%, dynamic selection) at the 1b decode shapes: 128 tokens x
     top-8 over 64 experts (M = 1024 sorted rows), the residual operand by the fused ``quads::rac_units``
     with each selection method (``sort``: a bitonic sort per expert; ``count``: K x K rank counting; ``us``
     is the default method's) against the step-by-step path (same Triton quantize kernels, torch
     selection), W4A4 alone (``w4a4_us``: the one-launch operand, ``factored_quant.group_units``;
-    ``w4a4_steps_us``: row amax, group max and quantize as three steps), and ``group_units`` alone in its
-    two launch configs (one program per expert; per expert and 128 columns: ``group_units_cols_us``)."""
+    ``w4a4_steps_us``: row amax, group max and quantize as three steps), and ``group_units`` alone per launch
+    config (``GROUP_UNITS_CONFIGS``, the first its default: ``group_units_us``; the fastest:
+    ``group_units_best_us``)."""
     from quads.kernels import dispatch
     from quads.kernels.factored_quant import group_units
     from quads.kernels.rac_select import default_method
@@ -347,17 +353,18 @@ def bench_rac(rows: list) -> None:
                 n = k // 2 if n is None else n
                 t[name] = time_graph([lambda x=x: factored.operands(x, segs, n=n, dtype=torch.bfloat16, fused_rac=fused,
                                                                     rac_method=method, fused_amax=one) for x in xs])  # fmt: skip
-            # the W4A4 operand's kernel alone, in its two launch configs (per group; per group and 128 columns)
+            # the W4A4 operand's kernels alone (group amax + quantize), per launch config
             out = torch.empty(tokens * topk, k, dtype=torch.bfloat16, device="cuda")
-            for name, cols, bk in (("group_units", False, 256), ("group_units_cols", True, 128)):
-                t[name] = time_graph([lambda x=x, cols=cols, bk=bk: group_units(x, segs.group, e, out, column_blocks=cols,
-                                                                                 block_k=bk) for x in xs])  # fmt: skip
+            for cfg in GROUP_UNITS_CONFIGS:
+                kw = dict(zip(("block_m", "block_k", "cols", "amax_block_m", "num_warps"), cfg))
+                t[cfg] = time_graph([lambda x=x, kw=kw: group_units(x, segs.group, e, out, **kw) for x in xs])
         default = default_method(k)
         rows.append({"bench": "RAC 50% operands (1b decode)", "shape": f"{what} M={tokens * topk} E={e} K={k} "
                      f"n={k // 2}", "us": t[default] * 1e6, "method": default, "sort_us": t["sort"] * 1e6,
                      "count_us": t["count"] * 1e6, "unfused_us": t["unfused"] * 1e6, "w4a4_us": t["w4a4"] * 1e6,
-                     "w4a4_steps_us": t["w4a4_steps"] * 1e6, "group_units_us": t["group_units"] * 1e6,
-                     "group_units_cols_us": t["group_units_cols"] * 1e6,
+                     "w4a4_steps_us": t["w4a4_steps"] * 1e6, "group_units_us": t[GROUP_UNITS_CONFIGS[0]] * 1e6,
+                     "group_units_best_us": min(t[c] for c in GROUP_UNITS_CONFIGS) * 1e6,
+                     "group_units_cfg_us": [[list(c), t[c] * 1e6] for c in GROUP_UNITS_CONFIGS],
                      "count_over_sort": t["count"] / t["sort"], "x_vs_unfused": t["unfused"] / t[default]})  # fmt: skip
 
 
@@ -759,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         "w4a4_us",
         "w4a4_steps_us",
         "group_units_us",
-        "group_units_cols_us",
+        "group_units_best_us",
         "fused_us",
         "gemv_us",
         "gemv_x_vs_bf16",

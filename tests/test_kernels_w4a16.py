@@ -391,11 +391,19 @@ def test_tuning_table_has_the_w4a16_cases():
     dense = {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
     for case in ("m1", "m4", "m16", "m32", "m64", "large"):
         assert dense <= set(tuning.config("w4a16_gemm", case)) <= dense | {"sub_k"}
-    for case in ("decode", "prefill"):
+    grouped = tuning.table()["w4a16_grouped_gemm"]
+    assert {"decode", "prefill"} <= set(grouped)
+    for case in grouped:  # decode, prefill and the shape entries n{N}_k{K}_<decode or prefill>
+        assert case in ("decode", "prefill") or case.rsplit("_", 1)[-1] in ("decode", "prefill")
         assert set(tuning.config("w4a16_grouped_gemm", case)) == {"block_m", "block_n", "block_k", "split_k", "num_warps",
                                                                   "num_stages", "max_registers", "sub_k", "backend"}  # fmt: skip
         assert tuning.config("w4a16_grouped_gemm", case)["backend"] in ("triton", "cuda")
-    assert set(tuning.config("w4a16_grouped_cuda", "decode")) == {"ng", "nt", "warps", "ksplit"}
+    for case in tuning.table()["w4a16_grouped_cuda"]:
+        assert set(tuning.config("w4a16_grouped_cuda", case)) == {"ng", "nt", "warps", "ksplit"}
+    # the shape entries: Qwen3-30B-A3B's gate_up (run 30: the CUDA kernel at split-K 4), the 1b's shapes the default
+    assert w4a16.grouped_case(64, 128, 1536, 2048) == "n1536_k2048_decode"
+    assert w4a16.grouped_case(1024, 64, 512, 1024) == "decode" and w4a16.grouped_case(1025 * 16, 64, 512, 1024) == "prefill"
+    assert w4a16.grouped_case(128 * 17, 128, 1536, 2048) == "prefill"
     assert set(tuning.config("w4a16_gemv", "small")) == {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
     assert set(tuning.config("w4a16_dispatch", "dense")) == {"gemv_max_m", "fused_max_m"}
     assert set(tuning.config("w4a16_dispatch", "grouped")) == {"fused_max_rows_per_expert"}

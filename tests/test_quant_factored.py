@@ -176,7 +176,8 @@ def test_sorted_linear_refuses_other_specs():
 @pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered"])
 def test_units_kernel_is_bit_exact(gather):
     """The fused quantize-to-values kernel (interpreter on the CPU): codes, block scales, S_dec, the
-    exact values and the residual equal nvfp4.quantize's with the same amax per row, byte for byte."""
+    exact values and the residual equal nvfp4.quantize's with the same amax per row, byte for byte, in three
+    launch configs (one tile per program, smaller tiles, several column tiles per program)."""
     from quads.kernels import factored_quant
 
     g = torch.Generator().manual_seed(4)
@@ -191,10 +192,11 @@ def test_units_kernel_is_bit_exact(gather):
     want = nvfp4.quantize(xs, amax=amax[:, None])
     if torch.cuda.is_available():
         x, amax, index = x.cuda(), amax.cuda(), None if index is None else index.cuda()
-    for dtype in (torch.bfloat16, torch.float32):
+    configs = ({}, {"block_m": 16, "block_k": 32}, {"block_m": 4, "block_k": 16, "cols": 48})  # tiles per program
+    for dtype, cfg in [(torch.bfloat16, c) for c in configs] + [(torch.float32, {})]:
         with dispatch.kernels("triton"):
             u, gs, r, codes, scales = factored_quant.quantize_units(x, amax, dtype=dtype, index=index,
-                                                                     residual=not gather, codes=True)
+                                                                     residual=not gather, codes=True, **cfg)
         ru, rg, rr = factored_quant.quantize_units_reference(x, amax, dtype=dtype, index=index, residual=not gather)
         u, gs, r, rg, ru = u.cpu(), gs.cpu(), None if r is None else r.cpu(), rg.cpu(), ru.cpu()
         rr = None if rr is None else rr.cpu()
@@ -303,31 +305,39 @@ def test_fused_rac_operands_k_not_a_power_of_two(k, per_token):
     (512, [40], 5, torch.bfloat16, True),  # two K blocks of 256, a group of three row blocks
     (208, [0, 0, 3], 1, torch.bfloat16, False),
 ], ids=["K64", "K80-fp32", "K512", "K208"])
-def test_group_units_is_row_amax_row_max_and_units_in_one_launch(k, counts, masked, dtype, residual):
-    """``factored_quant.group_units`` (one program per group: its rows, their amax, the quantize; or one per
-    group and column block) writes the bits of ``row_amax`` + ``Segments.row_max`` + ``units`` (interpreter),
-    into a strided slot of the stacked operand, with NaN and inf rows (an inf makes its group's scale 1, a
-    NaN is ignored by the amax)."""
+def test_group_units_is_row_amax_row_max_and_units(k, counts, masked, dtype, residual):
+    """``factored_quant.group_units`` (the group amaxes by atomic max per row, then the quantize reading each
+    row's amax through its group) writes the bits of ``row_amax`` + ``Segments.row_max`` + ``units`` and of the
+    PyTorch reference (interpreter), into a strided slot of the stacked operand, in two launch configs (one
+    tile per program; several rows per amax program and several column tiles per quantize program, the last
+    partial where K allows), with NaN and inf rows (an inf makes its group's scale 1, a NaN is ignored by the
+    amax)."""
     from quads.kernels import factored_quant
 
     x, segs = _rac_rows(k + len(counts), k, counts, masked)
     if x.shape[0] > 3:
         x[1, 3], x[2, 5] = float("nan"), float("inf")
+    amax = segs.row_max(factored.row_amax(x))
+    ref_u, ref_g, ref_r = factored_quant.quantize_units_reference(x, amax, dtype=dtype, residual=residual)
     for slot in (1,) if k >= 512 else (0, 1):  # the second slot: rows strided and offset in the stacked operand
         want = torch.zeros(x.shape[0], 2, k, dtype=dtype)
         with dispatch.kernels("triton"):
-            gw, rw = factored.units(x, segs.row_max(factored.row_amax(x)), want, slot, residual=residual)
+            gw, rw = factored.units(x, amax, want, slot, residual=residual)
+        assert _same_bits(want[:, slot], ref_u) and _same_bits(gw, ref_g)
+        assert (rw is None and ref_r is None) or _same_bits(rw, ref_r)
         got = torch.zeros_like(want)
         gg, rg = factored_quant.group_units_op(x, segs.group, segs.groups, got, slot, residual=residual)
-        # the launch config of one program per (group, column block), the last block partial where K allows
         cols = torch.zeros_like(want)
+        bk = 32 if k < 512 else 128
         gc, rc = factored_quant.group_units(x, segs.group, segs.groups, cols[:, slot], residual=residual,
-                                            block_k=32 if k < 512 else 128, column_blocks=True)
+                                            block_m=4, block_k=bk, cols=2 * bk, amax_block_m=16)
         for u, g, r in ((got, gg, rg), (cols, gc, rc)):
             assert _same_bits(u, want) and _same_bits(g, gw)
             assert (r is None and rw is None) or _same_bits(r, rw)
     with pytest.raises(ValueError, match="multiple of 16"):
         factored_quant.group_units(x[:, :40], segs.group, segs.groups, got[:, 0, :40])
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        factored_quant.group_units(x, segs.group, segs.groups, got[:, 0], block_k=32, cols=48)
 
 
 def test_operands_quantize_decode_groups_in_one_launch(monkeypatch):

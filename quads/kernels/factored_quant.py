@@ -36,21 +36,26 @@ if HAS_TRITON:
         _units_tile,
         rows_absmax,
     )
-    from quads.kernels.rac_select import _group_rows
 
     @triton.jit
     def _quantize_units_kernel(
-        x_ptr, amax_ptr, idx_ptr, u_ptr, g_ptr, r_ptr, codes_ptr, scales_ptr, M, K, W, stride_xm, stride_um,
-        GATHER: tl.constexpr, RESIDUAL: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        x_ptr, amax_ptr, group_ptr, idx_ptr, u_ptr, g_ptr, r_ptr, codes_ptr, scales_ptr, M, K, W, stride_xm,
+        stride_um, COLS, GROUPED: tl.constexpr, GATHER: tl.constexpr, RESIDUAL: tl.constexpr, CODES: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """Rows ``[BLOCK_M]`` x the quantized width W (K, or n gathered channels) in steps of BLOCK_K."""
+        """Program (i, c): rows ``[i BLOCK_M, (i + 1) BLOCK_M)`` x columns ``[c COLS, (c + 1) COLS)`` of the
+        quantized width W (K, or n gathered channels) in steps of BLOCK_K; the row's amax is ``amax[row]``, or
+        ``amax[group[row]]`` with GROUPED."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
-        amax = tl.load(amax_ptr + rows, mask=rmask, other=0.0)
+        if GROUPED:
+            amax = tl.load(amax_ptr + tl.load(group_ptr + rows, mask=rmask, other=0), mask=rmask, other=0.0)
+        else:
+            amax = tl.load(amax_ptr + rows, mask=rmask, other=0.0)
         s_enc, s_dec = _global_scales(amax)
-        tl.store(g_ptr + rows, s_dec, mask=rmask)
-        for k0 in range(0, W, BLOCK_K):
+        c0 = tl.program_id(1) * COLS
+        tl.store(g_ptr + rows, s_dec, mask=rmask & (rows * 0 + c0 == 0))  # by the first column block
+        for k0 in range(c0, c0 + COLS, BLOCK_K):
             j = k0 + tl.arange(0, BLOCK_K)
             m = rmask[:, None] & (j[None, :] < W)
             if GATHER:
@@ -66,32 +71,15 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def _group_units_kernel(
-        x_ptr, group_ptr, u_ptr, g_ptr, r_ptr, M, K, stride_xm, stride_um, COLS,
-        RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
-    ):  # fmt: skip
-        """Program (g, c) of the grid (G + 1, K / COLS), rows sorted by group: group g's rows ``[start, end)``,
-        their NaN-ignoring amax over all K (the group's global scale, as ``row_amax`` then
-        ``Segments.row_max``), then columns ``[c COLS, (c + 1) COLS)`` of those rows quantized as
-        ``_quantize_units_kernel`` does with that amax (COLS >= K: one program per group; a multiple of
-        BLOCK_K below K: the group's programs each read its rows again for the amax, a few KB at decode)."""
-        start, end = _group_rows(group_ptr, tl.program_id(0), M, False, BLOCK_G)
-        amax = tl.max(tl.zeros((BLOCK_M,), tl.float32), axis=0)
-        for r0 in range(start, end, BLOCK_M):
-            rows = r0 + tl.arange(0, BLOCK_M)
-            amax = tl.maximum(amax, tl.max(rows_absmax(x_ptr + rows * stride_xm, rows < end, K, BLOCK_M, BLOCK_K), axis=0))
-        s_enc, s_dec = _global_scales(tl.zeros((BLOCK_M,), tl.float32) + amax)
-        c0 = tl.program_id(1) * COLS
-        for r0 in range(start, end, BLOCK_M):
-            rows = r0 + tl.arange(0, BLOCK_M)
-            rmask = rows < end
-            tl.store(g_ptr + rows, s_dec, mask=rmask & (rows * 0 + c0 == 0))  # by the first column block
-            for k0 in range(c0, c0 + COLS, BLOCK_K):
-                j = k0 + tl.arange(0, BLOCK_K)
-                m = rmask[:, None] & (j[None, :] < K)
-                x = tl.load(x_ptr + rows[:, None] * stride_xm + j[None, :], mask=m, other=0.0).to(tl.float32)
-                _, _, u = _units_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K)
-                _store_units(u_ptr, r_ptr, x, u, s_dec, rows, j[None, :], m, stride_um, K, RESIDUAL)
+    def _group_amax_kernel(x_ptr, group_ptr, amax_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr,
+                           BLOCK_K: tl.constexpr):  # fmt: skip
+        """``amax[group[r]] = max(amax[group[r]], max |x[r, :]|)`` for rows ``[i BLOCK_M, (i + 1) BLOCK_M)``,
+        NaN ignored (``amax`` zero-filled by the caller; one atomic max per row, exact and order-free)."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        row_max = rows_absmax(x_ptr + rows * stride_xm, rmask, K, BLOCK_M, BLOCK_K)
+        grp = tl.load(group_ptr + rows, mask=rmask, other=0)
+        tl.atomic_max(amax_ptr + grp, row_max, mask=rmask, sem="relaxed")
 
 
 def quantize_units(
@@ -103,15 +91,18 @@ def quantize_units(
     residual: bool = False,
     codes: bool = False,
     out: torch.Tensor | None = None,
-    block_m: int = 16,
-    block_k: int = 256,
+    block_m: int = 8,
+    block_k: int = 128,
+    cols: int | None = None,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, ...]:
     """``(u [M, K] in dtype, g [M] fp32, r [M, K] fp32 or None)`` of ``x`` ``[M, K]`` with amax ``[M]``
     (see the module docstring; ``index`` ``[M, n]``: gathered quantization, ``u`` scattered, zero elsewhere;
     ``residual`` only without ``index``). ``codes``: also the packed codes ``[M, W/2]`` and E4M3 scales
     ``[M, W/16]`` (W = K or n) as two more outputs. ``out``: write ``u`` there (``[M, K]``, rows may be
-    strided, e.g. one slice of a stacked operand; zero-filled by the caller when ``index`` is given)."""
+    strided, e.g. one slice of a stacked operand; zero-filled by the caller when ``index`` is given).
+    Launch config: one program per ``block_m`` rows x ``cols`` columns (a multiple of ``block_k``; None:
+    ``block_k``, one tile per program)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use quantize_units_reference")
     if residual and index is not None:
@@ -121,27 +112,14 @@ def quantize_units(
     width = k if index is None else index.shape[1]
     if width % NVFP4_BLOCK:
         raise ValueError(f"quantize_units needs a width multiple of {NVFP4_BLOCK}, got {width}")
-    amax = amax.reshape(m).float().contiguous()
     if out is None:
         u = (torch.empty if index is None else torch.zeros)(m, k, dtype=dtype, device=x.device)
-    elif out.shape != (m, k) or out.stride(-1) != 1:
-        raise ValueError(f"quantize_units: out must be [{m}, {k}] with unit stride along K, got "
-                         f"{tuple(out.shape)} strides {out.stride()}")
     else:
+        _check_out(out, m, k, "quantize_units")
         u = out
-    g = torch.empty(m, dtype=torch.float32, device=x.device)
-    r = torch.empty(m, k, dtype=torch.float32, device=x.device) if residual else g
-    idx = g if index is None else index.contiguous()
-    cd = torch.empty(m, width // 2, dtype=torch.uint8, device=x.device) if codes else g
-    sc = torch.empty(m, width // NVFP4_BLOCK, dtype=torch.uint8, device=x.device) if codes else g
-    bk = max(NVFP4_BLOCK, min(block_k, triton.next_power_of_2(width)))
-    _quantize_units_kernel[(triton.cdiv(m, block_m),)](
-        x, amax, idx, u, g, r, cd, sc, m, k, width, x.stride(0), u.stride(0),
-        GATHER=index is not None, RESIDUAL=residual, CODES=codes, BLOCK_M=block_m, BLOCK_K=bk,
-        num_warps=num_warps, **EXACT,
-    )  # fmt: skip
-    out = (u, g, r if residual else None)
-    return out + (cd, sc.view(torch.float8_e4m3fn)) if codes else out
+    g, r = _launch_units(x, amax.reshape(m).float().contiguous(), None, index, u, residual, codes, block_m, block_k,
+                         cols, num_warps)
+    return (u, g) + r
 
 
 GROUP_UNITS_MAX_ROWS = 64  # group_units when the groups hold at most this many rows on average (decode)
@@ -154,38 +132,65 @@ def group_units(
     out: torch.Tensor,
     *,
     residual: bool = False,
-    block_m: int = 16,
-    block_k: int = 256,
-    column_blocks: bool = False,
+    block_m: int = 8,
+    block_k: int = 128,
+    cols: int | None = None,
+    amax_block_m: int = 4,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``quantize_units`` of rows sorted by group (``group`` ``[M]`` ascending in ``[0, groups]``, as
-    ``factored.Segments``) with each group's NaN-ignoring amax as the global scale, in one launch: one
-    program per group finds its rows, takes their amax and quantizes them, writing ``u`` into ``out``
-    (``[M, K]``, rows may be strided) -> ``(g [M], r [M, K] fp32 or None)``. The same bits as ``row_amax``,
-    ``Segments.row_max`` and ``quantize_units`` (three to five launches); a group's rows are one program's
-    sequential pass, so it is for few rows per group (``GROUP_UNITS_MAX_ROWS``: the decode step).
-    ``column_blocks``: a launch config, one program per (group, ``block_k`` columns) instead of per group,
-    each reading its group's rows again for the amax (the same bits; for wide K with few groups)."""
+    """``quantize_units`` of rows sorted by group (``group`` ``[M]`` in ``[0, groups]``, as ``factored.Segments``)
+    with each group's NaN-ignoring amax as the global scale, writing ``u`` into ``out`` (``[M, K]``, rows may be
+    strided) -> ``(g [M], r [M, K] fp32 or None)``. Two launches: the group amaxes (one program per
+    ``amax_block_m`` rows, an atomic max per row into a zeroed ``[groups + 1]``), then ``quantize_units``'
+    kernel reading each row's amax through its group. The same bits as ``row_amax``, ``Segments.row_max`` and
+    ``quantize_units`` (three to five launches); one atomic per row into ``groups + 1`` addresses, so it is for
+    few rows per group (``GROUP_UNITS_MAX_ROWS``: the decode step). ``block_m``, ``block_k``, ``cols``: the
+    quantize's launch config, as ``quantize_units``."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use row_amax, Segments.row_max and quantize_units_reference")
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, k = x.shape
     if k % NVFP4_BLOCK:
         raise ValueError(f"group_units needs a width multiple of {NVFP4_BLOCK}, got {k}")
-    if group.shape != (m,) or out.shape != (m, k) or out.stride(-1) != 1:
-        raise ValueError(f"group_units: expected group [{m}] and out [{m}, {k}] with unit stride along K, got "
-                         f"{tuple(group.shape)} and {tuple(out.shape)} strides {out.stride()}")
-    g = torch.empty(m, dtype=torch.float32, device=x.device)
-    r = torch.empty(m, k, dtype=torch.float32, device=x.device) if residual else g
-    bk = max(NVFP4_BLOCK, min(block_k, triton.next_power_of_2(k)))
-    cols = bk if column_blocks else triton.cdiv(k, bk) * bk
-    _group_units_kernel[(groups + 1, triton.cdiv(k, cols))](
-        x, group.contiguous(), out, g, r, m, k, x.stride(0), out.stride(0), cols,
-        RESIDUAL=residual, BLOCK_M=block_m, BLOCK_K=bk, BLOCK_G=min(1024, triton.next_power_of_2(max(m, 1))),
+    if group.shape != (m,):
+        raise ValueError(f"group_units: expected group [{m}], got {tuple(group.shape)}")
+    _check_out(out, m, k, "group_units")
+    group = group.contiguous()
+    amax = torch.zeros(groups + 1, dtype=torch.float32, device=x.device)
+    _group_amax_kernel[(triton.cdiv(m, amax_block_m),)](
+        x, group, amax, m, k, x.stride(0), BLOCK_M=amax_block_m, BLOCK_K=min(256, triton.next_power_of_2(k)),
         num_warps=num_warps, **EXACT,
     )  # fmt: skip
-    return g, (r if residual else None)
+    g, r = _launch_units(x, amax, group, None, out, residual, False, block_m, block_k, cols, num_warps)
+    return g, r[0]
+
+
+def _check_out(out: torch.Tensor, m: int, k: int, name: str) -> None:
+    if out.shape != (m, k) or out.stride(-1) != 1:
+        raise ValueError(f"{name}: out must be [{m}, {k}] with unit stride along K, got {tuple(out.shape)} "
+                         f"strides {out.stride()}")
+
+
+def _launch_units(x, amax, group, index, u, residual, codes, block_m, block_k, cols, num_warps):
+    """``_quantize_units_kernel`` over ``x`` into ``u`` -> ``(g, (r or None,) + (codes, scales) if codes)``."""
+    m, k = x.shape
+    width = k if index is None else index.shape[1]
+    g = torch.empty(m, dtype=torch.float32, device=x.device)
+    r = torch.empty(m, k, dtype=torch.float32, device=x.device) if residual else g
+    idx = g if index is None else index.contiguous()
+    cd = torch.empty(m, width // 2, dtype=torch.uint8, device=x.device) if codes else g
+    sc = torch.empty(m, width // NVFP4_BLOCK, dtype=torch.uint8, device=x.device) if codes else g
+    bk = max(NVFP4_BLOCK, min(block_k, triton.next_power_of_2(width)))
+    cols = bk if cols is None else cols
+    if cols % bk:
+        raise ValueError(f"quantize launch: cols={cols} must be a multiple of block_k={bk}")
+    _quantize_units_kernel[(triton.cdiv(m, block_m), triton.cdiv(width, cols))](
+        x, amax, amax if group is None else group, idx, u, g, r, cd, sc, m, k, width, x.stride(0), u.stride(0), cols,
+        GROUPED=group is not None, GATHER=index is not None, RESIDUAL=residual, CODES=codes, BLOCK_M=block_m,
+        BLOCK_K=bk, num_warps=num_warps, **EXACT,
+    )  # fmt: skip
+    rest = (r if residual else None,)
+    return g, rest + (cd, sc.view(torch.float8_e4m3fn)) if codes else rest
 
 
 def quantize_units_reference(

@@ -560,6 +560,14 @@ def _cfg(kernel: str, case: str, **explicit) -> dict:
     return cfg
 
 
+def grouped_case(t: int, e: int, n: int, k: int) -> str:
+    """The ``w4a16_grouped_gemm`` tuning case of ``t`` rows over ``e`` experts of ``[n, k]`` weights: decode (at
+    most ``GROUPED_DECODE_ROWS`` rows per expert on average) or prefill, as ``n{n}_k{k}_<case>`` where the
+    table has that shape."""
+    case = "decode" if t <= GROUPED_DECODE_ROWS * e else "prefill"
+    return f"n{n}_k{k}_{case}" if f"n{n}_k{k}_{case}" in tuning.table()["w4a16_grouped_gemm"] else case
+
+
 def m_bucket(m: int) -> str:
     """The ``w4a16_gemm`` tuning case of ``m`` rows: m1, m4, m16, m32, m64 (the smallest not below m) or
     large."""
@@ -748,7 +756,8 @@ def grouped_gemm(
     decoded by ``dequantize_bf16``, with the rows past ``ends[E-1]`` zeroed.
 
     Launch config: ``tuning.json`` ``w4a16_grouped_gemm.decode`` at <= ``GROUPED_DECODE_ROWS`` rows per
-    expert on average (``T <= 16 E``), else ``.prefill``; explicit arguments override it; ``block_m``
+    expert on average (``T <= 16 E``), else ``.prefill`` (``.n{N}_k{K}_decode`` / ``_prefill`` where the table
+    has that weight shape, and ``w4a16_grouped_cuda`` the same key for the CUDA backend's config); explicit arguments override it; ``block_m``
     null picks ``grouped_block_m``, ``split_k`` null (or 0) ``grouped_split_for``; ``max_registers``
     (null: the compiler's choice) caps the registers per thread (PTX ``.maxnreg``), which trades spills
     for resident warps: the decode config's 225 registers allow 2 blocks of 4 warps per SM (Nsight
@@ -771,7 +780,7 @@ def grouped_gemm(
                          f"expert), got {ends.dtype} {tuple(ends.shape)} on {ends.device}")  # fmt: skip
     x = x.contiguous()
     t, k, n = x.shape[0], w.k, w.n
-    case = "decode" if t <= GROUPED_DECODE_ROWS * e else "prefill"
+    case = grouped_case(t, e, n, k)
     d = _cfg("w4a16_grouped_gemm", case, block_m=block_m, block_n=block_n, block_k=block_k,
              num_warps=num_warps, num_stages=num_stages, split_k=split_k, max_registers=max_registers, sub_k=sub_k)  # fmt: skip
     rpe = fused_max_rows_per_expert
@@ -785,7 +794,7 @@ def grouped_gemm(
     if choice == "cuda":
         from quads.kernels import w4a16_cuda
 
-        c = tuning.config("w4a16_grouped_cuda", "decode")
+        c = tuning.config("w4a16_grouped_cuda", case if case in tuning.table()["w4a16_grouped_cuda"] else "decode")
         c["nt"] = c["nt"] or w4a16_cuda.rows_per_pass(t, e, c["ng"], c["warps"], c["ksplit"])
         if w4a16_cuda.supports(x, n, k, c["ng"], c["warps"], c["ksplit"]):
             return w4a16_cuda.grouped_gemm(x, w.codes, w.scales, w.global_scale, ends, n, k, **c)
