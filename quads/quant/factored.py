@@ -198,15 +198,15 @@ def operands(
     ``quads::rac_units`` (``quads.kernels.rac_select``: two or three kernels, the same bits as the steps
     below; ``rac_method``: its selection algorithm, ``sort`` / ``count``, None for its default;
     ``fused_rac=False`` runs the steps instead, for benchmarks and tests). The activation operand of rows
-    in groups (``per_token=False``) with few rows per group (the decode step) is one Triton launch,
-    ``quads::group_units`` (the group amax and the quantize; ``fused_amax=False``: ``row_amax``,
+    in groups (``per_token=False``) with few rows per group (the decode step) is ``quads::group_units``
+    (the group amaxes by atomic max, then the quantize: two launches; ``fused_amax=False``: ``row_amax``,
     ``Segments.row_max`` and ``units``, the same bits).
     """
     if selection not in ("dynamic", "static"):
         raise ValueError(f"unknown RAC selection {selection!r}; valid: dynamic, static")
     need_r = n > 0 or observe is not None
     buf = torch.empty(x.shape[0], 2 if n else 1, x.shape[1], dtype=dtype, device=x.device)  # [M, P, K]
-    if fused_amax and _group_units(x, segs, per_token):  # one launch: group amax + quantize (decode)
+    if fused_amax and _group_units(x, segs, per_token):  # group amax + quantize (decode)
         from quads.kernels.factored_quant import group_units_op
 
         gx, r = group_units_op(x, segs.group, segs.groups, buf, 0, residual=need_r)
@@ -242,7 +242,7 @@ def operands(
 
 
 def _group_units(x: torch.Tensor, segs: Segments, per_token: bool) -> bool:
-    """Whether ``operands`` quantizes ``x`` with ``group_units`` (one program per group; shapes only)."""
+    """Whether ``operands`` quantizes ``x`` with ``group_units`` (few rows per group; shapes only)."""
     from quads.kernels.factored_quant import GROUP_UNITS_MAX_ROWS
 
     return (not per_token and segs.group is not None and x.shape[0] <= GROUP_UNITS_MAX_ROWS * segs.groups
