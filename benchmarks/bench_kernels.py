@@ -175,6 +175,11 @@ def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
             else:
                 t = time_graph([lambda p=p: w4a16.gemm(x, p) for p in packed])
             wbytes = n * k // 2 + n * k // 16
+            if m <= 64:  # the CUDA grouped decode kernel on the weight as a one-expert stack (ends = [M])
+                ones = [(None, p.as_stack()) for p in packed]
+                ends = torch.full((1,), m, dtype=torch.int32, device="cuda")
+                _bench_moe_cuda(rows, x, ones, ends, n, k, f"M={m} N={n} K={k}", t, t_bf, wbytes, copy_bw,
+                                bench="W4A16 GEMM cuda (one-expert stack)")
             rows.append({"bench": "W4A16 GEMM", "shape": f"M={m} N={n} K={k}", "us": t * 1e6,
                          "fused_us": t_fused * 1e6, "gemv_us": t_gemv * 1e6, "gemv_x_vs_bf16": t_bf / t_gemv,
                          "fused_x_vs_bf16": t_bf / t_fused,
@@ -228,9 +233,12 @@ def bench_moe(rows: list, quick: bool, copy_bw: float) -> None:
         torch.cuda.empty_cache()
 
 
-def _bench_moe_cuda(rows, x, sets, ends, n, k, shape, t_triton, t_bf, wbytes, copy_bw) -> None:
+def _bench_moe_cuda(rows, x, sets, ends, n, k, shape, t_triton, t_bf, wbytes, copy_bw,
+                    bench="grouped MoE W4A16 cuda") -> None:
     """The CUDA grouped decode kernel (``w4a16_cuda``, each compiled config that takes the shape) on the same
-    weight sets and routes as the Triton row beside it; a failed build or launch is a row with its error."""
+    weight sets and routes as the Triton row beside it (``x_vs_triton``: against ``t_triton``, the Triton
+    launcher's time; ``x_vs_bf16`` against ``t_bf``, cuBLAS or ``torch._grouped_mm``); a failed build or launch is
+    a row with its error."""
     from quads.kernels import w4a16, w4a16_cuda
 
     if not w4a16_cuda.available():
@@ -239,7 +247,7 @@ def _bench_moe_cuda(rows, x, sets, ends, n, k, shape, t_triton, t_bf, wbytes, co
     for ng, nt, warps, ksplit in w4a16_cuda.CONFIGS:
         if not w4a16_cuda.supports(x, n, k, ng, warps, ksplit):
             continue
-        row = {"bench": "grouped MoE W4A16 cuda", "shape": shape, "cfg": [ng, nt, warps, ksplit]}
+        row = {"bench": bench, "shape": shape, "cfg": [ng, nt, warps, ksplit]}
         try:
             fns = [lambda p=p: w4a16_cuda.grouped_gemm(x, p.codes, p.scales, p.global_scale, ends, n, k, ng=ng, nt=nt,
                                                        warps=warps, ksplit=ksplit) for _, p in sets]  # fmt: skip

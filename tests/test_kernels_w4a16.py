@@ -322,6 +322,20 @@ def test_grouped_gemm_matches_reference(t, e, n, k, masked):
     _bf16_close(got, ref, "vs moe.grouped_mm")
 
 
+def test_a_single_weight_is_a_one_expert_stack():
+    """``W4A16Weight.as_stack``: views of the single weight's tensors whose grouped GEMM over ``ends = [M]``
+    is the dense GEMM (to fp32 summation order) and whose unpacked stack is the canonical weight, byte for byte."""
+    q = _weight((48, 208))
+    p = w4a16.pack(q)
+    s = p.as_stack()
+    assert s.experts == 1 and s.codes.data_ptr() == p.codes.data_ptr() and s.as_stack() is s
+    x = _x(5, 208)
+    _bf16_close(w4a16.grouped_gemm(x, s, torch.tensor([5], dtype=torch.int32, device=DEV)),
+                w4a16.gemm_reference(x, p), "one-expert stack")
+    u = w4a16.unpack(s)
+    assert torch.equal(u.codes[0], q.codes) and torch.equal(u.scales[0].view(torch.uint8), q.scales.view(torch.uint8))
+
+
 def test_grouped_gemm_max_registers_changes_no_bit():
     """``max_registers`` (PTX .maxnreg) is a launch option: the same bits under a cap (on the GPU, where the
     cap is applied; the interpreter has no registers), and a clear error outside PTX's range."""

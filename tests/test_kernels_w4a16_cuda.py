@@ -89,6 +89,24 @@ def test_cuda_grouped_matches_the_reference(cfg, tokens, e, n, k, topk, skew):
     assert _rel(got, w4a16.grouped_gemm(x, p, routes.ends, backend="triton")) < 2.0**-8
 
 
+@pytest.mark.parametrize("cfg", w4a16_cuda.CONFIGS, ids=str)
+def test_cuda_grouped_on_a_one_expert_stack_is_the_dense_gemm(cfg):
+    """A single weight as a one-expert stack (``as_stack``, ``ends = [M]``; the bench's dense CUDA rows) at
+    M = 1 and 16: within one BF16 ulp of the dense reference."""
+    ng, nt, warps, ksplit = cfg
+    n, k = 1024, 2048
+    torch.manual_seed(1)
+    w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+    p = w4a16.pack(nvfp4.quantize(w))
+    s = p.as_stack()
+    for m in (1, 16):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        ends = torch.full((1,), m, dtype=torch.int32, device="cuda")
+        got = w4a16_cuda.grouped_gemm(x, s.codes, s.scales, s.global_scale, ends, n, k, ng=ng, nt=nt, warps=warps,
+                                      ksplit=ksplit)
+        _bf16_close(got, w4a16.gemm_reference(x, p), f"cuda {cfg} dense M={m}")
+
+
 def test_cuda_backend_refuses_what_it_cannot_run():
     """Asked for explicitly, the CUDA backend refuses K not a multiple of 64 (chosen by the table, it would run the
     Triton kernel, as the table's default does here); its graph replay after a weight refresh is

@@ -48,6 +48,7 @@ twins the kernels are tested against.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,13 @@ class W4A16Weight:
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.codes, self.scales, self.global_scale
+
+    def as_stack(self) -> W4A16Weight:
+        """A single weight as a one-expert stack (views of the same tensors: the layout per expert is the
+        single weight's), for the grouped kernels with ``ends = [M]``; a stack is returned as it is."""
+        if self.experts is not None:
+            return self
+        return dataclasses.replace(self, codes=self.codes.unsqueeze(0), scales=self.scales.unsqueeze(0), experts=1)
 
     def copy_(self, other: W4A16Weight) -> bool:
         """Copy ``other`` into these tensors in place (a captured CUDA graph keeps reading them);
