@@ -73,7 +73,7 @@ from quads.bench import cpu_name  # noqa: E402
 from quads.bench import timer as timer_of  # noqa: E402
 from quads.model import ModelConfig, MoEForCausalLM  # noqa: E402
 from quads.model.tokenizer import CharTokenizer  # noqa: E402
-from quads.quant import quantize_model  # noqa: E402
+from quads.quant import calibrate_static_channels, quantize_model  # noqa: E402
 from quads.quant.layers import refresh_stale  # noqa: E402
 from quads.quant.recipe import LinearSpec, Recipe  # noqa: E402
 from quads.rl.compiled import CompiledForward  # noqa: E402
@@ -86,7 +86,19 @@ ROLLOUT_RECIPES = {
     "w4a16": LinearSpec.of(weight="nvfp4"),
     "w4a4": LinearSpec.of(weight="nvfp4", act="nvfp4"),
     "w4a4+rac50": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5),
+    # RAC with the calibrated channel order (no per-step selection): calibrated once on the prompts, as a weight
+    # sync does with the rollouts' statistics
+    "w4a4+rac50-static": LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5, rac_selection="static"),
 }
+
+
+def _quantized(model, name: str, spec: LinearSpec, prompts: list[list[int]], device: str) -> None:
+    """``model`` quantized for the rollout recipe ``name``; a static-RAC recipe's orders calibrated on ``prompts``."""
+    quantize_model(model, Recipe(f"bench-{name}", rollout=spec), side="rollout", verbose=False)
+    if spec.rac_ratio > 0 and spec.rac_selection == "static":
+        ids = torch.tensor(prompts, device=device)
+        with torch.no_grad():
+            calibrate_static_channels(model, lambda m: m(ids))
 
 
 def env_info(device: str) -> dict:
@@ -211,7 +223,7 @@ def bench_rollout(args, rows: list) -> None:
                 if args.recipes and name not in args.recipes.split(","):
                     continue
                 model = _model(preset, args.device, "bfloat16").requires_grad_(False)
-                quantize_model(model, Recipe(f"bench-{name}", rollout=spec), side="rollout", verbose=False)
+                _quantized(model, name, spec, prompts, args.device)
                 _set_experts_path(model, path)
                 wb = weight_bytes(model)
                 long = min(args.long_tokens, model.config.max_seq_len - args.prompt_len)  # tiny: 496
@@ -361,7 +373,7 @@ def profile_decode(args, rows: list) -> None:
         for name in [r.strip() for r in args.profile_recipes.split(",") if r.strip()]:
             spec = ROLLOUT_RECIPES[name]
             model = _model(preset, args.device, "bfloat16").requires_grad_(False)
-            quantize_model(model, Recipe(f"bench-{name}", rollout=spec), side="rollout", verbose=False)
+            _quantized(model, name, spec, prompts, args.device)
             compiles = [c.strip() == "on" for c in args.compile.split(",") if c.strip()]
             modes = ([(True, c) for c in compiles] if cuda else []) + [(False, False)]
             for graphs, comp in modes:

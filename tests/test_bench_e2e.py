@@ -15,7 +15,7 @@ def test_bench_e2e_quick(tmp_path, capsys):
     data = json.loads(out.read_text())
     rows = data["rows"]
     roll = {(r["recipe"], r["experts"]): r for r in rows if r["suite"] == "rollout"}
-    recipes = {"bf16", "fp8", "w4a16", "w4a4", "w4a4+rac50"}
+    recipes = {"bf16", "fp8", "w4a16", "w4a4", "w4a4+rac50", "w4a4+rac50-static"}
     assert set(roll) == {(n, p) for n in recipes for p in ("grouped", "loop")}
     assert all(r["tokens_per_s"] > 0 and r["decode_ms_per_step"] > 0 for r in roll.values())
     assert roll["bf16", "grouped"]["vs_bf16"] == 1.0 and roll["w4a4", "loop"]["vs_grouped"] > 0

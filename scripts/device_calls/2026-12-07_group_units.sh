@@ -4,7 +4,7 @@
 # gate_up / down call, ~0.55 ms of the W4A4 step). One H200, <= 540 s from its start:
 #   1. the GPU bit-exactness tests of the operand (fused RAC + W4A4 operands against the steps and the reference);
 #   2. bench_kernels' rac suite (group_units per launch config, the W4A4 and RAC 50% operands);
-#   3. the 1b rollout, all four recipes (the JSON is written row by row, so a cut call keeps the rows done).
+#   3. the 1b rollout, all five recipes (static RAC too) (the JSON is written row by row, so a cut call keeps the rows done).
 # OUT=$OUT bash scripts/device_calls/2026-12-07_group_units.sh
 export PYTHONPATH=.; mkdir -p $OUT; git rev-parse HEAD > $OUT/tree.txt 2>&1; git status --short >> $OUT/tree.txt
 T0=$(date +%s); left() { echo $(( 540 - ($(date +%s) - T0) )); }
@@ -15,7 +15,7 @@ echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/gpu_tests.txt
 timeout $(cap 90) python3 benchmarks/bench_kernels.py --only rac --json $OUT/bench_rac.json > $OUT/bench_rac.log 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/bench_rac.log
 timeout $(cap 360) python3 benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 --long-tokens 0 \
-  --graphs on --compile on --recipes bf16,w4a16,w4a4,w4a4+rac50 --json $OUT/e2e_1b.json > $OUT/e2e_1b.log 2>&1
+  --graphs on --compile on --recipes bf16,w4a16,w4a4,w4a4+rac50,w4a4+rac50-static --json $OUT/e2e_1b.json > $OUT/e2e_1b.log 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e_1b.log
 tail -n 2 $OUT/gpu_tests.txt; grep -h "rc=" $OUT/*.log; grep -h "x bf16" $OUT/e2e_1b.log | cut -c1-200
 python3 -c "

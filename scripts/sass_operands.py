@@ -1,0 +1,98 @@
+"""SASS of the W4A4 (+RAC) activation-operand kernels for sm_90, compiled offline (no GPU):
+
+    PYTHONPATH=. python scripts/sass_operands.py [--out FILE [--append]] [--label TEXT]
+
+Compiles, with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` in the launch configs the 1b decode step uses
+(1,024 routed rows over 64 experts; K = 1,024 for gate_up), the kernels of ``factored.operands``:
+
+- ``_group_amax_kernel`` and ``_quantize_units_kernel`` (grouped: ``group_units``), instructions per element of one
+  pass of their loop body (one tile per program at the default config);
+- ``_rac_select_kernel`` (RAC's selection, one program per expert: the fp64 channel norms, then the bitonic sort of
+  the K (key, channel) pairs, fully unrolled) and ``_rac_units_sel_kernel`` (one row per program): instructions per
+  thread, barriers and shared-memory instructions, the issue-side cost of one program.
+
+These are static counts (each loop body once): with a program's trip counts they bound the issue time of a call
+from below, the latency side is the GPU's (docs/PERF.md, "Runs 30-34").
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sass_w4a16 import add_output_args, registers_of, write_rows  # noqa: E402
+
+from quads.kernels import factored_quant, rac_select  # noqa: E402
+
+# pointer element types by argument name; the other non-constexpr arguments are i32
+PTR = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "group_ptr": "*i64", "idx_ptr": "*i64", "u_ptr": "*bf16", "g_ptr": "*fp32",
+       "r_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8", "s_ptr": "*i64", "rank_ptr": "*i32",
+       "gmax_ptr": "*fp32"}  # fmt: skip
+# i32 arguments a multiple of 16 at the 1b decode shapes, as the launcher's JIT specializes them
+DIV16 = ("M", "K", "W", "n", "stride_xm", "stride_um", "COLS")
+# (what, kernel, constexprs, num_warps, elements per thread in one pass of the body or None, exact: no FMA contraction)
+CASES = [
+    ("group amax (group_units, 4 rows x 256 columns a pass)", factored_quant._group_amax_kernel,
+     {"BLOCK_M": 4, "BLOCK_K": 256}, 4, 4 * 256 // 128, True),
+    ("quantize, grouped (group_units, 8 x 128 tile)", factored_quant._quantize_units_kernel,
+     {"GROUPED": True, "GATHER": False, "RESIDUAL": False, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
+     8 * 128 // 128, True),
+    ("quantize, grouped, residual written (RAC's first step)", factored_quant._quantize_units_kernel,
+     {"GROUPED": True, "GATHER": False, "RESIDUAL": True, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
+     8 * 128 // 128, True),
+    ("RAC select (K 1024: norms + bitonic sort of 1024 pairs)", rac_select._rac_select_kernel,
+     {"ONE_GROUP": False, "PER_TOKEN": False, "ROWS": 4, "BLOCK_G": 1024, "LOG_K": 10, "INTERP": False}, 8, None, False),
+    ("RAC units (one row, n 512 of K 1024)", rac_select._rac_units_sel_kernel,
+     {"ONE_GROUP": False, "PER_TOKEN": False, "BLOCK_M": 1, "BLOCK_N": 512, "BLOCK_K": 1024}, 4, None, True),
+]  # fmt: skip
+
+
+def compile_case(fn, consts: dict, warps: int, exact: bool) -> tuple[str, int | None]:
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else PTR.get(n, "i32") for n in names}
+    div = [i for i, n in enumerate(names) if n in PTR or n in DIV16]
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in div})
+    opts = {"num_warps": warps, **({"enable_fp_fusion": False} if exact else {})}
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    from triton.tools.disasm import get_sass
+
+    return get_sass(k.asm["cubin"]), registers_of(k.asm["cubin"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_output_args(ap)
+    args = ap.parse_args(argv)
+    rows = []
+    for what, fn, consts, warps, per_thread, exact in CASES:
+        sass, regs = compile_case(fn, consts, warps, exact)
+        ins = [line.split("\t", 1)[1].strip() for line in sass.splitlines() if "\t" in line]
+        ins = ins[: max(i for i, x in enumerate(ins) if x.startswith("EXIT")) + 1]  # not the trap loop and padding
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split(" ")[0] for i in ins)
+        bars = sum(v for o, v in ops.items() if o.startswith("BAR"))
+        smem = sum(v for o, v in ops.items() if o.split(".")[0] in ("LDS", "STS"))
+        row = {**({"code": args.label} if args.label else {}), "kernel": fn.fn.__name__, "case": what, "warps": warps,
+               "constexprs": consts, "instructions": len(ins), "barriers": bars, "shared_memory_instructions": smem,
+               "registers": regs, "opcodes": dict(ops.most_common())}  # fmt: skip
+        if per_thread:
+            row["elements_per_thread"] = per_thread
+            row["instructions_per_element"] = round(len(ins) / per_thread, 2)
+        rows.append(row)
+        extra = f" = {len(ins) / per_thread:.1f} per element ({per_thread} a thread)" if per_thread else ""
+        print(f"{what}: {len(ins)} instructions{extra}; {bars} barriers, {smem} shared-memory; {regs} registers")
+        print("   ", ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
+    print("triton", triton.__version__)
+    write_rows(args.out, rows, args.append)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
