@@ -336,7 +336,8 @@ def bench_rac(rows: list) -> None:
     with each selection method (``sort``: a bitonic sort per expert; ``count``: K x K rank counting; ``us``
     is the default method's) against the step-by-step path (same Triton quantize kernels, torch
     selection), W4A4 alone (``w4a4_us``: the one-launch operand, ``factored_quant.group_units``;
-    ``w4a4_steps_us``: row amax, group max and quantize as three steps), and ``group_units`` alone per launch
+    ``w4a4_steps_us``: row amax, group max and quantize as three steps), RAC 50% with a calibrated channel order
+    (``static_us``: ``quads::rac_static_units`` and the norms it observes), and ``group_units`` alone per launch
     config (``GROUP_UNITS_CONFIGS``, the first its default: ``group_units_us``; the fastest:
     ``group_units_best_us``)."""
     from quads.kernels import dispatch
@@ -361,6 +362,11 @@ def bench_rac(rows: list) -> None:
                 n = k // 2 if n is None else n
                 t[name] = time_graph([lambda x=x: factored.operands(x, segs, n=n, dtype=torch.bfloat16, fused_rac=fused,
                                                                     rac_method=method, fused_amax=one) for x in xs])  # fmt: skip
+            # RAC 50% with a calibrated order (no sort), observing the norms as the rollout does
+            order = torch.stack([torch.randperm(k, device="cuda") for _ in range(e)])
+            t["static"] = time_graph([lambda x=x: factored.operands(x, segs, n=k // 2, dtype=torch.bfloat16,
+                                                                    selection="static", static_order=order,
+                                                                    observe=lambda r, norms: None) for x in xs])  # fmt: skip
             # the W4A4 operand's kernels alone (group amax + quantize), per launch config
             out = torch.empty(tokens * topk, k, dtype=torch.bfloat16, device="cuda")
             for cfg in GROUP_UNITS_CONFIGS:
@@ -370,6 +376,7 @@ def bench_rac(rows: list) -> None:
         rows.append({"bench": "RAC 50% operands (1b decode)", "shape": f"{what} M={tokens * topk} E={e} K={k} "
                      f"n={k // 2}", "us": t[default] * 1e6, "method": default, "sort_us": t["sort"] * 1e6,
                      "count_us": t["count"] * 1e6, "unfused_us": t["unfused"] * 1e6, "w4a4_us": t["w4a4"] * 1e6,
+                     "static_us": t["static"] * 1e6,
                      "w4a4_steps_us": t["w4a4_steps"] * 1e6, "group_units_us": t[GROUP_UNITS_CONFIGS[0]] * 1e6,
                      "group_units_best_us": min(t[c] for c in GROUP_UNITS_CONFIGS) * 1e6,
                      "group_units_cfg_us": [[list(c), t[c] * 1e6] for c in GROUP_UNITS_CONFIGS],
@@ -773,6 +780,7 @@ def main(argv: list[str] | None = None) -> int:
         "count_us",
         "w4a4_us",
         "w4a4_steps_us",
+        "static_us",
         "group_units_us",
         "group_units_best_us",
         "fused_us",

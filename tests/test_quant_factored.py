@@ -268,6 +268,58 @@ def _fused_matches_reference(x, segs, n, per_token, dtype=torch.bfloat16):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("k", [80, 208], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
+def test_fused_static_rac_operand_bit_exact(k, per_token, monkeypatch):
+    """The calibrated-order residual operand in two launches (``factored_quant.rac_static_units``, interpreter)
+    against the steps (gather, row amax, group max, quantize) and the reference backend: u, g, channels byte for
+    byte; empty groups first, in the middle and last, masked rows (group G, with group G-1's channels and their own
+    amax), NaN and inf rows, n = 16 and n = K, orders longer than n, one group."""
+    from quads.kernels import factored_quant
+
+    calls = []
+    real = factored_quant.rac_static_units_op
+    monkeypatch.setattr(factored_quant, "rac_static_units_op", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, segs = _rac_rows(k + 3, k, [0, 6, 0, 3, 0], masked=2)
+    x[1, 3], x[7, 5] = float("nan"), float("inf")
+    g = torch.Generator().manual_seed(k)
+    order = torch.stack([torch.randperm(k, generator=g) for _ in range(segs.groups)])
+    for n in (16, k):
+        kw = dict(n=n, dtype=torch.bfloat16, per_token=per_token, selection="static", static_order=order)
+        with dispatch.kernels("triton"):
+            got = factored.operands(x, segs, **kw)
+            steps = factored.operands(x, segs, fused_rac=False, **kw)
+        with dispatch.kernels("reference"):
+            ref = factored.operands(x, segs, **kw)
+        for want in (steps, ref):
+            assert _same_bits(got.u, want.u) and _same_bits(got.g, want.g), f"n={n}"
+            assert torch.equal(got.channels, want.channels)
+    # observing (the rollout gathers the next calibration's statistics): the same operand, and the norms of
+    # rac_group_norms equal Segments.sq_norms' up to fp64 summation order (NaN and inf where they are)
+    seen = {}
+    kw = dict(n=16, dtype=torch.bfloat16, per_token=per_token, selection="static", static_order=order)
+    with dispatch.kernels("triton"):
+        got = factored.operands(x, segs, observe=lambda r, norms: seen.setdefault("fused", norms), **kw)
+        steps = factored.operands(x, segs, fused_rac=False, observe=lambda r, norms: seen.setdefault("steps", norms),
+                                  **kw)  # fmt: skip
+    assert _same_bits(got.u, steps.u) and _same_bits(got.g, steps.g)
+    a, b = seen["fused"], seen["steps"]
+    assert a.shape == b.shape == (segs.groups, k) and a.dtype == b.dtype == torch.float64
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf()) and a.isinf().any()
+    fin = a.isfinite()
+    assert torch.allclose(a[fin], b[fin], rtol=1e-12, atol=0)
+    one = factored.Segments.of(None)
+    kw = dict(n=k // 32 * 16, dtype=torch.float32, per_token=per_token, selection="static", static_order=order[:1])
+    with dispatch.kernels("triton"):
+        got, steps = factored.operands(x, one, **kw), factored.operands(x, one, fused_rac=False, **kw)
+    assert _same_bits(got.u, steps.u) and _same_bits(got.g, steps.g) and torch.equal(got.channels, steps.channels)
+    assert len(calls) == 4  # the fused op ran for each Triton call without fused_rac=False
+    with pytest.raises(ValueError, match="channel order"):
+        factored_quant.rac_static_units(x.float().contiguous(), segs.group, segs.groups, order[:2], torch.zeros_like(x),
+                                        n=16)  # fmt: skip
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 @pytest.mark.parametrize("k", [64, 512], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
 def test_fused_rac_operands_bit_exact(k, per_token):

@@ -263,6 +263,16 @@ def test_fused_rac_operands_bit_exact_cuda(k, per_token, method):
             assert torch.equal(got.u.view(torch.int16), want.u.view(torch.int16))
             assert torch.equal(got.g.view(torch.int32), want.g.view(torch.int32))
             assert (got.channels is None and want.channels is None) or torch.equal(got.channels, want.channels)
+    # the calibrated order (quads::rac_static_units, observing as the rollout does): the same bits as the steps
+    order = torch.stack([torch.randperm(k, generator=g) for _ in range(e)]).cuda()
+    seen = []
+    kw = dict(n=k // 2, dtype=torch.bfloat16, per_token=per_token, selection="static", static_order=order,
+              observe=lambda r, norms: seen.append(norms))  # fmt: skip
+    got = factored.operands(x, segs, **kw)
+    steps = factored.operands(x, segs, fused_rac=False, **kw)
+    assert torch.equal(got.u.view(torch.int16), steps.u.view(torch.int16))
+    assert torch.equal(got.g.view(torch.int32), steps.g.view(torch.int32)) and torch.equal(got.channels, steps.channels)
+    assert torch.allclose(seen[0], seen[1], rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("k,n", [(4096, 2048), (2880, 1440), (208, 16), (208, 208)], ids=lambda v: str(v))

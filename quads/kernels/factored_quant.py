@@ -41,20 +41,32 @@ if HAS_TRITON:
     )
 
     @triton.jit
+    def _row_keys(group_ptr, rows, rmask, G, BY: tl.constexpr):
+        """The row of a per-row table each row reads: its own (BY 0), its group's (1: ``group[row]``), its
+        channel group's (2: ``min(group[row], G - 1)``, the masked rows' group G taking group G-1's), or row 0
+        (3: one group)."""
+        if BY == 0:
+            return rows
+        elif BY == 3:
+            return rows * 0
+        else:
+            grp = tl.load(group_ptr + rows, mask=rmask, other=0)
+            return tl.minimum(grp, G - 1) if BY == 2 else grp
+
+    @triton.jit
     def _quantize_units_kernel(
-        x_ptr, amax_ptr, group_ptr, idx_ptr, u_ptr, g_ptr, r_ptr, codes_ptr, scales_ptr, M, K, W, stride_xm,
-        stride_um, COLS, GROUPED: tl.constexpr, GATHER: tl.constexpr, RESIDUAL: tl.constexpr, CODES: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr, amax_ptr, group_ptr, idx_ptr, u_ptr, g_ptr, r_ptr, codes_ptr, scales_ptr, M, K, W, G, stride_xm,
+        stride_um, stride_idx, COLS, AMAX_BY: tl.constexpr, IDX_BY: tl.constexpr, GATHER: tl.constexpr,
+        RESIDUAL: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Program (i, c): rows ``[i BLOCK_M, (i + 1) BLOCK_M)`` x columns ``[c COLS, (c + 1) COLS)`` of the
-        quantized width W (K, or n gathered channels) in steps of BLOCK_K; the row's amax is ``amax[row]``, or
-        ``amax[group[row]]`` with GROUPED."""
+        quantized width W (K, or n gathered channels) in steps of BLOCK_K. The row's amax is
+        ``amax[_row_keys(AMAX_BY)]``; gathered, its channels ``idx[_row_keys(IDX_BY), :W]`` (rows of
+        ``stride_idx``)."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
-        if GROUPED:
-            amax = tl.load(amax_ptr + tl.load(group_ptr + rows, mask=rmask, other=0), mask=rmask, other=0.0)
-        else:
-            amax = tl.load(amax_ptr + rows, mask=rmask, other=0.0)
+        amax = tl.load(amax_ptr + _row_keys(group_ptr, rows, rmask, G, AMAX_BY), mask=rmask, other=0.0)
+        irow = _row_keys(group_ptr, rows, rmask, G, IDX_BY)
         s_enc, s_dec = _global_scales(amax)
         c0 = tl.program_id(1) * COLS
         tl.store(g_ptr + rows, s_dec, mask=rmask & (rows * 0 + c0 == 0))  # by the first column block
@@ -62,7 +74,7 @@ if HAS_TRITON:
             j = k0 + tl.arange(0, BLOCK_K)
             m = rmask[:, None] & (j[None, :] < W)
             if GATHER:
-                ch = tl.load(idx_ptr + rows[:, None] * W + j[None, :], mask=m, other=0)
+                ch = tl.load(idx_ptr + irow[:, None] * stride_idx + j[None, :], mask=m, other=0)
             else:
                 ch = tl.broadcast_to(j[None, :], (BLOCK_M, BLOCK_K))
             x = tl.load(x_ptr + rows[:, None] * stride_xm + ch, mask=m, other=0.0).to(tl.float32)
@@ -83,6 +95,33 @@ if HAS_TRITON:
         row_max = rows_absmax(x_ptr + rows * stride_xm, rmask, K, BLOCK_M, BLOCK_K)
         grp = tl.load(group_ptr + rows, mask=rmask, other=0)
         tl.atomic_max(amax_ptr + grp, row_max, mask=rmask, sem="relaxed")
+
+
+    @triton.jit
+    def _gather_amax_kernel(r_ptr, group_ptr, order_ptr, amax_ptr, M, K, n, G, stride_order, IDX_BY: tl.constexpr,
+                            PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+        """NaN-ignoring max of ``|r[row, order[_row_keys(IDX_BY), :n]]|`` for rows ``[i BLOCK_M, (i + 1)
+        BLOCK_M)``: stored per row (PER_ROW), else an atomic max into ``amax[group[row]]`` (zeroed by the
+        caller; ``amax[0]`` for one group)."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        irow = _row_keys(group_ptr, rows, rmask, G, IDX_BY)
+        acc = tl.zeros((BLOCK_M,), tl.float32)
+        for j0 in range(0, n, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            m = rmask[:, None] & (j < n)[None, :]
+            ch = tl.load(order_ptr + irow[:, None] * stride_order + j[None, :], mask=m, other=0)
+            x = tl.load(r_ptr + rows[:, None] * K + ch, mask=m, other=0.0)
+            acc = tl.maximum(acc, tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1))
+        if PER_ROW:
+            tl.store(amax_ptr + rows, acc, mask=rmask)
+        elif IDX_BY == 3:  # one group: one amax
+            tl.atomic_max(amax_ptr + rows * 0, acc, mask=rmask, sem="relaxed")
+        else:  # the row's own group (the masked rows' group G has its own amax, as Segments.row_max)
+            tl.atomic_max(amax_ptr + _row_keys(group_ptr, rows, rmask, G, 1), acc, mask=rmask, sem="relaxed")
+
+
+BY_ROW, BY_GROUP, BY_CHANNEL_GROUP, BY_ONE = 0, 1, 2, 3  # _row_keys' modes
 
 
 def quantize_units(
@@ -120,8 +159,8 @@ def quantize_units(
     else:
         _check_out(out, m, k, "quantize_units")
         u = out
-    g, r = _launch_units(x, amax.reshape(m).float().contiguous(), None, index, u, residual, codes, block_m, block_k,
-                         cols, num_warps)
+    g, r = _launch_units(x, amax.reshape(m).float().contiguous(), None, 0, BY_ROW, index, BY_ROW, u, residual, codes,
+                         block_m, block_k, cols, num_warps)  # fmt: skip
     return (u, g) + r
 
 
@@ -164,8 +203,57 @@ def group_units(
         x, group, amax, m, k, x.stride(0), BLOCK_M=amax_block_m, BLOCK_K=min(256, triton.next_power_of_2(k)),
         num_warps=num_warps, **EXACT,
     )  # fmt: skip
-    g, r = _launch_units(x, amax, group, None, out, residual, False, block_m, block_k, cols, num_warps)
+    g, r = _launch_units(x, amax, group, groups, BY_GROUP, None, BY_ROW, out, residual, False, block_m, block_k, cols,
+                         num_warps)  # fmt: skip
     return g, r[0]
+
+
+def rac_static_units(
+    r: torch.Tensor,
+    group: torch.Tensor | None,
+    groups: int,
+    order: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    n: int,
+    per_token: bool = False,
+    block_m: int = 8,
+    block_k: int = 128,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """RAC's residual operand with a calibrated channel order (``rac_selection="static"``): the exact values of
+    NVFP4(``r[i, S_g]``), ``S_g = order[g, :n]`` of row i's group g (the masked rows, group G, take group G-1's;
+    ``group=None``: one group, ``order[0]``), scattered to their channels in ``out`` ``[M, K]`` (zero-filled by the
+    caller; rows may be strided) -> S_dec ``[M]``. The global scale: the NaN-ignoring amax of the row's gathered
+    values (``per_token``), else of its group's (atomic max per row). Two launches, no sort; the same bits as
+    ``factored.operands``' steps (``row_amax`` of the gather, ``Segments.row_max``, ``quantize_units``)."""
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed; use quads.quant.factored.operands' steps")
+    m, k = r.shape
+    if r.dtype != torch.float32 or r.stride() != (k, 1):
+        raise ValueError(f"rac_static_units needs a contiguous fp32 residual, got {r.dtype} strides {r.stride()}")
+    if not 0 < n <= k or n % NVFP4_BLOCK:
+        raise ValueError(f"rac_static_units needs 0 < n <= K={k} and n a multiple of {NVFP4_BLOCK}, got n={n}")
+    want = 1 if group is None else groups
+    if order.dim() != 2 or order.shape[0] != want or order.shape[1] < n or order.dtype != torch.long:
+        raise ValueError(f"rac_static_units needs a long channel order [{want}, >= {n}], got {order.dtype} "
+                         f"{tuple(order.shape)}")  # fmt: skip
+    _check_out(out, m, k, "rac_static_units")
+    order = order.contiguous()
+    idx_by = BY_ONE if group is None else BY_CHANNEL_GROUP
+    if per_token:
+        amax, amax_by = torch.empty(m, dtype=torch.float32, device=r.device), BY_ROW
+    else:
+        amax = torch.zeros(1 if group is None else groups + 1, dtype=torch.float32, device=r.device)
+        amax_by = BY_ONE if group is None else BY_GROUP
+    grp = amax if group is None else group.contiguous()  # a placeholder pointer for one group
+    _gather_amax_kernel[(triton.cdiv(m, 4),)](
+        r, grp, order, amax, m, k, n, groups, order.stride(0), IDX_BY=idx_by, PER_ROW=per_token, BLOCK_M=4,
+        BLOCK_N=min(256, triton.next_power_of_2(n)), num_warps=num_warps, **EXACT,
+    )  # fmt: skip
+    g, _ = _launch_units(r, amax, grp, groups, amax_by, order, idx_by, out, False, False, block_m, block_k, None,
+                         num_warps, width=n)  # fmt: skip
+    return g
 
 
 def _check_out(out: torch.Tensor, m: int, k: int, name: str) -> None:
@@ -174,10 +262,12 @@ def _check_out(out: torch.Tensor, m: int, k: int, name: str) -> None:
                          f"strides {out.stride()}")
 
 
-def _launch_units(x, amax, group, index, u, residual, codes, block_m, block_k, cols, num_warps):
-    """``_quantize_units_kernel`` over ``x`` into ``u`` -> ``(g, (r or None,) + (codes, scales) if codes)``."""
+def _launch_units(x, amax, group, groups, amax_by, index, idx_by, u, residual, codes, block_m, block_k, cols, num_warps,
+                  width=None):  # fmt: skip
+    """``_quantize_units_kernel`` over ``x`` into ``u`` -> ``(g, (r or None,) + (codes, scales) if codes)``;
+    ``width``: the gathered channels per row (None: ``index``'s columns, or K)."""
     m, k = x.shape
-    width = k if index is None else index.shape[1]
+    width = width or (k if index is None else index.shape[1])
     g = torch.empty(m, dtype=torch.float32, device=x.device)
     r = torch.empty(m, k, dtype=torch.float32, device=x.device) if residual else g
     idx = g if index is None else index.contiguous()
@@ -188,9 +278,9 @@ def _launch_units(x, amax, group, index, u, residual, codes, block_m, block_k, c
     if cols % bk:
         raise ValueError(f"quantize launch: cols={cols} must be a multiple of block_k={bk}")
     _quantize_units_kernel[(triton.cdiv(m, block_m), triton.cdiv(width, cols))](
-        x, amax, amax if group is None else group, idx, u, g, r, cd, sc, m, k, width, x.stride(0), u.stride(0), cols,
-        GROUPED=group is not None, GATHER=index is not None, RESIDUAL=residual, CODES=codes, BLOCK_M=block_m,
-        BLOCK_K=bk, num_warps=num_warps, **EXACT,
+        x, amax, amax if group is None else group, idx, u, g, r, cd, sc, m, k, width, groups, x.stride(0), u.stride(0),
+        idx.stride(0) if index is not None else 0, cols, AMAX_BY=amax_by, IDX_BY=idx_by, GATHER=index is not None,
+        RESIDUAL=residual, CODES=codes, BLOCK_M=block_m, BLOCK_K=bk, num_warps=num_warps, **EXACT,
     )  # fmt: skip
     rest = (r if residual else None,)
     return g, rest + (cd, sc.view(torch.float8_e4m3fn)) if codes else rest
@@ -269,6 +359,43 @@ def group_units_op(x: torch.Tensor, group: torch.Tensor, groups: int, out: torch
     ``quads::group_units`` -> ``(g [M], r [M, K] or None)``."""
     g, r = torch.ops.quads.group_units(x, group, groups, out, slot, residual)
     return g, (r if residual else None)
+
+
+@torch.library.custom_op("quads::rac_static_units", mutates_args=("out",))
+def _rac_static_units_op(r: torch.Tensor, group: torch.Tensor | None, groups: int, order: torch.Tensor,
+                         out: torch.Tensor, slot: int, n: int, per_token: bool) -> torch.Tensor:
+    dst = out[:, slot]
+    dst.zero_()
+    return rac_static_units(r, group, groups, order, dst, n=n, per_token=per_token)
+
+
+@_rac_static_units_op.register_fake
+def _(r, group, groups, order, out, slot, n, per_token):
+    return r.new_empty(r.shape[0], dtype=torch.float32)
+
+
+def rac_static_units_op(r: torch.Tensor, group: torch.Tensor | None, groups: int, order: torch.Tensor,
+                        out: torch.Tensor, slot: int, *, n: int, per_token: bool) -> torch.Tensor:
+    """``rac_static_units`` writing RAC's residual operand into ``out[:, slot]`` (zero-filled here; ``out``
+    ``[M, P, K]``), as the custom op ``quads::rac_static_units`` -> S_dec ``[M]``."""
+    return torch.ops.quads.rac_static_units(r, group, groups, order, out, slot, n, per_token)
+
+
+@torch.library.custom_op("quads::rac_group_norms", mutates_args=())
+def _rac_group_norms_op(r: torch.Tensor, group: torch.Tensor | None, groups: int) -> torch.Tensor:
+    from quads.kernels.rac_select import group_norms
+
+    return group_norms(r, group, groups)
+
+
+@_rac_group_norms_op.register_fake
+def _(r, group, groups):
+    return r.new_empty((1 if group is None else groups, r.shape[1]), dtype=torch.float64)
+
+
+def rac_group_norms_op(r: torch.Tensor, group: torch.Tensor | None, groups: int) -> torch.Tensor:
+    """``rac_select.group_norms`` as the custom op ``quads::rac_group_norms``."""
+    return torch.ops.quads.rac_group_norms(r, group, groups)
 
 
 @torch.library.custom_op("quads::row_amax", mutates_args=())

@@ -363,6 +363,25 @@ def rac_units(
     return g, s
 
 
+def group_norms(r: torch.Tensor, group: torch.Tensor | None, groups: int) -> torch.Tensor:
+    """``sum over a group's rows of r^2`` in fp64 ``[G, K]`` (``[1, K]`` for ``group=None``), added row by row in
+    row order (``_rac_norms_kernel``, the count path's norms): the statistics a static RAC order is calibrated
+    from (``factored.Segments.sq_norms``' values up to the fp64 summation order)."""
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed; use quads.quant.factored.Segments.sq_norms")
+    m, k = r.shape
+    if r.dtype != torch.float32 or r.stride() != (k, 1):
+        raise ValueError(f"group_norms needs a contiguous fp32 residual, got {r.dtype} strides {r.stride()}")
+    one = group is None
+    n_sel = 1 if one else groups
+    norms = torch.empty(n_sel, k, dtype=torch.float64, device=r.device)
+    cmax = torch.empty(n_sel, k, dtype=torch.float32, device=r.device)
+    bc = min(128, triton.next_power_of_2(k))
+    _rac_norms_kernel[(n_sel, triton.cdiv(k, bc))](r, r if one else group.contiguous(), norms, cmax, m, k,
+                                                   ONE_GROUP=one, ROWS=4, BLOCK_C=bc, num_warps=4)  # fmt: skip
+    return norms
+
+
 def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m) -> None:
     """The sort path's two launches (module docstring)."""
     m, k = r.shape

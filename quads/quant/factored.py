@@ -197,7 +197,10 @@ def operands(
     On Triton, dynamic selection without ``observe`` runs the residual operand as the custom op
     ``quads::rac_units`` (``quads.kernels.rac_select``: two or three kernels, the same bits as the steps
     below; ``rac_method``: its selection algorithm, ``sort`` / ``count``, None for its default;
-    ``fused_rac=False`` runs the steps instead, for benchmarks and tests). The activation operand of rows
+    ``fused_rac=False`` runs the steps instead, for benchmarks and tests); static selection runs it as
+    ``quads::rac_static_units`` (two launches, no sort; the same bits as the steps), its ``observe`` given
+    the norms of ``quads::rac_group_norms`` (row by row in fp64: the GEMM's values up to summation order).
+    The activation operand of rows
     in groups (``per_token=False``) with few rows per group (the decode step) is ``quads::group_units``
     (the group amaxes by atomic max, then the quantize: two launches; ``fused_amax=False``: ``row_amax``,
     ``Segments.row_max`` and ``units``, the same bits).
@@ -220,6 +223,17 @@ def operands(
 
         gr, s = rac_units_op(r, segs.group, segs.groups, buf, 1, n=n, per_token=per_token, method=rac_method)
         return Operands(buf, torch.stack([gx, gr], dim=1), s)
+    if n and fused_rac and selection == "static" and dispatch.use_triton(r):
+        from quads.kernels.factored_quant import (  # the steps' fused twin
+            rac_group_norms_op,
+            rac_static_units_op,
+        )
+
+        s = _static_channels(static_order, n, x.device, full=True)
+        if observe is not None:  # the statistics of the next calibration (norms up to fp64 summation order)
+            observe(r, rac_group_norms_op(r, segs.group, segs.groups))
+        gr = rac_static_units_op(r, segs.group, segs.groups, s, buf, 1, n=n, per_token=per_token)
+        return Operands(buf, torch.stack([gx, gr], dim=1), s[:, :n])
     norms = segs.sq_norms(r) if selection == "dynamic" or observe is not None else None
     if observe is not None:
         observe(r, norms)
@@ -228,17 +242,25 @@ def operands(
     if selection == "dynamic":
         s = torch.argsort(norms, dim=-1, descending=True, stable=True)[:, :n]  # [G, n]
     else:
-        if static_order is None or static_order.shape[-1] < n:
-            got = None if static_order is None else tuple(static_order.shape)
-            raise ValueError(f"static RAC selection needs a channel order of at least {n} channels per group, "
-                             f"got shape {got}; pass the selector's orders (StaticChannelSelector) or use "
-                             "selection='dynamic'")
-        s = static_order.reshape(-1, static_order.shape[-1])[:, :n].to(device=x.device, dtype=torch.long)
+        s = _static_channels(static_order, n, x.device)
     s_rows = s.expand(x.shape[0], n) if segs.group is None else s[segs.group.clamp_max(segs.groups - 1)]
     ra = row_amax(r.gather(1, s_rows))  # [M] amax of R[:, S] of each row's group, per row
     buf[:, 1].zero_()  # the residual's values, scattered: zero outside S
     gr, _ = units(r, ra if per_token else segs.row_max(ra), buf, 1, index=s_rows)
     return Operands(buf, torch.stack([gx, gr], dim=1), s)
+
+
+def _static_channels(static_order: torch.Tensor | None, n: int, device: torch.device, full: bool = False
+                     ) -> torch.Tensor:
+    """The calibrated orders ``[G, n]`` long (``full``: all their channels, ``[G, >= n]``); a clear error if
+    there are none or too few."""
+    if static_order is None or static_order.shape[-1] < n:
+        got = None if static_order is None else tuple(static_order.shape)
+        raise ValueError(f"static RAC selection needs a channel order of at least {n} channels per group, "
+                         f"got shape {got}; pass the selector's orders (StaticChannelSelector) or use "
+                         "selection='dynamic'")
+    s = static_order.reshape(-1, static_order.shape[-1]).to(device=device, dtype=torch.long)
+    return s if full else s[:, :n]
 
 
 def _group_units(x: torch.Tensor, segs: Segments, per_token: bool) -> bool:
