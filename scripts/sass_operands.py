@@ -5,8 +5,9 @@
 Compiles, with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` in the launch configs the 1b decode step uses
 (1,024 routed rows over 64 experts; K = 1,024 for gate_up), the kernels of ``factored.operands``:
 
-- ``_group_amax_kernel`` and ``_quantize_units_kernel`` (grouped: ``group_units``), instructions per element of one
-  pass of their loop body (one tile per program at the default config);
+- ``_group_amax_kernel`` and ``_quantize_units_kernel`` (grouped: ``group_units``), and ``_gather_amax_kernel`` with
+  the quantize gathering through each expert's order (``rac_static_units``), instructions per element of one pass of
+  their loop body (one tile per program at the default config);
 - ``_rac_select_kernel`` (RAC's selection, one program per expert: the fp64 channel norms, then the bitonic sort of
   the K (key, channel) pairs, fully unrolled) and ``_rac_units_sel_kernel`` (one row per program): instructions per
   thread, barriers and shared-memory instructions, the issue-side cost of one program.
@@ -18,8 +19,6 @@ from below, the latency side is the GPU's (docs/PERF.md, "Runs 30-34").
 from __future__ import annotations
 
 import argparse
-import collections
-import re
 import sys
 from pathlib import Path
 
@@ -28,25 +27,31 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_w4a16 import add_output_args, registers_of, write_rows  # noqa: E402
+from sass_w4a16 import add_output_args, kernel_instructions, registers_of, write_rows  # noqa: E402
 
 from quads.kernels import factored_quant, rac_select  # noqa: E402
 
 # pointer element types by argument name; the other non-constexpr arguments are i32
-PTR = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "group_ptr": "*i64", "idx_ptr": "*i64", "u_ptr": "*bf16", "g_ptr": "*fp32",
+PTR = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "group_ptr": "*i64", "idx_ptr": "*i64", "order_ptr": "*i64", "u_ptr": "*bf16",
+       "g_ptr": "*fp32",
        "r_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8", "s_ptr": "*i64", "rank_ptr": "*i32",
        "gmax_ptr": "*fp32"}  # fmt: skip
 # i32 arguments a multiple of 16 at the 1b decode shapes, as the launcher's JIT specializes them
-DIV16 = ("M", "K", "W", "n", "stride_xm", "stride_um", "COLS")
+DIV16 = ("M", "K", "W", "n", "stride_xm", "stride_um", "stride_idx", "stride_order", "COLS")
 # (what, kernel, constexprs, num_warps, elements per thread in one pass of the body or None, exact: no FMA contraction)
 CASES = [
     ("group amax (group_units, 4 rows x 256 columns a pass)", factored_quant._group_amax_kernel,
      {"BLOCK_M": 4, "BLOCK_K": 256}, 4, 4 * 256 // 128, True),
     ("quantize, grouped (group_units, 8 x 128 tile)", factored_quant._quantize_units_kernel,
-     {"GROUPED": True, "GATHER": False, "RESIDUAL": False, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
+     {"AMAX_BY": 1, "IDX_BY": 0, "GATHER": False, "RESIDUAL": False, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
      8 * 128 // 128, True),
     ("quantize, grouped, residual written (RAC's first step)", factored_quant._quantize_units_kernel,
-     {"GROUPED": True, "GATHER": False, "RESIDUAL": True, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
+     {"AMAX_BY": 1, "IDX_BY": 0, "GATHER": False, "RESIDUAL": True, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
+     8 * 128 // 128, True),
+    ("static RAC: gathered amax (rac_static_units, 4 rows x 256 channels a pass)", factored_quant._gather_amax_kernel,
+     {"IDX_BY": 2, "PER_ROW": False, "BLOCK_M": 4, "BLOCK_N": 256}, 4, 4 * 256 // 128, True),
+    ("static RAC: gathered quantize through the expert's order (8 x 128 tile)", factored_quant._quantize_units_kernel,
+     {"AMAX_BY": 1, "IDX_BY": 2, "GATHER": True, "RESIDUAL": False, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
      8 * 128 // 128, True),
     ("RAC select (K 1024: norms + bitonic sort of 1024 pairs)", rac_select._rac_select_kernel,
      {"ONE_GROUP": False, "PER_TOKEN": False, "ROWS": 4, "BLOCK_G": 1024, "LOG_K": 10, "INTERP": False}, 8, None, False),
@@ -74,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for what, fn, consts, warps, per_thread, exact in CASES:
         sass, regs = compile_case(fn, consts, warps, exact)
-        ins = [line.split("\t", 1)[1].strip() for line in sass.splitlines() if "\t" in line]
-        ins = ins[: max(i for i, x in enumerate(ins) if x.startswith("EXIT")) + 1]  # not the trap loop and padding
-        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split(" ")[0] for i in ins)
+        ins, ops = kernel_instructions(sass)
         bars = sum(v for o, v in ops.items() if o.startswith("BAR"))
         smem = sum(v for o, v in ops.items() if o.split(".")[0] in ("LDS", "STS"))
         row = {**({"code": args.label} if args.label else {}), "kernel": fn.fn.__name__, "case": what, "warps": warps,

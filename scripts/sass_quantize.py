@@ -13,8 +13,6 @@ target (3.0 TB/s needs about 16 instructions per element at the H200's issue rat
 from __future__ import annotations
 
 import argparse
-import collections
-import re
 import sys
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_w4a16 import add_output_args, registers_of, write_rows  # noqa: E402
+from sass_w4a16 import add_output_args, kernel_instructions, registers_of, write_rows  # noqa: E402
 
 from quads.kernels import nvfp4_quant  # noqa: E402
 
@@ -54,10 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for what, per_row, bm, bk, warps in CASES:
         sass, regs = compile_case(per_row, bm, bk, warps)
-        ins = [line.split("\t", 1)[1].strip() for line in sass.splitlines() if "\t" in line]
-        ins = ins[: max(i for i, x in enumerate(ins) if x.startswith("EXIT")) + 1]  # not the trap loop and padding
+        ins, ops = kernel_instructions(sass)
         per_thread = bm * bk // (32 * warps)
-        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split(" ")[0] for i in ins)
         row = {**({"code": args.label} if args.label else {}), "kernel": "nvfp4_quantize_tile", "case": what,
                "block_m": bm, "block_k": bk, "warps": warps, "instructions": len(ins), "elements_per_thread": per_thread,
                "instructions_per_element": round(len(ins) / per_thread, 2), "registers": regs,

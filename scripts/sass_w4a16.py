@@ -167,6 +167,14 @@ def k_loop(sass: str, marker: str = "MMA") -> list[str]:
     return [line.split("\t", 1)[1].strip() for line in body or [] if "\t" in line]
 
 
+def kernel_instructions(sass: str) -> tuple[list[str], collections.Counter]:
+    """A whole kernel's instructions (up to its last EXIT: not the trap loop and padding) and their opcode
+    histogram (predicates dropped)."""
+    ins = [line.split("\t", 1)[1].strip() for line in sass.splitlines() if "\t" in line]
+    ins = ins[: max(i for i, x in enumerate(ins) if x.startswith("EXIT")) + 1]
+    return ins, collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split(" ")[0] for i in ins)
+
+
 def add_output_args(ap: argparse.ArgumentParser) -> None:
     """The sass scripts' output options: --out (JSON lines), --append, --label (a 'code' field for every row)."""
     ap.add_argument("--out", default=None, help="also write the rows as JSON lines here")
