@@ -23,11 +23,9 @@ import sys
 from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_w4a16 import add_output_args, kernel_instructions, registers_of, write_rows  # noqa: E402
+from sass_w4a16 import add_output_args, compile_sass, kernel_instructions, write_rows  # noqa: E402
 
 from quads.kernels import factored_quant, rac_select  # noqa: E402
 
@@ -61,15 +59,9 @@ CASES = [
 
 
 def compile_case(fn, consts: dict, warps: int, exact: bool) -> tuple[str, int | None]:
-    names = fn.arg_names
-    sig = {n: "constexpr" if n in consts else PTR.get(n, "i32") for n in names}
-    div = [i for i, n in enumerate(names) if n in PTR or n in DIV16]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in div})
-    opts = {"num_warps": warps, **({"enable_fp_fusion": False} if exact else {})}
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    from triton.tools.disasm import get_sass
-
-    return get_sass(k.asm["cubin"]), registers_of(k.asm["cubin"])
+    names = [n for n in fn.arg_names if n not in consts]
+    sig = {n: PTR.get(n, "i32") for n in names}
+    return compile_sass(fn, sig, consts, [i for i, n in enumerate(fn.arg_names) if n in PTR or n in DIV16], warps, exact)
 
 
 def main(argv: list[str] | None = None) -> int:

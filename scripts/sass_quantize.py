@@ -17,11 +17,9 @@ import sys
 from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_w4a16 import add_output_args, kernel_instructions, registers_of, write_rows  # noqa: E402
+from sass_w4a16 import add_output_args, compile_sass, kernel_instructions, write_rows  # noqa: E402
 
 from quads.kernels import nvfp4_quant  # noqa: E402
 
@@ -37,12 +35,7 @@ CASES = [  # (what, PER_ROW_AMAX, BLOCK_M, BLOCK_K, num_warps): the launcher's p
 def compile_case(per_row: bool, bm: int, bk: int, warps: int) -> tuple[str, int | None]:
     consts = {"PER_ROW_AMAX": per_row, "TILE16": False, "SWIZZLE": False, "BLOCK_M": bm, "BLOCK_K": bk}
     div = [i for i, (n, t) in enumerate(SIG.items()) if t.startswith("*") or n in ("K", "stride_xm")]
-    src = ASTSource(fn=nvfp4_quant._nvfp4_quantize_tile_kernel, signature={**SIG, **dict.fromkeys(consts, "constexpr")},
-                    constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in div})  # fmt: skip
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "enable_fp_fusion": False})
-    from triton.tools.disasm import get_sass
-
-    return get_sass(k.asm["cubin"]), registers_of(k.asm["cubin"])
+    return compile_sass(nvfp4_quant._nvfp4_quantize_tile_kernel, SIG, consts, div, warps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -167,6 +167,20 @@ def k_loop(sass: str, marker: str = "MMA") -> list[str]:
     return [line.split("\t", 1)[1].strip() for line in body or [] if "\t" in line]
 
 
+def compile_sass(fn, signature: dict, consts: dict, divisible: list[int], warps: int, exact: bool = True
+                 ) -> tuple[str, int | None]:
+    """``(SASS, registers)`` of the Triton kernel ``fn`` compiled offline for sm_90: ``signature`` the non-constexpr
+    arguments' types by name, ``divisible`` the indices (in ``fn.arg_names``) of arguments marked divisible by 16 (as the JIT specializes them),
+    ``exact``: no FMA contraction (the launchers' ``EXACT``)."""
+    from triton.tools.disasm import get_sass
+
+    sig = {n: "constexpr" if n in consts else signature[n] for n in fn.arg_names}  # in the kernel's order
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
+    opts = {"num_warps": warps, **({"enable_fp_fusion": False} if exact else {})}
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return get_sass(k.asm["cubin"]), registers_of(k.asm["cubin"])
+
+
 def kernel_instructions(sass: str) -> tuple[list[str], collections.Counter]:
     """A whole kernel's instructions (up to its last EXIT: not the trap loop and padding) and their opcode
     histogram (predicates dropped)."""

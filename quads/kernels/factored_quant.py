@@ -229,11 +229,9 @@ def rac_static_units(
     ``factored.operands``' steps (``row_amax`` of the gather, ``Segments.row_max``, ``quantize_units``)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use quads.quant.factored.operands' steps")
-    m, k = r.shape
-    if r.dtype != torch.float32 or r.stride() != (k, 1):
-        raise ValueError(f"rac_static_units needs a contiguous fp32 residual, got {r.dtype} strides {r.stride()}")
-    if not 0 < n <= k or n % NVFP4_BLOCK:
-        raise ValueError(f"rac_static_units needs 0 < n <= K={k} and n a multiple of {NVFP4_BLOCK}, got n={n}")
+    from quads.kernels.rac_select import check_residual
+
+    m, k = check_residual(r, n, "rac_static_units")
     want = 1 if group is None else groups
     if order.dim() != 2 or order.shape[0] != want or order.shape[1] < n or order.dtype != torch.long:
         raise ValueError(f"rac_static_units needs a long channel order [{want}, >= {n}], got {order.dtype} "

@@ -307,6 +307,17 @@ if HAS_TRITON:
         _zero_outside(u_ptr, rank_ptr, rows, gs, rmask, K, n, stride_um, BLOCK_M, BLOCK_K)
 
 
+def check_residual(r: torch.Tensor, n: int | None, name: str) -> tuple[int, int]:
+    """``(M, K)`` of RAC's residual ``r``: a contiguous fp32 ``[M, K]``, and ``0 < n <= K`` a multiple of 16
+    channels (``n`` None: not checked); a clear error otherwise."""
+    m, k = r.shape
+    if r.dtype != torch.float32 or r.stride() != (k, 1):
+        raise ValueError(f"{name} needs a contiguous fp32 residual, got {r.dtype} strides {r.stride()}")
+    if n is not None and (not 0 < n <= k or n % NVFP4_BLOCK):
+        raise ValueError(f"{name} needs 0 < n <= K={k} and n a multiple of {NVFP4_BLOCK}, got n={n}")
+    return m, k
+
+
 def default_method(k: int, grouped: bool = True) -> RacMethod:
     """``sort`` for rows in groups (experts) whose K norms, padded to a power of two, fit one program
     (``SORT_MAX_K``); else ``count``. One group (a dense layer, ``group=None``) keeps ``count``: the sort
@@ -335,11 +346,7 @@ def rac_units(
     interpreter, whose cost is per program); ``block_k``: the count path's units tile width."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use quads.quant.factored.operands under the reference backend")
-    m, k = r.shape
-    if r.dtype != torch.float32 or r.stride() != (k, 1):
-        raise ValueError(f"rac_units needs a contiguous fp32 residual, got {r.dtype} strides {r.stride()}")
-    if not 0 < n <= k or n % NVFP4_BLOCK:
-        raise ValueError(f"rac_units needs 0 < n <= K={k} and n a multiple of {NVFP4_BLOCK}, got n={n}")
+    m, k = check_residual(r, n, "rac_units")
     if out.shape != (m, k) or out.stride(-1) != 1:
         raise ValueError(f"rac_units: out must be [{m}, {k}] with unit stride along K, got {tuple(out.shape)} "
                          f"strides {out.stride()}")
@@ -369,9 +376,7 @@ def group_norms(r: torch.Tensor, group: torch.Tensor | None, groups: int) -> tor
     from (``factored.Segments.sq_norms``' values up to the fp64 summation order)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use quads.quant.factored.Segments.sq_norms")
-    m, k = r.shape
-    if r.dtype != torch.float32 or r.stride() != (k, 1):
-        raise ValueError(f"group_norms needs a contiguous fp32 residual, got {r.dtype} strides {r.stride()}")
+    m, k = check_residual(r, None, "group_norms")
     one = group is None
     n_sel = 1 if one else groups
     norms = torch.empty(n_sel, k, dtype=torch.float64, device=r.device)
