@@ -8,7 +8,8 @@
   layout built at weight-sync time; the rollout's W4A16 layers call them on CUDA.
 - ``w4a16_cuda.py`` + ``csrc/``: the grouped W4A16 decode kernel in CUDA (the decode written straight into the
   tensor cores' operand registers), built with nvcc on first use; ``tuning.json``'s grouped ``backend: cuda``
-  selects it (the Triton kernel stays the default until it is faster, docs/PERF.md).
+  selects it (the Triton kernel is the default; a weight-shape entry picks CUDA where it measured faster,
+  Qwen3-30B-A3B's gate_up, docs/PERF.md).
 - ``decode_attention.py``: the rollout's decode-step attention over a fixed-shape KV cache that reads only
   the columns written so far (the engine's default on CUDA: ``RolloutEngine(decode_attention="auto")``).
 - ``_common.py``: exact E4M3/E2M1/BF16 rounding and decoding helpers (jit), shared by the kernels.
