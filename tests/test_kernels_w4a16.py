@@ -263,7 +263,8 @@ def test_gemv_takes_activations_at_any_address():
 
 def test_gemm_dispatches_small_m_to_the_gemv_kernel(monkeypatch):
     """``gemm`` and the custom op ``quads::w4a16_gemm`` take the GEMV kernel at up to
-    ``w4a16_dispatch.dense.gemv_max_m`` rows and the tiled kernel above; an unknown kernel is refused."""
+    ``w4a16_dispatch.dense.gemv_max_m`` rows and the tiled kernel above; an unknown kernel is refused; the CUDA
+    kernel's rows fall through where it cannot run."""
     limit = tuning.config("w4a16_dispatch", "dense")["gemv_max_m"]
     calls = []
     gemv = w4a16._gemv
@@ -274,6 +275,17 @@ def test_gemm_dispatches_small_m_to_the_gemv_kernel(monkeypatch):
     assert calls == [1, limit]
     with pytest.raises(ValueError, match="kernel must be"):
         w4a16.gemm(_x(1, 64), p, kernel="mma")
+    # the CUDA kernel's rows (cuda_max_m) fall through to the next choice where it cannot run (N = 48: no multiple
+    # of the dense config's 32 features per block; without a GPU nothing runs it); asked for, an error
+    real = tuning.config
+    monkeypatch.setattr(tuning, "config", lambda kernel, case: {**real(kernel, case), "cuda_max_m": 16}
+                        if (kernel, case) == ("w4a16_dispatch", "dense") else real(kernel, case))  # fmt: skip
+    calls.clear()
+    p48 = w4a16.pack(_weight((48, 64)))
+    w4a16.linear_op(_x(1, 64), p48)
+    assert calls == [1]
+    with pytest.raises(ValueError, match="kernel='cuda'"):
+        w4a16.gemm(_x(1, 64), p48, kernel="cuda")
 
 
 @pytest.mark.parametrize("kernel", ["gemv", "tiled"])
@@ -419,7 +431,7 @@ def test_tuning_table_has_the_w4a16_cases():
     assert w4a16.grouped_case(1024, 64, 512, 1024) == "decode" and w4a16.grouped_case(1025 * 16, 64, 512, 1024) == "prefill"
     assert w4a16.grouped_case(128 * 17, 128, 1536, 2048) == "prefill"
     assert set(tuning.config("w4a16_gemv", "small")) == {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
-    assert set(tuning.config("w4a16_dispatch", "dense")) == {"gemv_max_m", "fused_max_m"}
+    assert set(tuning.config("w4a16_dispatch", "dense")) == {"cuda_max_m", "gemv_max_m", "fused_max_m"}
     assert set(tuning.config("w4a16_dispatch", "grouped")) == {"fused_max_rows_per_expert"}
     assert [w4a16.m_bucket(m) for m in (1, 2, 16, 33, 64, 65)] == ["m1", "m4", "m16", "m64", "m64", "large"]
 

@@ -105,6 +105,10 @@ def test_cuda_grouped_on_a_one_expert_stack_is_the_dense_gemm(cfg):
         got = w4a16_cuda.grouped_gemm(x, s.codes, s.scales, s.global_scale, ends, n, k, ng=ng, nt=nt, warps=warps,
                                       ksplit=ksplit)
         _bf16_close(got, w4a16.gemm_reference(x, p), f"cuda {cfg} dense M={m}")
+    if cfg == (2, 1, 4, 4):  # the launcher's dense path (w4a16_grouped_cuda.dense: 2 / null / 4 / 4)
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            _bf16_close(w4a16.gemm(x, p, kernel="cuda"), w4a16.gemm_reference(x, p), f"gemm kernel=cuda M={m}")
 
 
 def test_cuda_backend_refuses_what_it_cannot_run():

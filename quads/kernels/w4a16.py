@@ -608,7 +608,7 @@ def gemv_split_for(n: int, k: int, block_n: int, block_k: int) -> int:
     return split
 
 
-GEMM_KERNELS = ("gemv", "tiled")
+GEMM_KERNELS = ("gemv", "tiled", "cuda")
 
 
 def gemm(
@@ -626,12 +626,15 @@ def gemm(
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` BF16 x packed weight ``[N, K]`` -> ``[M, N]`` BF16 (module docstring).
 
-    ``kernel`` None dispatches on M (``tuning.json`` ``w4a16_dispatch.dense``): at most ``gemv_max_m``
-    rows the GEMV kernel (``_gemv_kernel``: fp32 FMAs, no tensor cores; launch config
+    ``kernel`` None dispatches on M (``tuning.json`` ``w4a16_dispatch.dense``): at most ``cuda_max_m`` rows
+    the CUDA grouped decode kernel on the weight as a one-expert stack (``w4a16_cuda``, launch config
+    ``w4a16_grouped_cuda.dense``; where it takes the operands, else the next choice), then at most
+    ``gemv_max_m`` rows the GEMV kernel (``_gemv_kernel``: fp32 FMAs, no tensor cores; launch config
     ``w4a16_gemv.small``), then up to ``fused_max_m`` rows the tiled kernel (``_gemm_kernel``:
     ``tl.dot``), above it cuBLAS over the BF16 weight decoded by ``dequantize_bf16`` (many rows: compute
     bound, where decoding each weight tile once per row tile costs more than one decode pass).
-    ``kernel`` "gemv" or "tiled" runs that kernel at any M (the benchmark's side-by-side timing).
+    ``kernel`` "gemv", "tiled" or "cuda" runs that kernel at any M (the benchmark's side-by-side timing;
+    "cuda" where it cannot run is an error).
     Launch config of the tiled kernel: ``w4a16_gemm.n{N}_k{K}_{bucket}`` if present, else
     ``w4a16_gemm.{bucket}`` (``m_bucket``); explicit arguments override either table; ``sub_k`` (null:
     ``block_k``) decodes and multiplies each K tile that many columns at a time (``_k_tile``). ``split_k`` None
@@ -651,7 +654,12 @@ def gemm(
     if kernel is None:
         if m > (fused_max_m if fused_max_m is not None else dispatch["fused_max_m"]):
             return x @ dequantize_bf16(w).T
-        kernel = "gemv" if m <= dispatch["gemv_max_m"] else "tiled"
+        if m <= dispatch["cuda_max_m"] and _dense_cuda_runs(x, w):
+            kernel = "cuda"
+        else:
+            kernel = "gemv" if m <= dispatch["gemv_max_m"] else "tiled"
+    if kernel == "cuda":
+        return _dense_cuda(x, w)
     if kernel == "gemv":
         return _gemv(x, w, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                      num_stages=num_stages)  # fmt: skip
@@ -675,6 +683,30 @@ def gemm(
         num_warps=d["num_warps"], num_stages=d["num_stages"],
     )  # fmt: skip
     return _sum_splits(ws, out, split)
+
+
+def _dense_cuda_runs(x: torch.Tensor, w: W4A16Weight) -> bool:
+    """Whether the CUDA grouped kernel takes this dense product in its ``w4a16_grouped_cuda.dense`` config."""
+    from quads.kernels import w4a16_cuda
+
+    c = tuning.config("w4a16_grouped_cuda", "dense")
+    return w4a16_cuda.supports(x, w.n, w.k, c["ng"], c["warps"], c["ksplit"])
+
+
+def _dense_cuda(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
+    """The dense product on the CUDA grouped kernel: the weight as a one-expert stack (``as_stack``), ``ends =
+    [M]``; an error where the kernel cannot run."""
+    from quads.kernels import w4a16_cuda
+
+    c = tuning.config("w4a16_grouped_cuda", "dense")
+    if not _dense_cuda_runs(x, w):
+        raise ValueError(f"w4a16.gemm: kernel='cuda' takes BF16 x on an sm_89+ GPU with a CUDA compiler, K a multiple "
+                         f"of 64 and N of {16 * c['ng'] * c['warps'] // c['ksplit']}; got {x.dtype} on {x.device}, "
+                         f"K={w.k}, N={w.n}")  # fmt: skip
+    s = w.as_stack()
+    ends = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+    c["nt"] = c["nt"] or w4a16_cuda.rows_per_pass(x.shape[0], 1, c["ng"], c["warps"], c["ksplit"])
+    return w4a16_cuda.grouped_gemm(x, s.codes, s.scales, s.global_scale, ends, w.n, w.k, **c)
 
 
 def _sub_k(sub_k: int | None, bk: int, what: str) -> int:

@@ -6,7 +6,7 @@
 #   1. the CUDA kernel's GPU tests (the one-expert stack against the dense reference, every config);
 #   2. bench_kernels' w4a16 suite at M = 1, 4, 16, 64: cuBLAS, the Triton launcher, every CUDA config, same weights.
 # OUT=$OUT bash scripts/device_calls/2026-12-08_dense_cuda.sh
-# If a CUDA config wins at M <= 16, next: a `backend` in w4a16_gemm's table entries, as the grouped kernel's.
+# Adopt where a CUDA config wins: tuning.json w4a16_dispatch.dense.cuda_max_m (0: off) and w4a16_grouped_cuda.dense.
 export PYTHONPATH=.; mkdir -p $OUT; git rev-parse HEAD > $OUT/tree.txt 2>&1; git status --short >> $OUT/tree.txt
 T0=$(date +%s); left() { echo $(( 300 - ($(date +%s) - T0) )); }
 cap() { local l; l=$(left); [ $l -lt $1 ] && echo $l || echo $1; }
