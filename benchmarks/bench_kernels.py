@@ -144,7 +144,8 @@ def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
     """``quads.kernels.w4a16.gemm`` (packed weights) against cuBLAS BF16 ``torch.mm`` and FP8
     ``_scaled_mm``: the launcher's choice (``us``; ``tuning.json`` ``w4a16_dispatch.dense``), the tiled
     ``tl.dot`` kernel at every M (``fused_us``) and the GEMV kernel at M <= 16 (``gemv_us``), side by
-    side; weight bytes read per second and as a fraction of the copy (of the launcher's choice)."""
+    side; weight bytes read per second and as a fraction of the copy (of the launcher's choice); at M <= 64
+    every CUDA grouped-kernel config on the weights as one-expert stacks (rows of their own)."""
     from quads.kernels import tuning, w4a16
 
     nan = float("nan")
@@ -166,19 +167,15 @@ def bench_w4a16(rows: list, copy_bw: float, quick: bool) -> None:
                                for w in fp8w])  # fmt: skip
             t_fused = time_graph([lambda p=p: w4a16.gemm(x, p, kernel="tiled") for p in packed])
             t_gemv = time_graph([lambda p=p: w4a16.gemm(x, p, kernel="gemv") for p in packed]) if m <= 16 else nan
-            # the launcher's own choice (w4a16_dispatch.dense: GEMV, tiled, or dequantize_bf16 + cuBLAS)
+            # the launcher's own choice (w4a16_dispatch.dense: the CUDA kernel, GEMV, tiled, or dequantize_bf16 +
+            # cuBLAS), timed as the launcher runs it
             dense = tuning.config("w4a16_dispatch", "dense")
-            if m <= dense["gemv_max_m"]:
-                t = t_gemv
-            elif m <= dense["fused_max_m"]:
-                t = t_fused
-            else:
-                t = time_graph([lambda p=p: w4a16.gemm(x, p) for p in packed])
+            t = time_graph([lambda p=p: w4a16.gemm(x, p) for p in packed])
             wbytes = n * k // 2 + n * k // 16
             if m <= 64:  # the CUDA grouped decode kernel on the weight as a one-expert stack (ends = [M])
                 ones = [(None, p.as_stack()) for p in packed]
                 ends = torch.full((1,), m, dtype=torch.int32, device="cuda")
-                _bench_moe_cuda(rows, x, ones, ends, n, k, f"M={m} N={n} K={k}", t, t_bf, wbytes, copy_bw,
+                _bench_cuda_rows(rows, x, ones, ends, n, k, f"M={m} N={n} K={k}", t, t_bf, wbytes, copy_bw,
                                 bench="W4A16 GEMM cuda (one-expert stack)")
             rows.append({"bench": "W4A16 GEMM", "shape": f"M={m} N={n} K={k}", "us": t * 1e6,
                          "fused_us": t_fused * 1e6, "gemv_us": t_gemv * 1e6, "gemv_x_vs_bf16": t_bf / t_gemv,
@@ -227,13 +224,13 @@ def bench_moe(rows: list, quick: bool, copy_bw: float) -> None:
                      f"active={active}", "us": t_q * 1e6, "bf16_us": t_bf * 1e6, "x_vs_bf16": t_bf / t_q,
                      "baseline": "torch._grouped_mm bf16", "w_TBps": wbytes / t_q / 1e12,
                      "frac_copy": wbytes / t_q / copy_bw, "bf16_w_TBps": active * n * k * 2 / t_bf / 1e12})  # fmt: skip
-        _bench_moe_cuda(rows, x, sets, ends, n, k, f"{what} T={tokens} top{topk} E={e} N={n} K={k}", t_q, t_bf, wbytes,
+        _bench_cuda_rows(rows, x, sets, ends, n, k, f"{what} T={tokens} top{topk} E={e} N={n} K={k}", t_q, t_bf, wbytes,
                         copy_bw)  # fmt: skip
         del sets
         torch.cuda.empty_cache()
 
 
-def _bench_moe_cuda(rows, x, sets, ends, n, k, shape, t_triton, t_bf, wbytes, copy_bw,
+def _bench_cuda_rows(rows, x, sets, ends, n, k, shape, t_triton, t_bf, wbytes, copy_bw,
                     bench="grouped MoE W4A16 cuda") -> None:
     """The CUDA grouped decode kernel (``w4a16_cuda``, each compiled config that takes the shape) on the same
     weight sets and routes as the Triton row beside it (``x_vs_triton``: against ``t_triton``, the Triton

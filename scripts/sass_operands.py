@@ -47,7 +47,7 @@ CASES = [
      {"AMAX_BY": 1, "IDX_BY": 0, "GATHER": False, "RESIDUAL": True, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
      8 * 128 // 128, True),
     ("static RAC: gathered amax (rac_static_units, 4 rows x 256 channels a pass)", factored_quant._gather_amax_kernel,
-     {"IDX_BY": 2, "PER_ROW": False, "BLOCK_M": 4, "BLOCK_N": 256}, 4, 4 * 256 // 128, True),
+     {"IDX_BY": 2, "AMAX_BY": 1, "BLOCK_M": 4, "BLOCK_N": 256}, 4, 4 * 256 // 128, True),
     ("static RAC: gathered quantize through the expert's order (8 x 128 tile)", factored_quant._quantize_units_kernel,
      {"AMAX_BY": 1, "IDX_BY": 2, "GATHER": True, "RESIDUAL": False, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
      8 * 128 // 128, True),

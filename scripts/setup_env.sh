@@ -35,7 +35,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP="$VENV/bin/python -m pip"
 . "$(dirname "$0")/setup_lib.sh"
-quiet $PIP install -q --upgrade pip || echo "[setup] could not upgrade pip; going on with the venv's"
+upgrade_pip $PIP
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==2.13.0 (CPU)"
   quiet $PIP install -q "torch==2.13.0"

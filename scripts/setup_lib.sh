@@ -8,3 +8,7 @@ quiet() {
   if [ -n "$out" ]; then printf '%s\n' "$out" | grep -v "is ignored" || true; fi
   return "$rc"
 }
+# upgrade_pip PIP...: pip's own upgrade, where a failure (no network to PyPI) leaves the venv's pip in use.
+upgrade_pip() {
+  quiet "$@" install -q --upgrade pip || echo "[setup] could not upgrade pip; going on with the venv's"
+}

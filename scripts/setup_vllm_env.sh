@@ -10,7 +10,7 @@ VENV=${VENV_VLLM:-.venv-vllm}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 . "$(dirname "$0")/setup_lib.sh"
-quiet $PIP install -q --upgrade pip || echo "[setup] could not upgrade pip; going on with the venv's"
+upgrade_pip $PIP
 # torch and the large libraries it shares with the main venv, as hard links (scripts/link_shared.py): pip
 # then unpacks and byte-compiles only the rest
 "$PYTHON" scripts/link_shared.py "${VENV_MAIN:-.venv}" "$VENV" torch==2.13.0 triton pyarrow sympy networkx matplotlib fonttools safetensors

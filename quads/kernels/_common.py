@@ -35,6 +35,13 @@ E4M3_SUBNORMAL_MAGIC = 16384.0
 EXACT = {"enable_fp_fusion": False}
 
 
+def check_out(out: torch.Tensor, m: int, k: int, name: str) -> None:
+    """A clear error unless ``out`` (a kernel's output, rows may be strided) is ``[m, k]`` with unit stride along K."""
+    if out.shape != (m, k) or out.stride(-1) != 1:
+        raise ValueError(f"{name}: out must be [{m}, {k}] with unit stride along K, got {tuple(out.shape)} "
+                         f"strides {out.stride()}")
+
+
 def interpreted(t: torch.Tensor) -> bool:
     """Whether a kernel launched on ``t`` runs under Triton's CPU interpreter: Triton compiles only for
     GPUs, so a kernel on CPU tensors is interpreted. Kernels take this as a constexpr to pick the

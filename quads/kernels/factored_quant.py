@@ -25,7 +25,7 @@ import torch
 
 from quads.formats import nvfp4
 from quads.formats.constants import NVFP4_BLOCK
-from quads.kernels._common import EXACT, HAS_TRITON
+from quads.kernels._common import EXACT, HAS_TRITON, check_out
 from quads.kernels.rac_select import RacMethod
 
 if HAS_TRITON:
@@ -99,10 +99,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _gather_amax_kernel(r_ptr, group_ptr, order_ptr, amax_ptr, M, K, n, G, stride_order, IDX_BY: tl.constexpr,
-                            PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+                            AMAX_BY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
         """NaN-ignoring max of ``|r[row, order[_row_keys(IDX_BY), :n]]|`` for rows ``[i BLOCK_M, (i + 1)
-        BLOCK_M)``: stored per row (PER_ROW), else an atomic max into ``amax[group[row]]`` (zeroed by the
-        caller; ``amax[0]`` for one group)."""
+        BLOCK_M)`` into ``amax[_row_keys(AMAX_BY)]``: stored per row (AMAX_BY 0), else an atomic max (``amax``
+        zeroed by the caller; a row's group, the masked rows' group G its own as ``Segments.row_max``, or one)."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         irow = _row_keys(group_ptr, rows, rmask, G, IDX_BY)
@@ -113,12 +113,10 @@ if HAS_TRITON:
             ch = tl.load(order_ptr + irow[:, None] * stride_order + j[None, :], mask=m, other=0)
             x = tl.load(r_ptr + rows[:, None] * K + ch, mask=m, other=0.0)
             acc = tl.maximum(acc, tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1))
-        if PER_ROW:
+        if AMAX_BY == 0:
             tl.store(amax_ptr + rows, acc, mask=rmask)
-        elif IDX_BY == 3:  # one group: one amax
-            tl.atomic_max(amax_ptr + rows * 0, acc, mask=rmask, sem="relaxed")
-        else:  # the row's own group (the masked rows' group G has its own amax, as Segments.row_max)
-            tl.atomic_max(amax_ptr + _row_keys(group_ptr, rows, rmask, G, 1), acc, mask=rmask, sem="relaxed")
+        else:
+            tl.atomic_max(amax_ptr + _row_keys(group_ptr, rows, rmask, G, AMAX_BY), acc, mask=rmask, sem="relaxed")
 
 
 BY_ROW, BY_GROUP, BY_CHANNEL_GROUP, BY_ONE = 0, 1, 2, 3  # _row_keys' modes
@@ -157,7 +155,7 @@ def quantize_units(
     if out is None:
         u = (torch.empty if index is None else torch.zeros)(m, k, dtype=dtype, device=x.device)
     else:
-        _check_out(out, m, k, "quantize_units")
+        check_out(out, m, k, "quantize_units")
         u = out
     g, r = _launch_units(x, amax.reshape(m).float().contiguous(), None, 0, BY_ROW, index, BY_ROW, u, residual, codes,
                          block_m, block_k, cols, num_warps)  # fmt: skip
@@ -196,7 +194,7 @@ def group_units(
         raise ValueError(f"group_units needs a width multiple of {NVFP4_BLOCK}, got {k}")
     if group.shape != (m,):
         raise ValueError(f"group_units: expected group [{m}], got {tuple(group.shape)}")
-    _check_out(out, m, k, "group_units")
+    check_out(out, m, k, "group_units")
     group = group.contiguous()
     amax = torch.zeros(groups + 1, dtype=torch.float32, device=x.device)
     _group_amax_kernel[(triton.cdiv(m, amax_block_m),)](
@@ -236,7 +234,7 @@ def rac_static_units(
     if order.dim() != 2 or order.shape[0] != want or order.shape[1] < n or order.dtype != torch.long:
         raise ValueError(f"rac_static_units needs a long channel order [{want}, >= {n}], got {order.dtype} "
                          f"{tuple(order.shape)}")  # fmt: skip
-    _check_out(out, m, k, "rac_static_units")
+    check_out(out, m, k, "rac_static_units")
     order = order.contiguous()
     idx_by = BY_ONE if group is None else BY_CHANNEL_GROUP
     if per_token:
@@ -246,18 +244,12 @@ def rac_static_units(
         amax_by = BY_ONE if group is None else BY_GROUP
     grp = amax if group is None else group.contiguous()  # a placeholder pointer for one group
     _gather_amax_kernel[(triton.cdiv(m, 4),)](
-        r, grp, order, amax, m, k, n, groups, order.stride(0), IDX_BY=idx_by, PER_ROW=per_token, BLOCK_M=4,
+        r, grp, order, amax, m, k, n, groups, order.stride(0), IDX_BY=idx_by, AMAX_BY=amax_by, BLOCK_M=4,
         BLOCK_N=min(256, triton.next_power_of_2(n)), num_warps=num_warps, **EXACT,
     )  # fmt: skip
     g, _ = _launch_units(r, amax, grp, groups, amax_by, order, idx_by, out, False, False, block_m, block_k, None,
                          num_warps, width=n)  # fmt: skip
     return g
-
-
-def _check_out(out: torch.Tensor, m: int, k: int, name: str) -> None:
-    if out.shape != (m, k) or out.stride(-1) != 1:
-        raise ValueError(f"{name}: out must be [{m}, {k}] with unit stride along K, got {tuple(out.shape)} "
-                         f"strides {out.stride()}")
 
 
 def _launch_units(x, amax, group, groups, amax_by, index, idx_by, u, residual, codes, block_m, block_k, cols, num_warps,

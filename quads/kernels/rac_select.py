@@ -56,7 +56,7 @@ from typing import Literal, get_args
 import torch
 
 from quads.formats.constants import NVFP4_BLOCK
-from quads.kernels._common import EXACT, HAS_TRITON, interpreted
+from quads.kernels._common import EXACT, HAS_TRITON, check_out, interpreted
 
 RacMethod = Literal["sort", "count"]  # the selection algorithm (module docstring); same channels either way
 SORT_MAX_K = 4096  # the sort path holds a group's K norms (padded to a power of two) in one program
@@ -347,9 +347,7 @@ def rac_units(
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use quads.quant.factored.operands under the reference backend")
     m, k = check_residual(r, n, "rac_units")
-    if out.shape != (m, k) or out.stride(-1) != 1:
-        raise ValueError(f"rac_units: out must be [{m}, {k}] with unit stride along K, got {tuple(out.shape)} "
-                         f"strides {out.stride()}")
+    check_out(out, m, k, "rac_units")
     method = default_method(k, group is not None) if method is None else method
     if method not in get_args(RacMethod):
         raise ValueError(f"unknown RAC selection method {method!r}; valid: {', '.join(get_args(RacMethod))}")

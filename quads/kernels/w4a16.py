@@ -654,12 +654,14 @@ def gemm(
     if kernel is None:
         if m > (fused_max_m if fused_max_m is not None else dispatch["fused_max_m"]):
             return x @ dequantize_bf16(w).T
-        if m <= dispatch["cuda_max_m"] and _dense_cuda_runs(x, w):
-            kernel = "cuda"
-        else:
-            kernel = "gemv" if m <= dispatch["gemv_max_m"] else "tiled"
+        if m <= dispatch["cuda_max_m"]:
+            y = _cuda_gemm(x, w.as_stack(), torch.full((1,), m, dtype=torch.int32, device=x.device), "dense")
+            if y is not None:
+                return y
+        kernel = "gemv" if m <= dispatch["gemv_max_m"] else "tiled"
     if kernel == "cuda":
-        return _dense_cuda(x, w)
+        return _cuda_gemm(x, w.as_stack(), torch.full((1,), m, dtype=torch.int32, device=x.device), "dense",
+                          required="w4a16.gemm: kernel='cuda'")  # fmt: skip
     if kernel == "gemv":
         return _gemv(x, w, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                      num_stages=num_stages)  # fmt: skip
@@ -685,28 +687,21 @@ def gemm(
     return _sum_splits(ws, out, split)
 
 
-def _dense_cuda_runs(x: torch.Tensor, w: W4A16Weight) -> bool:
-    """Whether the CUDA grouped kernel takes this dense product in its ``w4a16_grouped_cuda.dense`` config."""
+def _cuda_gemm(x: torch.Tensor, w: W4A16Weight, ends: torch.Tensor, case: str, required: str | None = None
+              ) -> torch.Tensor | None:
+    """The product of the stack ``w`` on the CUDA grouped kernel (``w4a16_cuda``) in its launch config ``case`` of
+    ``w4a16_grouped_cuda`` (``decode`` where the table has no such entry; ``nt`` null: ``rows_per_pass``); None where
+    the kernel does not take the operands, or, when ``required`` names the caller, an error."""
     from quads.kernels import w4a16_cuda
 
-    c = tuning.config("w4a16_grouped_cuda", "dense")
-    return w4a16_cuda.supports(x, w.n, w.k, c["ng"], c["warps"], c["ksplit"])
-
-
-def _dense_cuda(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
-    """The dense product on the CUDA grouped kernel: the weight as a one-expert stack (``as_stack``), ``ends =
-    [M]``; an error where the kernel cannot run."""
-    from quads.kernels import w4a16_cuda
-
-    c = tuning.config("w4a16_grouped_cuda", "dense")
-    if not _dense_cuda_runs(x, w):
-        raise ValueError(f"w4a16.gemm: kernel='cuda' takes BF16 x on an sm_89+ GPU with a CUDA compiler, K a multiple "
-                         f"of 64 and N of {16 * c['ng'] * c['warps'] // c['ksplit']}; got {x.dtype} on {x.device}, "
-                         f"K={w.k}, N={w.n}")  # fmt: skip
-    s = w.as_stack()
-    ends = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
-    c["nt"] = c["nt"] or w4a16_cuda.rows_per_pass(x.shape[0], 1, c["ng"], c["warps"], c["ksplit"])
-    return w4a16_cuda.grouped_gemm(x, s.codes, s.scales, s.global_scale, ends, w.n, w.k, **c)
+    c = tuning.config("w4a16_grouped_cuda", case if case in tuning.table()["w4a16_grouped_cuda"] else "decode")
+    c["nt"] = c["nt"] or w4a16_cuda.rows_per_pass(x.shape[0], w.experts, c["ng"], c["warps"], c["ksplit"])
+    if w4a16_cuda.supports(x, w.n, w.k, c["ng"], c["warps"], c["ksplit"]):
+        return w4a16_cuda.grouped_gemm(x, w.codes, w.scales, w.global_scale, ends, w.n, w.k, **c)
+    if required:
+        raise ValueError(f"{required} takes BF16 x on an sm_89+ GPU with a CUDA compiler, K a multiple of 64 and N of "
+                         f"{16 * c['ng'] * c['warps'] // c['ksplit']}; got {x.dtype} on {x.device}, K={w.k}, N={w.n}")
+    return None
 
 
 def _sub_k(sub_k: int | None, bk: int, what: str) -> int:
@@ -832,16 +827,9 @@ def grouped_gemm(
     if choice not in ("triton", "cuda"):
         raise ValueError(f"w4a16.grouped_gemm: backend must be triton or cuda, got {choice!r}")
     if choice == "cuda":
-        from quads.kernels import w4a16_cuda
-
-        c = tuning.config("w4a16_grouped_cuda", case if case in tuning.table()["w4a16_grouped_cuda"] else "decode")
-        c["nt"] = c["nt"] or w4a16_cuda.rows_per_pass(t, e, c["ng"], c["warps"], c["ksplit"])
-        if w4a16_cuda.supports(x, n, k, c["ng"], c["warps"], c["ksplit"]):
-            return w4a16_cuda.grouped_gemm(x, w.codes, w.scales, w.global_scale, ends, n, k, **c)
-        if backend == "cuda":
-            raise ValueError(f"w4a16.grouped_gemm: backend='cuda' takes BF16 x on an sm_89+ GPU with a CUDA compiler, "
-                             f"K a multiple of 64 and N of {16 * c['ng'] * c['warps'] // c['ksplit']}; got {x.dtype} on {x.device}, "
-                             f"K={k}, N={n}")  # fmt: skip
+        y = _cuda_gemm(x, w, ends, case, required="w4a16.grouped_gemm: backend='cuda'" if backend == "cuda" else None)
+        if y is not None:
+            return y
     bk = min(d["block_k"], _padded_k(k))
     bm = d["block_m"] or grouped_block_m(t, e)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
