@@ -61,18 +61,57 @@ def test_graph_matches_no_graph(recipe, temperature, compile):
     off = RolloutEngine(model, TOK, cuda_graphs=False, compile=compile).generate(PROMPTS, params)
     eng = RolloutEngine(model, TOK, cuda_graphs=True, done_check_interval=4, compile=compile)
     on = eng.generate(PROMPTS, params)
-    again = eng.generate(PROMPTS, params)
+    again = eng.generate(PROMPTS, params)  # the prompt block's second sight: its prefill graph is captured
+    third = eng.generate(PROMPTS, params)  # and replayed
+    assert [d.n_prefill_captures for d in eng._decoders.values()] == [1]
     c = "+compile" if compile else ""
     a = "+triton-attention" if eng.decode_attention == "triton" else ""  # "auto": Triton attention on CUDA
     assert on.stats.decode_path == f"static{c}+graph{a}/device" and off.stats.decode_path == f"static{c}{a}/device"
     assert on.compiled == off.compiled == compile
     assert on.stats.graph_captures == 1 and again.stats.graph_captures == 0
     assert len({len(r) for r in on.response_ids}) > 1
-    for b in (on, again):
+    for b in (on, again, third):
         assert b.response_ids == off.response_ids and b.finish_reasons == off.finish_reasons
         assert torch.equal(b.logprobs, off.logprobs) and torch.equal(b.routing, off.routing)
-    res = score_rollout(model, on)  # rescoring on the engine's path, graph replayed
-    assert torch.equal(res.logprobs, on.logprobs) and torch.equal(res.routing, on.routing)
+    res = score_rollout(model, third)  # rescoring on the engine's path (its prefill eager), graph replayed
+    assert torch.equal(res.logprobs, third.logprobs) and torch.equal(res.routing, third.routing)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "w4a4+rac50"])
+def test_prefill_graph_matches_eager_prefill(recipe):
+    """The prefill replayed from its graph = the eager prefill, with and without padding in the prompt block
+    (no padding: plain causal attention; padding: the mask, which the graph takes without a host read), and
+    the routing recorded or not; a new prompt width runs eagerly first; a replaced weight drops the graphs."""
+    model = model_for(recipe)
+    B = 8
+    for prompts in (["1+2=", "3*4=", "9-8=", "7+7="], PROMPTS):  # equal widths, then left padding
+        dec = StaticDecoder(model, B, 128, device_dispatch=True, cuda_graphs=True)
+        ref = StaticDecoder(model, B, 128, device_dispatch=True, cuda_graphs=False)
+        P = max(len(p) for p in prompts)
+        ids = torch.zeros(B, P, dtype=torch.long, device="cuda")
+        mask = torch.zeros(B, P, dtype=torch.bool, device="cuda")
+        for i in range(B):
+            t = TOK.encode(prompts[i % len(prompts)])
+            ids[i, P - len(t):], mask[i, P - len(t):] = torch.tensor(t), True
+        for routing in (True, False):
+            ref.begin()
+            want = ref.prefill(ids, mask, return_routing=routing)
+            want_k = [k[:, :, :P].clone() for k in ref.cache.k]
+            base = dec.n_prefill_captures
+            for sight in range(3):  # eager, captured (and replayed), replayed
+                dec.begin()
+                logits, rt = dec.prefill(ids, mask, return_routing=routing)
+                assert dec.n_prefill_captures == base + (sight >= 1)
+                assert torch.equal(logits, want[0]) and (rt is None) == (not routing)
+                if routing:
+                    assert torch.equal(rt, want[1])
+                assert dec.cache.length == P and int(dec.cache.pos) == P
+                assert all(torch.equal(k[:, :, :P], w) for k, w in zip(dec.cache.k, want_k))
+        assert dec.n_prefill_captures == 2  # one graph per (width, padding, routing) seen twice
+    with torch.no_grad():  # a replaced tensor: the next generation captures again
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())
+    dec.begin()
+    assert not dec._prefills
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "w4a16", "w4a4+rac50"])

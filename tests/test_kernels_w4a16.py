@@ -286,6 +286,18 @@ def test_gemm_dispatches_small_m_to_the_gemv_kernel(monkeypatch):
     assert calls == [1]
     with pytest.raises(ValueError, match="kernel='cuda'"):
         w4a16.gemm(_x(1, 64), p48, kernel="cuda")
+    # a weight shape's own entries win over the defaults: dispatch_n48_k64's cuda_max_m, n48_k64_dense's config
+    table = {**tuning.table(), "w4a16_dispatch": {**tuning.table()["w4a16_dispatch"],
+                                                  "dense_n48_k64": {"cuda_max_m": 8, "gemv_max_m": 0, "fused_max_m": 64}},
+             "w4a16_grouped_cuda": {**tuning.table()["w4a16_grouped_cuda"],
+                                    "n48_k64_dense": {"ng": 1, "nt": 1, "warps": 4, "ksplit": 1}}}  # fmt: skip
+    monkeypatch.setattr(tuning, "table", lambda: table)
+    seen = []
+    monkeypatch.setattr(w4a16, "_cuda_gemm", lambda x, w, ends, case, required=None: seen.append(case))
+    calls.clear()
+    w4a16.linear_op(_x(1, 64), p48)  # the shape's cuda_max_m 8 asks the CUDA kernel, which (here) declines
+    w4a16.linear_op(_x(1, 64), p)  # N = 32: the defaults (cuda_max_m 16 from the patched config above)
+    assert seen == ["n48_k64_dense", "dense"] and calls == [1]  # gemv_max_m 0 for N = 48: the tiled kernel
 
 
 @pytest.mark.parametrize("kernel", ["gemv", "tiled"])
@@ -431,7 +443,9 @@ def test_tuning_table_has_the_w4a16_cases():
     assert w4a16.grouped_case(1024, 64, 512, 1024) == "decode" and w4a16.grouped_case(1025 * 16, 64, 512, 1024) == "prefill"
     assert w4a16.grouped_case(128 * 17, 128, 1536, 2048) == "prefill"
     assert set(tuning.config("w4a16_gemv", "small")) == {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
-    assert set(tuning.config("w4a16_dispatch", "dense")) == {"cuda_max_m", "gemv_max_m", "fused_max_m"}
+    for case in tuning.table()["w4a16_dispatch"]:
+        if case.startswith("dense"):  # the default and the shape entries (run 35: the CUDA kernel at 28672 x 4096)
+            assert set(tuning.config("w4a16_dispatch", case)) == {"cuda_max_m", "gemv_max_m", "fused_max_m"}
     assert set(tuning.config("w4a16_dispatch", "grouped")) == {"fused_max_rows_per_expert"}
     assert [w4a16.m_bucket(m) for m in (1, 2, 16, 33, 64, 65)] == ["m1", "m4", "m16", "m64", "m64", "large"]
 

@@ -626,8 +626,9 @@ def gemm(
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` BF16 x packed weight ``[N, K]`` -> ``[M, N]`` BF16 (module docstring).
 
-    ``kernel`` None dispatches on M (``tuning.json`` ``w4a16_dispatch.dense``): at most ``cuda_max_m`` rows
-    the CUDA grouped decode kernel on the weight as a one-expert stack (``w4a16_cuda``, launch config
+    ``kernel`` None dispatches on M (``tuning.json`` ``w4a16_dispatch.dense_n{N}_k{K}`` where the table has the
+    weight's shape, else ``w4a16_dispatch.dense``): at most ``cuda_max_m`` rows the CUDA grouped decode kernel on
+    the weight as a one-expert stack (``w4a16_cuda``, launch config ``w4a16_grouped_cuda.n{N}_k{K}_dense`` or
     ``w4a16_grouped_cuda.dense``; where it takes the operands, else the next choice), then at most
     ``gemv_max_m`` rows the GEMV kernel (``_gemv_kernel``: fp32 FMAs, no tensor cores; launch config
     ``w4a16_gemv.small``), then up to ``fused_max_m`` rows the tiled kernel (``_gemm_kernel``:
@@ -650,17 +651,20 @@ def gemm(
         raise ValueError(f"w4a16.gemm: kernel must be None (dispatch on M) or one of {GEMM_KERNELS}, got {kernel!r}")
     x = x.contiguous()
     m, k, n = x.shape[0], w.k, w.n
-    dispatch = tuning.config("w4a16_dispatch", "dense")
+    shape = f"n{n}_k{k}"  # a weight shape's own rows of the tables, where a run measured that shape
+    dispatch = tuning.config("w4a16_dispatch", f"dense_{shape}" if f"dense_{shape}" in tuning.table()["w4a16_dispatch"]
+                             else "dense")  # fmt: skip
+    cuda_case = f"{shape}_dense" if f"{shape}_dense" in tuning.table()["w4a16_grouped_cuda"] else "dense"
     if kernel is None:
         if m > (fused_max_m if fused_max_m is not None else dispatch["fused_max_m"]):
             return x @ dequantize_bf16(w).T
         if m <= dispatch["cuda_max_m"]:
-            y = _cuda_gemm(x, w.as_stack(), torch.full((1,), m, dtype=torch.int32, device=x.device), "dense")
+            y = _cuda_gemm(x, w.as_stack(), torch.full((1,), m, dtype=torch.int32, device=x.device), cuda_case)
             if y is not None:
                 return y
         kernel = "gemv" if m <= dispatch["gemv_max_m"] else "tiled"
     if kernel == "cuda":
-        return _cuda_gemm(x, w.as_stack(), torch.full((1,), m, dtype=torch.int32, device=x.device), "dense",
+        return _cuda_gemm(x, w.as_stack(), torch.full((1,), m, dtype=torch.int32, device=x.device), cuda_case,
                           required="w4a16.gemm: kernel='cuda'")  # fmt: skip
     if kernel == "gemv":
         return _gemv(x, w, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,

@@ -173,6 +173,11 @@ class StaticKVCache(KVCache):
         raise RuntimeError("StaticKVCache keeps every row in its slot; finished rows are masked, not dropped")
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device is capturing a CUDA graph (where a read-back to the host is an error)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def build_attn_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, past: int,
                     device: torch.device) -> torch.Tensor | None:
     """Boolean SDPA mask [B, 1, L, S] (True = attend): causal, keys with ``attention_mask == 0`` hidden.
@@ -182,9 +187,11 @@ def build_attn_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int,
     Returns None when plain causal attention is exact (no padding, no past, or a single query with
     no padding), so SDPA can take its ``is_causal`` fast path. Under ``torch.compile`` a given mask is
     always applied: the test for padding reads the mask back to the host (a graph break), so a traced
-    caller passes None itself for a batch without padding (``quads.rl.logprobs.forward_logprobs`` does).
+    caller passes None itself for a batch without padding (``quads.rl.logprobs.forward_logprobs`` does);
+    the same under CUDA-graph capture (``quads.rollout.decode.StaticDecoder.prefill`` does).
     """
-    if attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask.all())):
+    if attention_mask is None or (not torch.compiler.is_compiling() and not _capturing(attention_mask)
+                                  and bool(attention_mask.all())):
         if past == 0 or q_len == 1:
             return None
     s = past + q_len

@@ -102,7 +102,7 @@ class MoEForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 routing: torch.Tensor | None = None, return_routing: bool = False,
-                logits_slice: slice | None = None) -> ModelOutput:
+                logits_slice: slice | None = None, device_dispatch: bool = False) -> ModelOutput:
         """input_ids [B, L] -> logits [B, L, V].
 
         attention_mask: 1 = real token. Without a cache it is [B, L]; with a cache it covers every key,
@@ -113,6 +113,8 @@ class MoEForCausalLM(nn.Module):
         cache: ``KVCache`` for incremental decode (rollout engine only); advanced by L on return.
         routing: [n_layers, B, L, k] expert ids to force (routing replay); rows of -1 are not forced.
         logits_slice: compute logits only for ``[:, logits_slice]`` (saves the lm_head on prompts).
+        device_dispatch: the experts' capturable path (``forward_static``; the rollout engine's prefill on its
+          static path, ``quads.rollout.decode.StaticDecoder.prefill``).
         """
         cfg = self.config
         B, L = input_ids.shape
@@ -136,7 +138,7 @@ class MoEForCausalLM(nn.Module):
         aux = torch.zeros((), device=x.device, dtype=torch.float32)
         for i, layer in enumerate(self.model.layers):
             forced = routing[i].reshape(B * L, -1) if routing is not None else None
-            x, top_i, probs = layer(x, cos, sin, mask, cache, forced)
+            x, top_i, probs = layer(x, cos, sin, mask, cache, forced, None, device_dispatch)
             if return_routing:
                 record.append(top_i.view(B, L, -1))
             if cfg.router_aux_loss_coef > 0:

@@ -15,6 +15,14 @@ It owns:
   (a new storage: ``model.to``, a re-quantization to another shape), the next generation sees a new
   ``weights_key`` and captures again (``n_captures`` counts them).
 
+The prefill of the prompt block (``prefill``) runs the experts on the decoder's dispatch too (the capturable
+path with ``device_dispatch``), so with ``cuda_graphs`` it is replayed from a graph as well: one per prompt
+block shape ``(P, padded, routing recorded)``, captured the *second* time a shape is prefilled (the first
+runs it eagerly: a prompt width seen once, as with prompts of varying length, costs no capture) and kept for
+``PREFILL_GRAPHS`` shapes. Replayed or not it is the same kernels on the same operands, so the two give the same
+bits; the eager prefill of a batch with padding needs one host read of the mask (``build_attn_mask``), which the
+graph captures as "padded" instead.
+
 A decode step is idempotent for a given state (it writes the same cache column and key-mask entry
 again), which is what lets the warm-up calls run on the real state before the capture. Sampling
 happens after the step, outside the graph (``quads.rollout.engine.sample_tokens``: no host sync), so
@@ -36,6 +44,7 @@ from quads.model import gemm
 from quads.model.attention import StaticKVCache, activation_dtype
 
 CACHE_BUCKET = 128  # cache lengths are multiples of this (a graph per bucket, not per prompt width)
+PREFILL_GRAPHS = 4  # prefill graphs kept per decoder (prompt block shapes), the least recently used dropped
 
 
 def cache_length(needed: int) -> int:
@@ -103,13 +112,74 @@ class StaticDecoder:
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
         self._key: tuple | None = None
         self.n_captures = 0
+        # prefill graphs by prompt block shape: (graph, input ids, mask, (logits, routing)); shapes seen once
+        self._prefills: dict[tuple, tuple] = {}
+        self._prefill_seen: dict[tuple, int] = {}
+        self._prefill_key: tuple | None = None
+        self.n_prefill_captures = 0
 
     def begin(self) -> StaticKVCache:
-        """Start a generation: empty cache; drop the graph if a weight tensor was replaced."""
-        if self.graph is not None and weights_key(self.model) != self._key:
-            self.graph, self._out = None, None
+        """Start a generation: empty cache; drop the graphs if a weight tensor was replaced."""
+        if self.graph is not None or self._prefills:
+            key = weights_key(self.model)
+            if self.graph is not None and key != self._key:
+                self.graph, self._out = None, None
+            if self._prefills and key != self._prefill_key:
+                self._prefills.clear()
         self.cache.reset()
         return self.cache
+
+    def _prefill_run(self, ids: torch.Tensor, mask: torch.Tensor | None, routing: bool):
+        """The prefill forward into the (empty) cache; idempotent: it writes columns ``0..P-1`` again."""
+        self.cache.length, self.cache.decoding = 0, False
+        P = ids.shape[1]
+        out = self.model(ids, attention_mask=mask, cache=self.cache, return_routing=routing,
+                         logits_slice=slice(P - 1, P), device_dispatch=self.device_dispatch)
+        return out.logits[:, -1], out.routing
+
+    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, *, return_routing: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prefill the prompt block ``input_ids`` [B, P] (``mask`` [B, P] bool, left padding) into the cache
+        from ``begin`` -> (logits of the last column [B, V], expert ids [n_layers, B, P, k] or None); then
+        ``cache.start_decode(mask)``. From a graph where one was captured (module docstring): the outputs are
+        then the graph's buffers, valid until the next prefill of that shape."""
+        P = input_ids.shape[1]
+        padded = not bool(mask.all())  # the one host read; no padding: plain causal attention, as the model's test
+        key = (P, padded, return_routing)
+        use_graph = self.cuda_graphs and self.device_dispatch
+        if use_graph and key not in self._prefills:
+            self._prefill_seen[key] = self._prefill_seen.get(key, 0) + 1
+            if self._prefill_seen[key] >= 2:
+                self._capture_prefill(key, input_ids, mask)
+        if use_graph and key in self._prefills:
+            graph, ids_buf, mask_buf, out = self._prefills.pop(key)
+            self._prefills[key] = (graph, ids_buf, mask_buf, out)  # most recently used last
+            ids_buf.copy_(input_ids)
+            mask_buf.copy_(mask)
+            graph.replay()
+            self.cache.length = P  # the host-side offset the captured forward advanced once
+            logits, routing = out
+        else:
+            logits, routing = self._prefill_run(input_ids, mask if padded else None, return_routing)
+        self.cache.start_decode(mask)
+        return logits, routing
+
+    def _capture_prefill(self, key: tuple, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
+        P, padded, routing = key
+        while len(self._prefills) >= PREFILL_GRAPHS:
+            self._prefills.pop(next(iter(self._prefills)))
+        ids_buf, mask_buf = input_ids.clone(), mask.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # fills the allocator (the first sight compiled the kernels)
+            self._prefill_run(ids_buf, mask_buf if padded else None, routing)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._prefill_run(ids_buf, mask_buf if padded else None, routing)
+        self._prefills[key] = (graph, ids_buf, mask_buf, out)
+        self._prefill_key = weights_key(self.model)
+        self.n_prefill_captures += 1
 
     def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._step_fn(self.tokens, self.cache, self.rows, device_dispatch=self.device_dispatch)

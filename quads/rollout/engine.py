@@ -318,7 +318,7 @@ class RolloutEngine:
     def _generate_chunk_static(self, samples: list[list[int]], P: int, params: SamplingParams,
                                gen: torch.Generator, dispatch: str, graphs: bool) -> RolloutBatch:
         """The static decode path (module docstring): fixed slots, one ``StaticDecoder`` step per token."""
-        model, tok, dev = self.model, self.tokenizer, self.device
+        tok, dev = self.tokenizer, self.device
         B, R = len(samples), params.max_new_tokens
         t0 = time.perf_counter()
         input_ids, mask, logprobs, routing = self._output_buffers(samples, P, params)
@@ -326,14 +326,11 @@ class RolloutEngine:
         stop_t = self._stop_ids(params)
         dec = self._decoder(B, cache_length(P + R), dispatch, graphs)
         captures = dec.n_captures
-        cache = dec.begin()
+        dec.begin()
 
-        out = model(input_ids[:, :P], attention_mask=mask[:, :P], cache=cache,
-                    return_routing=params.record_routing, logits_slice=slice(P - 1, P))
+        logits, pre_routing = dec.prefill(input_ids[:, :P], mask[:, :P], return_routing=params.record_routing)
         if routing is not None:
-            routing[:, :, :P] = out.routing.masked_fill(~mask[None, :, :P, None], -1)
-        logits = out.logits[:, -1]
-        cache.start_decode(mask[:, :P])
+            routing[:, :, :P] = pre_routing.masked_fill(~mask[None, :, :P, None], -1)
         self._sync()
         t1 = time.perf_counter()
         rows = torch.ones(B, dtype=torch.bool, device=dev)  # rows still generating

@@ -115,12 +115,9 @@ def _score_static(model: torch.nn.Module, batch: RolloutBatch, temperature: floa
     model.eval()
     try:
         with sdpa_kernel(_DECODE_BACKENDS):
-            cache = dec.begin()
-            out = model(ids[:, :P], attention_mask=full_mask[:, :P], cache=cache, return_routing=True,
-                        logits_slice=slice(P - 1, P))
-            routing[:, :, :P] = out.routing.masked_fill(~full_mask[None, :, :P, None], -1)
-            logits = out.logits[:, -1]
-            cache.start_decode(full_mask[:, :P])
+            dec.begin()
+            logits, pre_routing = dec.prefill(ids[:, :P], full_mask[:, :P], return_routing=True)
+            routing[:, :, :P] = pre_routing.masked_fill(~full_mask[None, :, :P, None], -1)
             for t in range(R):
                 tok = ids[:, P + t]
                 lp = torch.log_softmax(logits.to(lp_dtype) / temperature, -1).gather(1, tok[:, None]).squeeze(1)
