@@ -258,3 +258,27 @@ def test_fp32_model_under_autocast_caches_in_the_autocast_dtype(decode):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert activation_dtype(model) == torch.bfloat16
     assert activation_dtype(model) == torch.float32
+
+
+def test_compiled_step_runs_under_the_raised_recompile_limit(monkeypatch):
+    """Every (model, batch, cache length) is a compile of the same code object: the compiled step is called under
+    ``COMPILED_SHAPES`` as Dynamo's recompile limit (its default 8 would run the 9th shape eagerly, silently), the
+    caller's limit restored after; one compiled function per model."""
+    from quads.rollout import decode
+
+    seen = []
+
+    def fake_compile(fn, **kw):
+        assert kw == {"dynamic": False, "fullgraph": False}
+        return lambda *a, **k: seen.append(torch._dynamo.config.recompile_limit) or fn(*a, **k)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    model = tiny()
+    before = torch._dynamo.config.recompile_limit
+    step = decode._compiled_step(model)
+    assert decode._compiled_step(model) is step
+    cache = StaticKVCache(model.config, 2, 16)
+    cache.start_decode(torch.ones(2, 0, dtype=torch.bool))
+    logits, routing = step(torch.tensor([5, 6]), cache, torch.tensor([True, False]))
+    assert seen == [decode.COMPILED_SHAPES] and decode.COMPILED_SHAPES > before
+    assert torch._dynamo.config.recompile_limit == before and logits.shape == (2, SMALL["vocab_size"])

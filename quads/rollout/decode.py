@@ -44,6 +44,10 @@ from quads.model import gemm
 from quads.model.attention import StaticKVCache, activation_dtype
 
 CACHE_BUCKET = 128  # cache lengths are multiples of this (a graph per bucket, not per prompt width)
+# Dynamo's recompile limit while a compiled step runs: every (model, batch size, cache length) is one static-shape
+# compile of the same code object, and past Dynamo's default of 8 the next shapes would run eagerly, silently
+# (run 37: the 100m's 4-bit steps at 2x their time, after the 1b's eight compiles in the same process)
+COMPILED_SHAPES = 64
 PREFILL_GRAPHS = 4  # prefill graphs kept per decoder (prompt block shapes), the least recently used dropped
 
 
@@ -81,11 +85,18 @@ def weights_key(model: torch.nn.Module) -> tuple:
 
 def _compiled_step(model: torch.nn.Module):
     """``torch.compile`` of ``model.decode_step``, one per model (every decoder of a model shares its
-    compiled code; a new batch size or cache length is a new static shape, compiled once)."""
+    compiled code; a new batch size or cache length is a new static shape, compiled once), called under a
+    recompile limit of ``COMPILED_SHAPES``."""
     fn = getattr(model, "_quads_compiled_decode_step", None)
     if fn is None:
         gemm.mark_compile_constants()
-        fn = torch.compile(model.decode_step, dynamic=False, fullgraph=False)
+        compiled = torch.compile(model.decode_step, dynamic=False, fullgraph=False)
+
+        def fn(*args, **kwargs):
+            with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES,
+                                            accumulated_recompile_limit=max(COMPILED_SHAPES, 256)):
+                return compiled(*args, **kwargs)
+
         object.__setattr__(model, "_quads_compiled_decode_step", fn)  # not an nn.Module attribute
     return fn
 
