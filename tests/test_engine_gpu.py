@@ -114,6 +114,26 @@ def test_prefill_graph_matches_eager_prefill(recipe):
     assert not dec._prefills
 
 
+def test_large_prompt_block_prefills_eagerly(monkeypatch):
+    """A prompt block above ``PREFILL_GRAPH_TOKENS`` is never captured, however often it is seen."""
+    from quads.rollout import decode
+
+    model = model_for("bf16")
+    dec = StaticDecoder(model, 2, 128, device_dispatch=True, cuda_graphs=True)
+    ids = torch.randint(1, 100, (2, 8), device="cuda")
+    mask = torch.ones(2, 8, dtype=torch.bool, device="cuda")
+    monkeypatch.setattr(decode, "PREFILL_GRAPH_TOKENS", 15)
+    for _ in range(3):
+        dec.begin()
+        dec.prefill(ids, mask, return_routing=False)
+    assert dec.n_prefill_captures == 0
+    monkeypatch.setattr(decode, "PREFILL_GRAPH_TOKENS", 16)
+    for _ in range(2):
+        dec.begin()
+        dec.prefill(ids, mask, return_routing=False)
+    assert dec.n_prefill_captures == 1
+
+
 @pytest.mark.parametrize("recipe", ["bf16", "w4a16", "w4a4+rac50"])
 def test_static_tokens_match_eager_reference_greedy(recipe):
     model = model_for(recipe)

@@ -19,7 +19,7 @@ The prefill of the prompt block (``prefill``) runs the experts on the decoder's 
 path with ``device_dispatch``), so with ``cuda_graphs`` it is replayed from a graph as well: one per prompt
 block shape ``(P, padded, routing recorded)``, captured the *second* time a shape is prefilled (the first
 runs it eagerly: a prompt width seen once, as with prompts of varying length, costs no capture) and kept for
-``PREFILL_GRAPHS`` shapes. Replayed or not it is the same kernels on the same operands, so the two give the same
+``PREFILL_GRAPHS`` shapes of at most ``PREFILL_GRAPH_TOKENS`` tokens. Replayed or not it is the same kernels on the same operands, so the two give the same
 bits; the eager prefill of a batch with padding needs one host read of the mask (``build_attn_mask``), which the
 graph captures as "padded" instead.
 
@@ -48,7 +48,10 @@ CACHE_BUCKET = 128  # cache lengths are multiples of this (a graph per bucket, n
 # compile of the same code object, and past Dynamo's default of 8 the next shapes would run eagerly, silently
 # (run 37: the 100m's 4-bit steps at 2x their time, after the 1b's eight compiles in the same process)
 COMPILED_SHAPES = 64
-PREFILL_GRAPHS = 4  # prefill graphs kept per decoder (prompt block shapes), the least recently used dropped
+PREFILL_GRAPHS = 8  # prefill graphs kept per decoder (prompt block shapes), the least recently used dropped
+# larger prompt blocks (B x P tokens) always prefill eagerly: their GPU work hides the launches, and a graph
+# would keep their activations' memory for good
+PREFILL_GRAPH_TOKENS = 32768
 
 
 def cache_length(needed: int) -> int:
@@ -157,7 +160,7 @@ class StaticDecoder:
         P = input_ids.shape[1]
         padded = not bool(mask.all())  # the one host read; no padding: plain causal attention, as the model's test
         key = (P, padded, return_routing)
-        use_graph = self.cuda_graphs and self.device_dispatch
+        use_graph = self.cuda_graphs and self.device_dispatch and input_ids.numel() <= PREFILL_GRAPH_TOKENS
         if use_graph and key not in self._prefills:
             self._prefill_seen[key] = self._prefill_seen.get(key, 0) + 1
             if self._prefill_seen[key] >= 2:
