@@ -135,7 +135,7 @@ class RolloutSection:
     n_samples: int = 8  # samples per prompt (the GRPO group size n); batch B = P * n
     temperature: float = 1.0  # sampling temperature; trainer log-probs use the same one
     max_new_tokens: int = 48  # response length cap (arithmetic level 6 answers take up to 46 characters + eos)
-    cuda_graphs: bool = True  # quads backend on CUDA: replay the static decode step from a CUDA graph (false: debugging)
+    cuda_graphs: bool = True  # quads backend on CUDA: replay the static decode step and prefill from CUDA graphs (false: debugging)
     compile: bool = True  # quads backend on CUDA: torch.compile the static decode step (fused kernels, own rounding; false: debugging)
     decode_attention: Literal["auto", "sdpa", "triton"] = "auto"  # quads backend: the static decode step's attention; sdpa = over the whole KV cache, unwritten columns masked; triton = quads.kernels.decode_attention, reading only the columns written so far (CUDA); auto = triton on CUDA, else sdpa
 

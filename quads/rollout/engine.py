@@ -11,7 +11,8 @@ Two decode paths (``RolloutEngine(decode=...)``; the batch records which one ran
   activation scales), its tokens are padding and its log-probs are not recorded. The KV cache, the key
   mask, the write column and the positions are preallocated device tensors, the experts dispatch on
   the device (``moe_dispatch="device"``), and nothing is read back to the host inside a step, so one
-  ``MoEForCausalLM.decode_step`` is captured in a CUDA graph and replayed (``quads.rollout.decode``);
+  ``MoEForCausalLM.decode_step`` is captured in a CUDA graph and replayed (``quads.rollout.decode``; the
+  prompt block's prefill too, per block shape seen before: ``StaticDecoder.prefill``);
   "all rows done" is read back every ``done_check_interval`` steps (stop strings: every step).
 - ``eager`` (default on the CPU, and the reference): one forward per step over the unfinished rows
   only (finished rows dropped from the cache), with a key mask that grows by one column per step.
@@ -97,8 +98,8 @@ class RolloutEngine:
         with sampling depend on it through the generator's draw order; greedy results do not).
 
         ``decode``: the decode path (module docstring); auto = static on CUDA, eager elsewhere.
-        ``cuda_graphs``: replay the static decode step from a CUDA graph (CUDA, device dispatch only;
-        False for debugging). ``moe_dispatch``: device = the experts' capturable path (device-side
+        ``cuda_graphs``: replay the static decode step, and the prefill of a prompt block shape seen before,
+        from CUDA graphs (CUDA, device dispatch only; False for debugging). ``moe_dispatch``: device = the experts' capturable path (device-side
         sort, grouped GEMMs with device offsets), host = their reference path (host-side grouping);
         auto = device on CUDA when every expert module has it. ``done_check_interval``: static decode
         reads "all rows done" back every this many steps (the only host sync of a step).
