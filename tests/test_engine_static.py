@@ -282,3 +282,22 @@ def test_compiled_step_runs_under_the_raised_recompile_limit(monkeypatch):
     logits, routing = step(torch.tensor([5, 6]), cache, torch.tensor([True, False]))
     assert seen == [decode.COMPILED_SHAPES] and decode.COMPILED_SHAPES > before
     assert torch._dynamo.config.recompile_limit == before and logits.shape == (2, SMALL["vocab_size"])
+
+
+def test_expert_rank_is_the_stable_argsorts_inverse():
+    """The quantized experts sum each token's outputs in ascending expert id (the loop's order) through
+    ``_expert_rank`` (k x k compares, no sort kernel): the inverse permutation of a stable argsort, ties (masked
+    slots, id E) by slot index; the sum equals the argsort-and-gather one bit for bit."""
+    from quads.quant.layers import _expert_rank, _sum_in_expert_order
+
+    torch.manual_seed(4)
+    ids = torch.randint(0, 9, (300, 8))
+    ids[::7, 2:5] = 9  # several masked slots of one token: equal ids
+    order = torch.argsort(ids, dim=-1, stable=True)
+    assert torch.equal(_expert_rank(ids), torch.argsort(order, dim=-1))
+    per_slot = torch.randn(300, 8, 16).bfloat16()
+    parts = per_slot.gather(1, order[..., None].expand(300, 8, 16))
+    want = torch.zeros_like(parts[:, 0])
+    for j in range(8):
+        want = want + parts[:, j]
+    assert torch.equal(_sum_in_expert_order(per_slot, ids).view(torch.int16), want.view(torch.int16))

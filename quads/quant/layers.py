@@ -361,16 +361,29 @@ def scatter_expert_output(out: torch.Tensor, idx: torch.Tensor, y: torch.Tensor,
     out.index_put_((idx,), (y * w_route[:, None]).to(out.dtype), accumulate=True)
 
 
+def _expert_rank(top_k_index: torch.Tensor) -> torch.Tensor:
+    """``[T, k]``: each slot's place among its token's k slots in ascending expert id, equal ids (masked slots)
+    by slot index: the inverse permutation of a stable argsort, by k x k compares (pointwise, no sort kernel)."""
+    k = top_k_index.shape[-1]
+    e, j = top_k_index, torch.arange(k, device=top_k_index.device)
+    before = (e[:, None, :] < e[:, :, None]) | ((e[:, None, :] == e[:, :, None]) & (j[None, :] < j[:, None]))
+    return before.sum(-1)  # [t, j]: the slots j' of token t that come before j
+
+
+def _sum_parts(parts: torch.Tensor) -> torch.Tensor:
+    """``parts`` ``[T, k, H]`` summed over k, one add at a time in that order, as the experts loop accumulates."""
+    out = torch.zeros_like(parts[:, 0])
+    for j in range(parts.shape[1]):
+        out = out + parts[:, j]
+    return out
+
+
 def _sum_in_expert_order(per_slot: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
     """``[T, H]``: each token's k weighted expert outputs ``per_slot`` ``[T, k, H]`` (slot order) summed in
     ascending expert id, one add at a time, as the experts loop accumulates them."""
     T, k, H = per_slot.shape
-    by_expert = torch.argsort(top_k_index, dim=-1, stable=True)  # each token's slots, ascending id
-    parts = per_slot.gather(1, by_expert[..., None].expand(T, k, H))
-    out = torch.zeros_like(parts[:, 0])
-    for j in range(k):
-        out = out + parts[:, j]
-    return out
+    rank = _expert_rank(top_k_index)
+    return _sum_parts(torch.empty_like(per_slot).scatter_(1, rank[..., None].expand(T, k, H), per_slot))
 
 
 class QuantizedExperts(_QuantizedBase):
@@ -530,8 +543,9 @@ class QuantizedExperts(_QuantizedBase):
         ys = gemm("down_proj", self.act_fn(gate) * up)  # [T*k, H] sorted, zero rows at masked slots
         w = top_k_weights.reshape(-1)[routes.order]
         contrib = (ys * w[:, None].to(ys.dtype)).to(hidden_states.dtype)
-        per_slot = torch.empty_like(contrib).index_copy_(0, routes.order, contrib).view(T, k, -1)
-        return _sum_in_expert_order(per_slot, top_k_index)
+        # the sorted rows straight to each token's slots in ascending expert id (one scatter, no sort)
+        dest = routes.order - routes.order % k + _expert_rank(top_k_index).reshape(-1)[routes.order]
+        return _sum_parts(torch.empty_like(contrib).index_copy_(0, dest, contrib).view(T, k, -1))
 
     def _forward_grouped(self, hidden_states: torch.Tensor, layout: grouped.ExpertLayout) -> torch.Tensor:
         """The batched expert path (``quads.quant.grouped``); same result as the loop up to GEMM order."""
