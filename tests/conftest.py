@@ -12,7 +12,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("TRITON_INTERPRET") == "1":  # a custom tl.reduce folded over slices, not element by element
+if os.environ.get("TRITON_INTERPRET") == "1":  # two shortcuts in the interpreter, the same bits (see the module)
     import triton_interpreter
 
     triton_interpreter.install()

@@ -436,10 +436,15 @@ def _first_max(v0, i0, v1, i1):
 
 
 @triton.jit
+def _rows_nan_max(x):
+    return tl.reduce(x, 1, _nan_max)
+
+
+@triton.jit
 def _custom_reduce_kernel(x_ptr, max_ptr, sum_ptr, idx_ptr, all_ptr, col_ptr, M: tl.constexpr, N: tl.constexpr):
     r, c = tl.arange(0, M), tl.arange(0, N)
     x = tl.load(x_ptr + r[:, None] * N + c[None, :])
-    tl.store(max_ptr + r, tl.reduce(x, 1, _nan_max))
+    tl.store(max_ptr + r, _rows_nan_max(x))  # a helper call: the language is patched once per launch
     tl.store(sum_ptr + r, tl.reduce(x, 1, _add))  # fp32 sums: the order of the additions shows in the bits
     _, i = tl.reduce((x, tl.broadcast_to(c[None, :], (M, N))), 1, _first_max)
     tl.store(idx_ptr + r, i)
@@ -449,13 +454,15 @@ def _custom_reduce_kernel(x_ptr, max_ptr, sum_ptr, idx_ptr, all_ptr, col_ptr, M:
 
 @pytest.mark.skipif(HAS_CUDA, reason="a check of the tests' Triton interpreter (CPU only)")
 def test_vectorized_interpreter_reduce_equals_tritons(monkeypatch):
-    """conftest's ``tl.reduce`` for custom combine functions (``tests/triton_interpreter.py``, folded over
-    slices) gives the bits of Triton's own element-by-element loop: a NaN-propagating max, an fp32 sum over
-    eight decades, a (value, index) pair, every axis and keep_dims."""
+    """conftest's interpreter shortcuts (``tests/triton_interpreter.py``): ``tl.reduce`` with a custom combine
+    function folded over slices gives the bits of Triton's own element-by-element loop (a NaN-propagating max,
+    an fp32 sum over eight decades, a (value, index) pair, every axis and keep_dims); the language patched
+    once per launch, not again at each helper call, is restored after it."""
     import triton_interpreter
     from triton.runtime import interpreter
 
     assert interpreter.ReduceOps.generic_reduce is triton_interpreter.vectorized_generic_reduce
+    assert interpreter._patch_lang is triton_interpreter.patch_lang_once
     g = torch.Generator().manual_seed(0)
     x = torch.randn(8, 32, generator=g) * torch.logspace(-4, 4, 32)
     x[1, 3], x[2, 7], x[5, 0] = float("nan"), float("inf"), float("-inf")
@@ -467,7 +474,9 @@ def test_vectorized_interpreter_reduce_equals_tritons(monkeypatch):
         return out
 
     fast = run()
+    assert not triton_interpreter._live and tl.core.is_builtin(tl.maximum)  # the launch's patch undone
     monkeypatch.setattr(interpreter.ReduceOps, "generic_reduce", triton_interpreter._tritons_generic_reduce)
+    monkeypatch.setattr(interpreter, "_patch_lang", triton_interpreter._tritons_patch_lang)
     slow = run()
     for a, b in zip(fast, slow):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (a, b)
