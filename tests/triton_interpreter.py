@@ -11,8 +11,8 @@ runs a kernel with and without them).
    ``j = 1 .. n-1``, the accumulator stored in the input's dtype after each step, as Triton's loop does);
    combine functions are elementwise (the interpreter applies them to scalars), so a slice is as good as an
    element.
-2. Every ``@triton.jit`` helper call re-patches the language modules the launch has patched already
-   (``patch_lang_once``).
+2. Every ``@triton.jit`` helper call re-patched the language modules its launch had patched already: skipped
+   (``patch_lang_once``; ``launch`` tells it which modules the running launch patched).
 """
 
 from __future__ import annotations
@@ -57,56 +57,65 @@ def vectorized_generic_reduce(self, input):
 
 
 class _Unpatched:
-    """The scope of a nested call that found its language modules patched already: nothing to restore."""
+    """The scope of a helper call whose language modules the running launch has patched: nothing to restore."""
 
     def restore(self) -> None:
         pass
 
 
-_live: set[frozenset] = set()  # the language modules (ids) of the kernel launches whose patch is in force
+_launch: set[int] | None = None  # ids of the language modules the running launch patched; None: no launch
 
 
 def patch_lang_once(fn):
-    """``interpreter._patch_lang`` that patches a function's language modules only when no enclosing
-    launch has patched the same ones: every ``@triton.jit`` helper call re-patched them (``inspect.getmembers``
-    over ``tl``, ``tl.core``, ``tl.tensor`` and ``tl.math``), re-setting what the launch had set to the same
-    functions, a fifth of the interpreted time of the quantize kernels."""
+    """``interpreter._patch_lang`` that skips a ``@triton.jit`` helper call when the running launch has patched
+    its language modules already: each helper call re-patched them (``inspect.getmembers`` over ``tl``,
+    ``tl.core``, ``tl.tensor`` and ``tl.math``), re-setting what the launch had set to the same functions, a
+    fifth of the interpreted time of the quantize kernels. Outside a launch, and for modules the launch has not
+    patched, Triton's own patch (a helper's patch is never restored, in Triton as here)."""
     import inspect
 
     from triton import language as tl
 
-    key = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
-    if key in _live:
+    global _launch
+    langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+    if _launch is not None and langs and langs <= _launch:
         return _Unpatched()
     scope = _tritons_patch_lang(fn)
-    restore = scope.restore
-
-    def restore_and_forget() -> None:
-        _live.discard(key)
-        restore()
-
-    scope.restore = restore_and_forget
-    _live.add(key)
+    if _launch is not None:
+        _launch |= langs
     return scope
+
+
+def launch(self, *args, **kwargs):
+    """``GridExecutor.__call__`` (a kernel launch) with ``patch_lang_once`` told which modules it patched."""
+    global _launch
+    outer, _launch = _launch, set()
+    try:
+        return _tritons_launch(self, *args, **kwargs)
+    finally:
+        _launch = outer
 
 
 _tritons_generic_reduce = None
 _tritons_patch_lang = None
+_tritons_launch = None
 
 
 def install() -> bool:
-    """Replace the interpreter's ``ReduceOps.generic_reduce`` and ``_patch_lang`` (once); False when Triton
-    or either is missing (another Triton version: its own code stays)."""
-    global _tritons_generic_reduce, _tritons_patch_lang
+    """Replace the interpreter's ``ReduceOps.generic_reduce``, ``_patch_lang`` and ``GridExecutor.__call__``
+    (once); False when Triton or one of them is missing (another Triton version: its own code stays)."""
+    global _tritons_generic_reduce, _tritons_patch_lang, _tritons_launch
     try:
         from triton.runtime import interpreter
     except ImportError:
         return False
-    ops = getattr(interpreter, "ReduceOps", None)
-    if ops is None or not hasattr(ops, "generic_reduce") or not hasattr(interpreter, "_patch_lang"):
+    ops, grid = getattr(interpreter, "ReduceOps", None), getattr(interpreter, "GridExecutor", None)
+    if ops is None or grid is None or not hasattr(ops, "generic_reduce") or not hasattr(interpreter, "_patch_lang"):
         return False
     if _tritons_generic_reduce is None:
-        _tritons_generic_reduce, _tritons_patch_lang = ops.generic_reduce, interpreter._patch_lang
+        _tritons_generic_reduce, _tritons_patch_lang, _tritons_launch = (
+            ops.generic_reduce, interpreter._patch_lang, grid.__call__)
         ops.generic_reduce = vectorized_generic_reduce
         interpreter._patch_lang = patch_lang_once
+        grid.__call__ = launch
     return True
