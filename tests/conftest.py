@@ -12,6 +12,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":  # two shortcuts in the interpreter, the same bits (see the module)
+    import triton_interpreter
+
+    triton_interpreter.install()
 
 # Under pytest-xdist every worker is one process per core: one torch thread each, so that two
 # workers' OpenMP pools do not oversubscribe the cores (spin-waiting pools slow each other down

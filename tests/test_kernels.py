@@ -16,6 +16,7 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install quads[kernels])")
+tl = pytest.importorskip("triton.language")
 
 from quads.formats import nvfp4  # noqa: E402
 from quads.kernels import dispatch, nvfp4_quant, tuning  # noqa: E402
@@ -416,6 +417,71 @@ def test_backend_traces_under_torch_compile_without_a_graph_break():
             assert g(x).tolist() == [2.0] * 4
         assert g(x).tolist() == [3.0] * 4
     assert dispatch.backend() == "auto"
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _first_max(v0, i0, v1, i1):
+    take = v1 > v0
+    return tl.where(take, v1, v0), tl.where(take, i1, i0)
+
+
+@triton.jit
+def _rows_nan_max(x):
+    return tl.reduce(x, 1, _nan_max)
+
+
+@triton.jit
+def _custom_reduce_kernel(x_ptr, max_ptr, sum_ptr, idx_ptr, all_ptr, col_ptr, M: tl.constexpr, N: tl.constexpr):
+    r, c = tl.arange(0, M), tl.arange(0, N)
+    x = tl.load(x_ptr + r[:, None] * N + c[None, :])
+    tl.store(max_ptr + r, _rows_nan_max(x))  # a helper call: the language is patched once per launch
+    tl.store(sum_ptr + r, tl.reduce(x, 1, _add))  # fp32 sums: the order of the additions shows in the bits
+    _, i = tl.reduce((x, tl.broadcast_to(c[None, :], (M, N))), 1, _first_max)
+    tl.store(idx_ptr + r, i)
+    tl.store(all_ptr + tl.arange(0, 1)[:, None], tl.reduce(x, None, _nan_max, keep_dims=True))
+    tl.store(col_ptr + c[None, :], tl.reduce(x, 0, _add, keep_dims=True))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="a check of the tests' Triton interpreter (CPU only)")
+def test_vectorized_interpreter_reduce_equals_tritons(monkeypatch):
+    """conftest's interpreter shortcuts (``tests/triton_interpreter.py``): ``tl.reduce`` with a custom combine
+    function folded over slices gives the bits of Triton's own element-by-element loop (a NaN-propagating max,
+    an fp32 sum over eight decades, a (value, index) pair, every axis and keep_dims); the language patched
+    once per launch, not again at each helper call, is restored after it."""
+    import triton_interpreter
+    from triton.runtime import interpreter
+
+    assert interpreter.ReduceOps.generic_reduce is triton_interpreter.vectorized_generic_reduce
+    assert interpreter._patch_lang is triton_interpreter.patch_lang_once
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 32, generator=g) * torch.logspace(-4, 4, 32)
+    x[1, 3], x[2, 7], x[5, 0] = float("nan"), float("inf"), float("-inf")
+    x[3] = 1.0  # a row of ties: the pair keeps the first index
+
+    def run():
+        out = [torch.empty(8), torch.empty(8), torch.empty(8, dtype=torch.int32), torch.empty(1), torch.empty(32)]
+        _custom_reduce_kernel[(1,)](x, *out, M=8, N=32)
+        return out
+
+    fast = run()
+    assert triton_interpreter._launch is None and tl.core.is_builtin(tl.maximum)  # the launch's patch undone
+    monkeypatch.setattr(interpreter.ReduceOps, "generic_reduce", triton_interpreter._tritons_generic_reduce)
+    monkeypatch.setattr(interpreter, "_patch_lang", triton_interpreter._tritons_patch_lang)
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", triton_interpreter._tritons_launch)
+    slow = run()
+    for a, b in zip(fast, slow):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (a, b)
+    assert fast[0].isnan()[1] and fast[2][3].item() == 0
 
 
 # ------------------------------------------------------------------------- real sizes (GPU only)

@@ -144,7 +144,7 @@ def test_compiled_qat_with_the_grouped_refresh_equals_plain():
     if torch.cuda.is_available() or not interpreter_on():
         pytest.skip("a CPU test under Triton's interpreter (TRITON_INTERPRET=1 before the kernels are imported); "
                     "CUDA's scatter-add backward is not bit-reproducible")
-    small = dict(n_layers=2, hidden_size=32, n_experts=4, moe_intermediate_size=16)
+    small = dict(n_layers=2, hidden_size=32, n_heads=2, n_kv_heads=1, head_dim=16, n_experts=2, moe_intermediate_size=16)
     batch = _batch()
     res = {}
     for name, backend, forward in (("plain", "triton", None),
@@ -167,6 +167,8 @@ def test_compiled_qat_with_the_grouped_refresh_equals_plain():
 def test_graphs_are_bounded_over_sequence_widths():
     """The sequence dimension is dynamic: new widths (prompt and response) reuse the graphs; a graph per
     kind of call (train with grad, old log-probs recording routes, replaying them) and padding."""
+    import torch._dynamo.testing
+
     counter = torch._dynamo.testing.CompileCounter()
     fwd = CompiledForward(counter, fullgraph=True)
     model = _model("w4a16-qat")
