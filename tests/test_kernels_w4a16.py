@@ -286,9 +286,10 @@ def test_gemm_dispatches_small_m_to_the_gemv_kernel(monkeypatch):
     assert calls == [1]
     with pytest.raises(ValueError, match="kernel='cuda'"):
         w4a16.gemm(_x(1, 64), p48, kernel="cuda")
-    # a weight shape's own entries win over the defaults: dispatch_n48_k64's cuda_max_m, n48_k64_dense's config
+    # a weight shape's own entries win over the defaults: w4a16_dispatch.n48_k64_dense's cuda_max_m, the config
+    # w4a16_grouped_cuda.n48_k64_dense
     table = {**tuning.table(), "w4a16_dispatch": {**tuning.table()["w4a16_dispatch"],
-                                                  "dense_n48_k64": {"cuda_max_m": 8, "gemv_max_m": 0, "fused_max_m": 64}},
+                                                  "n48_k64_dense": {"cuda_max_m": 8, "gemv_max_m": 0, "fused_max_m": 64}},
              "w4a16_grouped_cuda": {**tuning.table()["w4a16_grouped_cuda"],
                                     "n48_k64_dense": {"ng": 1, "nt": 1, "warps": 4, "ksplit": 1}}}  # fmt: skip
     monkeypatch.setattr(tuning, "table", lambda: table)
@@ -444,7 +445,7 @@ def test_tuning_table_has_the_w4a16_cases():
     assert w4a16.grouped_case(128 * 17, 128, 1536, 2048) == "prefill"
     assert set(tuning.config("w4a16_gemv", "small")) == {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
     for case in tuning.table()["w4a16_dispatch"]:
-        if case.startswith("dense"):  # the default and the shape entries (run 35: the CUDA kernel at 28672 x 4096)
+        if case == "dense" or case.endswith("_dense"):  # the default and the shape entries (run 35: the CUDA kernel at 28672 x 4096)
             assert set(tuning.config("w4a16_dispatch", case)) == {"cuda_max_m", "gemv_max_m", "fused_max_m"}
     assert set(tuning.config("w4a16_dispatch", "grouped")) == {"fused_max_rows_per_expert"}
     assert [w4a16.m_bucket(m) for m in (1, 2, 16, 33, 64, 65)] == ["m1", "m4", "m16", "m64", "m64", "large"]

@@ -24,6 +24,12 @@ def table() -> dict[str, dict[str, dict]]:
     return json.loads(PATH.read_text())
 
 
+def case(kernel: str, shape: str, default: str) -> str:
+    """``{shape}_{default}`` where ``tuning.json[kernel]`` has that weight shape's own entry (``shape`` as
+    ``n{N}_k{K}``: a run measured it), else ``default``."""
+    return f"{shape}_{default}" if f"{shape}_{default}" in table()[kernel] else default
+
+
 def config(kernel: str, case: str) -> dict:
     """The launch config of ``kernel`` for ``case`` (a fresh dict); a clear error if it is missing."""
     try:

@@ -573,7 +573,7 @@ def grouped_case(t: int, e: int, n: int, k: int) -> str:
     most ``GROUPED_DECODE_ROWS`` rows per expert on average) or prefill, as ``n{n}_k{k}_<case>`` where the
     table has that shape."""
     case = "decode" if t <= GROUPED_DECODE_ROWS * e else "prefill"
-    return f"n{n}_k{k}_{case}" if f"n{n}_k{k}_{case}" in tuning.table()["w4a16_grouped_gemm"] else case
+    return tuning.case("w4a16_grouped_gemm", f"n{n}_k{k}", case)
 
 
 def m_bucket(m: int) -> str:
@@ -626,7 +626,7 @@ def gemm(
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` BF16 x packed weight ``[N, K]`` -> ``[M, N]`` BF16 (module docstring).
 
-    ``kernel`` None dispatches on M (``tuning.json`` ``w4a16_dispatch.dense_n{N}_k{K}`` where the table has the
+    ``kernel`` None dispatches on M (``tuning.json`` ``w4a16_dispatch.n{N}_k{K}_dense`` where the table has the
     weight's shape, else ``w4a16_dispatch.dense``): at most ``cuda_max_m`` rows the CUDA grouped decode kernel on
     the weight as a one-expert stack (``w4a16_cuda``, launch config ``w4a16_grouped_cuda.n{N}_k{K}_dense`` or
     ``w4a16_grouped_cuda.dense``; where it takes the operands, else the next choice), then at most
@@ -651,10 +651,8 @@ def gemm(
         raise ValueError(f"w4a16.gemm: kernel must be None (dispatch on M) or one of {GEMM_KERNELS}, got {kernel!r}")
     x = x.contiguous()
     m, k, n = x.shape[0], w.k, w.n
-    shape = f"n{n}_k{k}"  # a weight shape's own rows of the tables, where a run measured that shape
-    dispatch = tuning.config("w4a16_dispatch", f"dense_{shape}" if f"dense_{shape}" in tuning.table()["w4a16_dispatch"]
-                             else "dense")  # fmt: skip
-    cuda_case = f"{shape}_dense" if f"{shape}_dense" in tuning.table()["w4a16_grouped_cuda"] else "dense"
+    dispatch = tuning.config("w4a16_dispatch", tuning.case("w4a16_dispatch", f"n{n}_k{k}", "dense"))
+    cuda_case = tuning.case("w4a16_grouped_cuda", f"n{n}_k{k}", "dense")
     if kernel is None:
         if m > (fused_max_m if fused_max_m is not None else dispatch["fused_max_m"]):
             return x @ dequantize_bf16(w).T
@@ -670,7 +668,7 @@ def gemm(
         return _gemv(x, w, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                      num_stages=num_stages)  # fmt: skip
     mb = m_bucket(m)
-    case = f"n{n}_k{k}_{mb}" if f"n{n}_k{k}_{mb}" in tuning.table()["w4a16_gemm"] else mb
+    case = tuning.case("w4a16_gemm", f"n{n}_k{k}", mb)
     d = _cfg("w4a16_gemm", case, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
              sub_k=sub_k)  # fmt: skip
     bn, bk = d["block_n"], min(d["block_k"], _padded_k(k))
