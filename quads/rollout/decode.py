@@ -124,22 +124,18 @@ class StaticDecoder:
         self._step_fn = _compiled_step(model) if compile else model.decode_step
         self.graph: torch.cuda.CUDAGraph | None = None
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._key: tuple | None = None
+        self._key: tuple | None = None  # weights_key when the graphs (step and prefills) were captured
         self.n_captures = 0
         # prefill graphs by prompt block shape: (graph, input ids, mask, (logits, routing)); shapes seen once
         self._prefills: dict[tuple, tuple] = {}
         self._prefill_seen: dict[tuple, int] = {}
-        self._prefill_key: tuple | None = None
         self.n_prefill_captures = 0
 
     def begin(self) -> StaticKVCache:
         """Start a generation: empty cache; drop the graphs if a weight tensor was replaced."""
-        if self.graph is not None or self._prefills:
-            key = weights_key(self.model)
-            if self.graph is not None and key != self._key:
-                self.graph, self._out = None, None
-            if self._prefills and key != self._prefill_key:
-                self._prefills.clear()
+        if (self.graph is not None or self._prefills) and weights_key(self.model) != self._key:
+            self.graph, self._out = None, None
+            self._prefills.clear()
         self.cache.reset()
         return self.cache
 
@@ -183,32 +179,32 @@ class StaticDecoder:
         while len(self._prefills) >= PREFILL_GRAPHS:
             self._prefills.pop(next(iter(self._prefills)))
         ids_buf, mask_buf = input_ids.clone(), mask.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # fills the allocator (the first sight compiled the kernels)
-            self._prefill_run(ids_buf, mask_buf if padded else None, routing)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._prefill_run(ids_buf, mask_buf if padded else None, routing)
+        # one warm-up fills the allocator (the shape's first sight, eager, compiled the kernels)
+        graph, out = self._graph_of(lambda: self._prefill_run(ids_buf, mask_buf if padded else None, routing), 1)
         self._prefills[key] = (graph, ids_buf, mask_buf, out)
-        self._prefill_key = weights_key(self.model)
         self.n_prefill_captures += 1
 
     def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._step_fn(self.tokens, self.cache, self.rows, device_dispatch=self.device_dispatch)
 
-    def _capture(self) -> None:
+    def _graph_of(self, run, warmups: int) -> tuple[torch.cuda.CUDAGraph, object]:
+        """``run`` captured in a CUDA graph after ``warmups`` eager calls on a side stream -> (graph, the captured
+        call's outputs); records the weights the graphs now read (``begin`` drops them all when these change)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):  # compiles Triton kernels, picks cuBLAS plans, fills the allocator
-                self._run()
+            for _ in range(warmups):
+                run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._out = self._run()
-        self.graph, self._key = graph, weights_key(self.model)
+            out = run()
+        self._key = weights_key(self.model)
+        return graph, out
+
+    def _capture(self) -> None:
+        # two warm-ups: compile the Triton kernels, pick cuBLAS plans, fill the allocator
+        self.graph, self._out = self._graph_of(self._run, 2)
         self.n_captures += 1
 
     def step(self, tokens: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
