@@ -175,3 +175,24 @@ def test_char_tokenizer_ascii_fast_path_is_the_per_character_map(alphabet):
     ascii_text = "".join(chr(c) for c in range(128)) * 2
     for text in (ascii_text, ascii_text + "é€", "", "Q: 3+4=\n"):
         assert tok.encode(text) == [tok._to_id.get(c, tok.unk_id) for c in text]
+
+
+def test_compiled_top_experts_is_topk_without_the_aten_fallback():
+    """``moe.top_experts`` under torch.compile (k rounds of max, fused by Inductor) = ``torch.topk`` (values,
+    ids, order) on tie-free probabilities, and the compiled graph holds no ``aten.topk``."""
+    from torch._inductor.utils import run_and_get_code
+
+    from quads.model.moe import route, top_experts
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 16, generator=g)
+    probs = torch.softmax(logits, dim=-1)
+    torch._dynamo.reset()
+    (v, i), code = run_and_get_code(torch.compile(top_experts, dynamic=False), probs, 4)
+    want_v, want_i = torch.topk(probs, 4, dim=-1)
+    assert torch.equal(i, want_i) and torch.equal(v, want_v)
+    assert "aten.topk" not in "".join(code)
+    _, ci, cw = torch.compile(route, dynamic=False)(logits, 4, True)  # the router as the model calls it
+    _, ei, ew = route(logits, 4, True)
+    assert torch.equal(ci, ei) and torch.allclose(cw, ew, rtol=0, atol=1e-6)
+    torch._dynamo.reset()

@@ -239,6 +239,25 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def top_experts(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest router probabilities of each row of ``probs`` [T, E] and their experts, largest first:
+    ``torch.topk``. Under ``torch.compile`` the same result as ``k`` rounds of (max, first index of the max,
+    mask it out), which Inductor fuses with the softmax into one kernel, where ``aten.topk`` stays a fallback of
+    three CUDA kernels (a radix select, a sort of the k and a gather: ~17 us a call at a decode step's 128 x
+    64, ~8% of the 1b's step, run 41). The two agree except on exactly equal probabilities, where ``topk``'s
+    choice is unspecified and the rounds take the lower expert id."""
+    if not torch.compiler.is_compiling():
+        return torch.topk(probs, k, dim=-1)
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    vals, idxs, q = [], [], probs
+    for _ in range(k):
+        v, i = q.max(dim=-1, keepdim=True)
+        vals.append(v)
+        idxs.append(i)
+        q = torch.where(ids == i, -1.0, q)  # probabilities are >= 0: a taken expert is never the max again
+    return torch.cat(vals, dim=-1), torch.cat(idxs, dim=-1)
+
+
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, forced: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (probs [T, E] in >= fp32, top_k_index [T, k] long, top_k_weights [T, k]).
@@ -247,7 +266,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, forced: torch.
     e.g. padding) fall back to the router's own top-k.
     """
     probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    top_w, top_i = torch.topk(probs, top_k, dim=-1)
+    top_w, top_i = top_experts(probs, top_k)
     if forced is not None:
         forced = forced.to(device=top_i.device, dtype=torch.long)
         if forced.shape != top_i.shape:
