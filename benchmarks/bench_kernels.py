@@ -334,9 +334,7 @@ def bench_rac(rows: list) -> None:
     is the default method's) against the step-by-step path (same Triton quantize kernels, torch
     selection), W4A4 alone (``w4a4_us``: the one-launch operand, ``factored_quant.group_units``;
     ``w4a4_steps_us``: row amax, group max and quantize as three steps), RAC 50% with a calibrated channel order
-    (``static_us``: ``quads::rac_static_units`` and the norms it observes), the residual operand alone
-    (``residual_one_launch_us`` / ``residual_two_launches_us``: ``rac_units``' sort path in one launch or two, on
-    W4A4's residual), and ``group_units`` alone per launch
+    (``static_us``: ``quads::rac_static_units`` and the norms it observes), and ``group_units`` alone per launch
     config (``GROUP_UNITS_CONFIGS``, the first its default: ``group_units_us``; the fastest:
     ``group_units_best_us``)."""
     from quads.kernels import dispatch
@@ -366,16 +364,6 @@ def bench_rac(rows: list) -> None:
             t["static"] = time_graph([lambda x=x: factored.operands(x, segs, n=k // 2, dtype=torch.bfloat16,
                                                                     selection="static", static_order=order,
                                                                     observe=lambda r, norms: None) for x in xs])  # fmt: skip
-            # the residual operand alone (quads::rac_units' kernels on the residual of W4A4): the sort path in one
-            # launch (each expert's program quantizing its rows) and in two (the units kernel one row per program)
-            from quads.kernels.rac_select import rac_units
-
-            rs = [x.float() - factored.operands(x, segs, n=0, dtype=torch.float32).dequantized() for x in xs]
-            res_out = torch.empty(tokens * topk, k, dtype=torch.bfloat16, device="cuda")
-            for one in (True, False):
-                t[f"residual_{'one' if one else 'two'}"] = time_graph([
-                    lambda r=r, one=one: rac_units(r, segs.group, e, res_out, n=k // 2, method="sort", one_launch=one)
-                    for r in rs])  # fmt: skip
             # the W4A4 operand's kernels alone (group amax + quantize), per launch config
             out = torch.empty(tokens * topk, k, dtype=torch.bfloat16, device="cuda")
             for cfg in GROUP_UNITS_CONFIGS:
@@ -385,8 +373,7 @@ def bench_rac(rows: list) -> None:
         rows.append({"bench": "RAC 50% operands (1b decode)", "shape": f"{what} M={tokens * topk} E={e} K={k} "
                      f"n={k // 2}", "us": t[default] * 1e6, "method": default, "sort_us": t["sort"] * 1e6,
                      "count_us": t["count"] * 1e6, "unfused_us": t["unfused"] * 1e6, "w4a4_us": t["w4a4"] * 1e6,
-                     "static_us": t["static"] * 1e6, "residual_one_launch_us": t["residual_one"] * 1e6,
-                     "residual_two_launches_us": t["residual_two"] * 1e6,
+                     "static_us": t["static"] * 1e6,
                      "w4a4_steps_us": t["w4a4_steps"] * 1e6, "group_units_us": t[GROUP_UNITS_CONFIGS[0]] * 1e6,
                      "group_units_best_us": min(t[c] for c in GROUP_UNITS_CONFIGS) * 1e6,
                      "group_units_cfg_us": [[list(c), t[c] * 1e6] for c in GROUP_UNITS_CONFIGS],

@@ -60,7 +60,6 @@ from quads.kernels._common import EXACT, HAS_TRITON, check_out, interpreted
 
 RacMethod = Literal["sort", "count"]  # the selection algorithm (module docstring); same channels either way
 SORT_MAX_K = 4096  # the sort path holds a group's K norms (padded to a power of two) in one program
-ONE_LAUNCH_MAX_ROWS = 64  # the sort path in one launch when the groups hold at most this many rows on average
 
 if HAS_TRITON:
     import triton
@@ -308,72 +307,6 @@ if HAS_TRITON:
         _zero_outside(u_ptr, rank_ptr, rows, gs, rmask, K, n, stride_um, BLOCK_M, BLOCK_K)
 
 
-    @triton.jit
-    def _sorted_units_rows(r_ptr, u_ptr, g_ptr, start, end, sidx, amax_group, K, n, stride_um,
-                           PER_TOKEN: tl.constexpr, ROWS: tl.constexpr, KP: tl.constexpr):  # fmt: skip
-        """Rows ``[start, end)`` of one group, ``ROWS`` at a time: each row's residual gathered in the group's
-        sorted order (``sidx`` ``[KP]``, position p holds channel ``sidx[p]``), NVFP4-quantized in blocks of 16
-        positions with the row's amax (``PER_TOKEN``: of its first n positions, else ``amax_group``), the first
-        n positions' values stored to their channels and zero to every other channel (one store covers the
-        row); S_dec to ``g``."""
-        p = tl.arange(0, KP)
-        chm = (sidx < K)[None, :]
-        for i0 in range(start, end, ROWS):
-            rows = i0 + tl.arange(0, ROWS)
-            rmask = rows < end
-            m = rmask[:, None] & chm
-            x = tl.load(r_ptr + rows[:, None] * K + sidx[None, :], mask=m, other=0.0)
-            if PER_TOKEN:
-                amax = tl.max(tl.where((p < n)[None, :] & (x == x), tl.abs(x), 0.0), axis=1)
-            else:
-                amax = tl.zeros((ROWS,), tl.float32) + amax_group
-            s_enc, s_dec = _global_scales(amax)
-            tl.store(g_ptr + rows, s_dec, mask=rmask)
-            _, _, u = _units_tile(x, s_enc, s_dec, ROWS, KP)
-            u = tl.where((p < n)[None, :], u, 0.0)
-            tl.store(u_ptr + rows[:, None] * stride_um + sidx[None, :], cast_out(u, u_ptr), mask=m)
-
-    @triton.jit
-    def _rac_sort_units_kernel(
-        r_ptr, group_ptr, s_ptr, u_ptr, g_ptr, M, K, n, G, stride_um, PER_TOKEN: tl.constexpr, ROWS: tl.constexpr,
-        ROWS_U: tl.constexpr, BLOCK_G: tl.constexpr, LOG_K: tl.constexpr, INTERP: tl.constexpr,
-    ):  # fmt: skip
-        """The sort path in one launch (rows in groups, few rows per group): group g's program selects as
-        ``_rac_select_kernel`` (norms, sort, S[g], the group amax over S) and then quantizes the group's own
-        rows itself (``_sorted_units_rows``); the last group's program also the masked rows (group G), with
-        its S and their own amax over S."""
-        g = tl.program_id(0)
-        c = tl.arange(0, 1 << LOG_K)
-        cmask = c < K
-        start, end = _group_rows(group_ptr, g, M, False, BLOCK_G)
-        acc = tl.zeros((1 << LOG_K,), tl.float64)
-        cmax = tl.zeros((1 << LOG_K,), tl.float32)
-        for i0 in range(start, end, ROWS):
-            acc, cmax = _accumulate_rows(acc, cmax, r_ptr, i0, end, c, cmask, K, ROWS, not PER_TOKEN)
-        key = tl.where(cmask, _sort_key(acc), -1)  # padded channels after every real one
-        skey, sidx = _sort_pairs(key, c, LOG_K, INTERP)
-        tl.store(s_ptr + g * n + c, sidx.to(tl.int64), mask=c < n)
-        gmax = 0.0
-        sel = cmask
-        if not PER_TOKEN:
-            kth = tl.sum(tl.where(c == n - 1, skey, 0), axis=0)  # the n-th pair: the last one in S
-            ith = tl.sum(tl.where(c == n - 1, sidx, 0), axis=0)
-            sel = cmask & ((key > kth) | ((key == kth) & (c <= ith)))
-            gmax = tl.max(tl.where(sel, cmax, 0.0), axis=0)
-        _sorted_units_rows(r_ptr, u_ptr, g_ptr, start, end, sidx, gmax, K, n, stride_um, PER_TOKEN, ROWS_U,
-                           1 << LOG_K)  # fmt: skip
-        if g == G - 1:  # the masked rows [end, M) (group G) take this group's S
-            mmax = 0.0
-            if not PER_TOKEN:
-                mm = tl.zeros((1 << LOG_K,), tl.float32)
-                for i in range(end, M):
-                    r = tl.load(r_ptr + i * K + c, mask=cmask, other=0.0)
-                    mm = tl.maximum(mm, tl.where(r != r, 0.0, tl.abs(r)))
-                mmax = tl.max(tl.where(sel, mm, 0.0), axis=0)
-            _sorted_units_rows(r_ptr, u_ptr, g_ptr, end, M, sidx, mmax, K, n, stride_um, PER_TOKEN, ROWS_U,
-                               1 << LOG_K)  # fmt: skip
-
-
 def check_residual(r: torch.Tensor, n: int | None, name: str) -> tuple[int, int]:
     """``(M, K)`` of RAC's residual ``r``: a contiguous fp32 ``[M, K]``, and ``0 < n <= K`` a multiple of 16
     channels (``n`` None: not checked); a clear error otherwise."""
@@ -401,7 +334,6 @@ def rac_units(
     n: int,
     per_token: bool = False,
     method: RacMethod | None = None,
-    one_launch: bool | None = None,
     block_m: int | None = None,
     block_k: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -409,10 +341,7 @@ def rac_units(
     of NVFP4(``R[:, S]``) scattered to their channels, zero elsewhere, into ``out`` ``[M, K]`` (rows may be
     strided, e.g. ``buf[:, 1]``); returns ``(S_dec [M] fp32, S [G, n] long)``. ``group`` ``[M]`` sorted
     ascending in ``[0, groups]`` (``groups``: rows of no group), or None (one group). ``method``: the
-    selection algorithm (None: ``default_method(K, group is not None)``); both give the same bits. ``one_launch``
-    (sort, rows in groups): each group's program also quantizes the group's rows (``_rac_sort_units_kernel``);
-    None: when the groups hold at most ``ONE_LAUNCH_MAX_ROWS`` rows on average (the decode step), the same bits
-    as the two launches. ``block_m``: rows per
+    selection algorithm (None: ``default_method(K, group is not None)``); both give the same bits. ``block_m``: rows per
     program of the units kernel (None: 16 for ``count``; for ``sort`` 1 on the GPU, 16 under the
     interpreter, whose cost is per program); ``block_k``: the count path's units tile width."""
     if not HAS_TRITON:
@@ -431,13 +360,7 @@ def rac_units(
     s = torch.empty(n_sel, n, dtype=torch.long, device=r.device)
     rank = torch.empty(n_sel, k, dtype=torch.int32, device=r.device)
     g = torch.empty(m, dtype=torch.float32, device=r.device)
-    if one_launch is None:
-        one_launch = method == "sort" and not one and m <= ONE_LAUNCH_MAX_ROWS * n_sel
-    elif one_launch and (method != "sort" or one):
-        raise ValueError("rac_units: one_launch=True needs method='sort' and rows in groups")
-    if one_launch:
-        _sort_units_one_launch(r, grp, n_sel, out, s, g, n, per_token)
-    elif method == "sort":
+    if method == "sort":
         bm = (16 if interpreted(r) else 1) if block_m is None else block_m
         _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, bm)
     else:
@@ -476,17 +399,6 @@ def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m) -> N
     _rac_units_sel_kernel[(triton.cdiv(m, block_m),)](
         r, grp, s, rank, gmax, out, g, m, k, n, n_sel, out.stride(0), ONE_GROUP=one, PER_TOKEN=per_token,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=min(kp, 1024), num_warps=4 if block_m * bn <= 1024 else 8, **EXACT,
-    )  # fmt: skip
-
-
-def _sort_units_one_launch(r, grp, n_sel, out, s, g, n, per_token) -> None:
-    """The sort path's one launch (``_rac_sort_units_kernel``, one program per group)."""
-    m, k = r.shape
-    kp = triton.next_power_of_2(k)
-    _rac_sort_units_kernel[(n_sel,)](
-        r, grp, s, out, g, m, k, n, n_sel, out.stride(0), PER_TOKEN=per_token, ROWS=max(1, min(8, 4096 // kp)),
-        ROWS_U=max(1, min(4, 2048 // kp)), BLOCK_G=min(2048, triton.next_power_of_2(m)), LOG_K=kp.bit_length() - 1,
-        INTERP=interpreted(r), num_warps=max(4, min(16, kp // 128)), **EXACT,
     )  # fmt: skip
 
 
