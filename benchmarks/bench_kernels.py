@@ -320,6 +320,7 @@ def bench_attention(rows: list, copy_bw: float) -> None:
 
 
 RAC_SHAPES = [(1024, "gate_up"), (256, "down")]  # the 1b's expert projections: K, name
+RAC_SORT_RUNS = (None, 256, 128, 64)  # rac_units' sort_run (None: one sorted run of all K)
 
 
 # group_units launch configs (block_m, block_k, cols, amax_block_m, num_warps); the first is its default
@@ -334,7 +335,9 @@ def bench_rac(rows: list) -> None:
     is the default method's) against the step-by-step path (same Triton quantize kernels, torch
     selection), W4A4 alone (``w4a4_us``: the one-launch operand, ``factored_quant.group_units``;
     ``w4a4_steps_us``: row amax, group max and quantize as three steps), RAC 50% with a calibrated channel order
-    (``static_us``: ``quads::rac_static_units`` and the norms it observes), and ``group_units`` alone per launch
+    (``static_us``: ``quads::rac_static_units`` and the norms it observes), the residual operand alone on W4A4's
+    residual per sorted run of the select kernel (``residual_sort_run_us``: ``[sort_run, us]``, ``RAC_SORT_RUNS``),
+    and ``group_units`` alone per launch
     config (``GROUP_UNITS_CONFIGS``, the first its default: ``group_units_us``; the fastest:
     ``group_units_best_us``)."""
     from quads.kernels import dispatch
@@ -364,6 +367,17 @@ def bench_rac(rows: list) -> None:
             t["static"] = time_graph([lambda x=x: factored.operands(x, segs, n=k // 2, dtype=torch.bfloat16,
                                                                     selection="static", static_order=order,
                                                                     observe=lambda r, norms: None) for x in xs])  # fmt: skip
+            # the residual operand alone (quads::rac_units' sort path on W4A4's residual), its select kernel's channels
+            # sorted in one run or in runs merged by binary search (sort_run)
+            from quads.kernels.rac_select import rac_units
+
+            rs = [x.float() - factored.operands(x, segs, n=0, dtype=torch.float32).dequantized() for x in xs]
+            res_out = torch.empty(tokens * topk, k, dtype=torch.bfloat16, device="cuda")
+            for run in RAC_SORT_RUNS:
+                if run is None or run < k:
+                    t[("residual", run)] = time_graph([
+                        lambda r=r, run=run: rac_units(r, segs.group, e, res_out, n=k // 2, method="sort", sort_run=run)
+                        for r in rs])  # fmt: skip
             # the W4A4 operand's kernels alone (group amax + quantize), per launch config
             out = torch.empty(tokens * topk, k, dtype=torch.bfloat16, device="cuda")
             for cfg in GROUP_UNITS_CONFIGS:
@@ -374,6 +388,8 @@ def bench_rac(rows: list) -> None:
                      f"n={k // 2}", "us": t[default] * 1e6, "method": default, "sort_us": t["sort"] * 1e6,
                      "count_us": t["count"] * 1e6, "unfused_us": t["unfused"] * 1e6, "w4a4_us": t["w4a4"] * 1e6,
                      "static_us": t["static"] * 1e6,
+                     "residual_sort_run_us": [[key[1], v * 1e6] for key, v in t.items()
+                                              if isinstance(key, tuple) and key[0] == "residual"],
                      "w4a4_steps_us": t["w4a4_steps"] * 1e6, "group_units_us": t[GROUP_UNITS_CONFIGS[0]] * 1e6,
                      "group_units_best_us": min(t[c] for c in GROUP_UNITS_CONFIGS) * 1e6,
                      "group_units_cfg_us": [[list(c), t[c] * 1e6] for c in GROUP_UNITS_CONFIGS],

@@ -1,5 +1,6 @@
 """Instruction counts of RAC's selection kernels (``quads.kernels.rac_select``), from their sm_90 SASS,
-compiled offline (no GPU), for both selection methods at the 1b decode shapes.
+compiled offline (no GPU), for both selection methods at the 1b decode shapes (the sort's select kernel also with its channels sorted in runs
+of ``SORT_RUNS`` merged by binary search: ``rac_units(sort_run=...)``, constexpr ``LOG_W``).
 
     TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=. python scripts/sass_rac.py [--out FILE [--append]] [--label TEXT] [--ks 1024,256]
 
@@ -41,7 +42,8 @@ from quads.kernels import rac_select as rs  # noqa: E402
 
 ROWS_PER_EXPERT, M = 16, 1024  # the 1b decode shape of bench_kernels.py --only rac: 128 tokens x top-8 / 64 experts
 SELECT_SIG = {"r_ptr": "*fp32", "group_ptr": "*i64", "s_ptr": "*i64", "rank_ptr": "*i32", "gmax_ptr": "*fp32",
-              "M": "i32", "K": "i32", "n": "i32", "G": "i32"}  # fmt: skip
+              "sk_ptr": "*i64", "si_ptr": "*i32", "M": "i32", "K": "i32", "n": "i32", "G": "i32"}  # fmt: skip
+SORT_RUNS = (None, 256, 128, 64)  # the select kernel's sorted runs (rac_units' sort_run; None: one run of all K)
 UNITS_SEL_SIG = {"r_ptr": "*fp32", "group_ptr": "*i64", "s_ptr": "*i64", "rank_ptr": "*i32", "gmax_ptr": "*fp32",
                  "u_ptr": "*bf16", "g_ptr": "*fp32", "M": "i32", "K": "i32", "n": "i32", "G": "i32",
                  "stride_um": "i32"}  # fmt: skip
@@ -58,11 +60,15 @@ def cases(k: int) -> list[tuple]:
     n = k // 2
     bn = max(16, triton.next_power_of_2(n))
     bc = min(128, kp)
-    return [
+    select = [
         ("sort", "_rac_select_kernel", rs._rac_select_kernel, SELECT_SIG,
          {"ONE_GROUP": False, "PER_TOKEN": False, "ROWS": max(1, min(8, 4096 // kp)),
-          "BLOCK_G": min(2048, triton.next_power_of_2(M)), "LOG_K": kp.bit_length() - 1, "INTERP": False},
-         max(4, min(16, kp // 128)), False),
+          "BLOCK_G": min(2048, triton.next_power_of_2(M)), "LOG_K": kp.bit_length() - 1,
+          "LOG_W": 0 if run is None else (kp // run).bit_length() - 1, "INTERP": False},
+         max(4, min(16, kp // 128)), False)
+        for run in SORT_RUNS if run is None or run < kp
+    ]  # fmt: skip
+    return select + [
         ("sort", "_rac_units_sel_kernel", rs._rac_units_sel_kernel, UNITS_SEL_SIG,
          {"ONE_GROUP": False, "PER_TOKEN": False, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": min(kp, 1024)},
          4 if bn <= 1024 else 8, True),
@@ -153,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"K={k} {method:5s} {name:22s} warps={warps:2d}: {len(ins):6d} static SASS instructions, "
                   f"{row['registers']} registers, {row['shared_bytes']} B shared, {spills} local-memory instructions, "
                   f"loops {bodies[:6]}, est. {est} warp-instructions per expert, compiled in {secs:.1f} s")  # fmt: skip
-            print("   ", ", ".join(f"{o} {c}" for o, c in ops.most_common(14)))
+            sync = {k: sum(c for o, c in ops.items() if o.startswith(k)) for k in ("BAR", "SHFL", "LDS", "STS", "LDG")}
+            row["sync_opcodes"] = sync
+            print("   ", ", ".join(f"{o} {c}" for o, c in ops.most_common(14)), "| by prefix:", sync)
     print("triton", triton.__version__)
     write_rows(args.out, rows, args.append)
     return 0

@@ -462,13 +462,22 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from quads.kernels.rac_select import _sort_pairs
+    from quads.kernels.rac_select import _merge_ranks, _sort_pairs, _sort_rows
 
     @triton.jit
     def _sort_pairs_kernel(key_ptr, out_ptr, LOG: tl.constexpr, INTERP: tl.constexpr):
         c = tl.arange(0, 1 << LOG)
         _, idx = _sort_pairs(tl.load(key_ptr + c), c, LOG, INTERP)
         tl.store(out_ptr + c, idx)
+
+    @triton.jit
+    def _merged_ranks_kernel(key_ptr, rank_ptr, sk_ptr, si_ptr, LOG_W: tl.constexpr, LOG_L: tl.constexpr,
+                             INTERP: tl.constexpr):  # fmt: skip
+        W: tl.constexpr = 1 << LOG_W
+        L: tl.constexpr = 1 << LOG_L
+        c = tl.arange(0, W)[:, None] * L + tl.arange(0, L)[None, :]
+        rk, ri = _sort_rows(tl.load(key_ptr + c), c, W, LOG_L, INTERP)
+        tl.store(rank_ptr + ri, _merge_ranks(rk, ri, sk_ptr, si_ptr, W, LOG_L))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
@@ -489,22 +498,44 @@ def test_sort_pairs_is_torch_stable_argsort(gpu_form):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("gpu_form", [False, True], ids=["interp-form", "gpu-form"])
+def test_sorted_runs_merged_are_torch_stable_argsort(gpu_form):
+    """Runs sorted in registers (rac_select._sort_rows) and their ranks merged by binary searches
+    (_merge_ranks): every pair's rank is its position in torch.argsort(descending=True, stable=True), over
+    keys with many ties across runs, the NaN key and the padding key -1, for 2..8 runs of 2..16 pairs."""
+    g = torch.Generator().manual_seed(1)
+    nan_key = 0x7FF8000000000000
+    for log_w, log_l in ((1, 1), (1, 3), (2, 2), (3, 4), (2, 4)):
+        size = 1 << (log_w + log_l)
+        for pool in (torch.tensor([-1, 0, 3, nan_key]), torch.randint(0, 2**62, (size,), generator=g)):
+            key = pool[torch.randint(len(pool), (size,), generator=g)]
+            rank = torch.full((size,), -1, dtype=torch.int32)
+            sk, si = torch.empty(size, dtype=torch.long), torch.empty(size, dtype=torch.int32)
+            _merged_ranks_kernel[(1,)](key, rank, sk, si, LOG_W=log_w, LOG_L=log_l, INTERP=not gpu_form)
+            want = torch.empty(size, dtype=torch.long)
+            want[torch.argsort(key, descending=True, stable=True)] = torch.arange(size)
+            assert torch.equal(rank.long(), want), f"{1 << log_w} runs of {1 << log_l}: keys {key.tolist()}"
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 @pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
 def test_sort_units_one_row_per_program(per_token):
-    """The sort path as launched on the GPU (one row per program of the units kernel) equals the count
-    path, byte for byte (u, S_dec, S), masked rows and an empty group included."""
+    """The sort path as launched on the GPU (one row per program of the units kernel; one sorted run, or
+    runs of 16 and 32 channels merged) equals the count path, byte for byte (u, S_dec, S), masked rows and an
+    empty group included."""
     from quads.kernels import rac_select
 
     x, segs = _rac_rows(11, 64, [3, 0, 4], masked=2)
     r = x - nvfp4.dequantize(nvfp4.quantize(x), torch.float32)
     outs = []
-    for method, bm in (("sort", 1), ("count", None)):
+    for method, bm, run in (("count", None, None), ("sort", 1, None), ("sort", 1, 16), ("sort", 1, 32)):
         out = torch.full_like(r, 7.0)  # every element written: selected values or zero
         g, s = rac_select.rac_units(r, segs.group, segs.groups, out, n=32, per_token=per_token, method=method,
-                                    block_m=bm)
+                                    block_m=bm, sort_run=run)
         outs.append((out, g, s))
-    for a, b in zip(outs[0], outs[1]):
-        assert torch.equal(a, b)
+    for got in outs[1:]:
+        for a, b in zip(outs[0], got):
+            assert torch.equal(a, b)
     assert (outs[0][0] != 7.0).all()
 
 
@@ -523,6 +554,8 @@ def test_rac_method_default_and_errors():
         rac_select.rac_units(r, None, 1, out, n=16, method="sort")
     with pytest.raises(ValueError, match="valid: sort, count"):
         rac_select.rac_units(r[:, :64].contiguous(), None, 1, out[:, :64], n=16, method="rank")
+    with pytest.raises(ValueError, match="sort_run must be a power of two"):
+        rac_select.rac_units(r[:, :64].contiguous(), None, 1, out[:, :64], n=16, method="sort", sort_run=24)
 
 
 # ------------------------------------------------------------------------ the packed weight operand

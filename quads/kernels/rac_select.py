@@ -23,7 +23,10 @@ Shared numerics (both methods, so that they select the same channels bit for bit
 1. ``_rac_select_kernel`` (grid G, one program per group): the group's rows (found by one vector pass
    over ``group``), its K norms and maxima held in registers, then a bitonic sort of the
    ``(key, channel)`` pairs in registers (``_sort_pairs``: log2(KP) (log2(KP) + 1) / 2 compare-and-swap
-   steps over KP = next power of two of K; padded channels get key -1, after every real one); stores
+   steps over KP = next power of two of K; padded channels get key -1, after every real one; or, with
+   ``sort_run``, runs of that many channels sorted in registers, then each pair's rank merged as the sum
+   over the runs of a binary search, through a scratch row: the same order with fewer exchanges across
+   warps, ``_merge_ranks``); stores
    ``S[g]``, ``rank[g]`` and, per group, ``gmax[g]`` = the max over S of ``cmax[g]`` (the n-th pair of
    the sorted list is the threshold: c is in S iff its pair is not after it). The last group's program
    also takes the masked rows' maxima (group G: after every group) over its own S, as the reference does.
@@ -208,54 +211,89 @@ if HAS_TRITON:
         _zero_outside(u_ptr, rank_ptr, rows, gs, rmask, K, n, stride_um, BLOCK_M, BLOCK_K)
 
     @triton.jit
-    def _swap_pairs(key, idx, S: tl.constexpr, J: tl.constexpr, LOG: tl.constexpr, INTERP: tl.constexpr):
-        """One compare-and-swap step of merge stage S (runs of 2**S) of a bitonic sort of ``[2**LOG]``
-        (key, idx) pairs, partners 2**J apart, viewed as ``[A, 2, 2**J]``. A pair is "after" its partner
-        when its key is smaller or the keys tie and its idx is larger (idx are distinct: a strict total
-        order). Runs of stage S < LOG alternate direction (bit S of the position); the last stage sorts
-        the whole list. The partner's values: one xor reduction over the middle axis on the GPU (as
-        ``tl.sort``); the interpreter runs that reduction element by element in Python, so there the
-        halves are swapped by a permute, split and join instead (the same values, ~20x faster)."""
+    def _swap_pairs(key, idx, W: tl.constexpr, S: tl.constexpr, J: tl.constexpr, LOG: tl.constexpr,
+                    INTERP: tl.constexpr):  # fmt: skip
+        """One compare-and-swap step of merge stage S (runs of 2**S) of a bitonic sort of each row of ``[W,
+        2**LOG]`` (key, idx) pairs, partners 2**J apart, viewed as ``[W, A, 2, 2**J]``. A pair is "after" its
+        partner when its key is smaller or the keys tie and its idx is larger (idx are distinct: a strict total
+        order). Runs of stage S < LOG alternate direction (bit S of the position); the last stage sorts the
+        whole row. The partner's values: one xor reduction over the pair axis on the GPU (as ``tl.sort``); the
+        interpreter runs that reduction element by element in Python, so there the halves are swapped by a
+        permute, split and join instead (the same values, ~20x faster)."""
         A: tl.constexpr = (1 << LOG) >> (J + 1)
         D: tl.constexpr = 1 << J
-        k3 = tl.reshape(key, (A, 2, D))
-        i3 = tl.reshape(idx, (A, 2, D))
-        right = tl.arange(0, 2)[None, :, None]
+        k4 = tl.reshape(key, (W, A, 2, D))
+        i4 = tl.reshape(idx, (W, A, 2, D))
+        right = tl.arange(0, 2)[None, None, :, None]
         if INTERP:  # swap the halves: permute, split, join (builtins; tl.sum and tl.xor_sum are jit calls)
-            kl, kr = tl.split(tl.permute(k3, (0, 2, 1)))
-            il, ir = tl.split(tl.permute(i3, (0, 2, 1)))
-            pk = tl.permute(tl.join(kr, kl), (0, 2, 1))
-            pi = tl.permute(tl.join(ir, il), (0, 2, 1))
+            kl, kr = tl.split(tl.permute(k4, (0, 1, 3, 2)))
+            il, ir = tl.split(tl.permute(i4, (0, 1, 3, 2)))
+            pk = tl.permute(tl.join(kr, kl), (0, 1, 3, 2))
+            pi = tl.permute(tl.join(ir, il), (0, 1, 3, 2))
         else:
-            pk = k3 ^ tl.xor_sum(k3, 1, keep_dims=True)
-            pi = i3 ^ tl.xor_sum(i3, 1, keep_dims=True)
+            pk = k4 ^ tl.xor_sum(k4, 2, keep_dims=True)
+            pi = i4 ^ tl.xor_sum(i4, 2, keep_dims=True)
         if S < LOG:
-            down = (tl.arange(0, A)[:, None, None] >> (S - J - 1)) & 1
+            down = (tl.arange(0, A)[None, :, None, None] >> (S - J - 1)) & 1
         else:
-            down = tl.zeros((A, 1, 1), tl.int32)
-        after = (pk > k3) | ((pk == k3) & (pi < i3))  # this pair comes after its partner
+            down = tl.zeros((1, A, 1, 1), tl.int32)
+        after = (pk > k4) | ((pk == k4) & (pi < i4))  # this pair comes after its partner
         swap = after != ((down ^ right) != 0)  # the left (right) slot of an ascending run takes the earlier
-        key = tl.reshape(tl.where(swap, pk, k3), (A * 2 * D,))
-        idx = tl.reshape(tl.where(swap, pi, i3), (A * 2 * D,))
+        key = tl.reshape(tl.where(swap, pk, k4), (W, A * 2 * D))
+        idx = tl.reshape(tl.where(swap, pi, i4), (W, A * 2 * D))
+        return key, idx
+
+    @triton.jit
+    def _sort_rows(key, idx, W: tl.constexpr, LOG: tl.constexpr, INTERP: tl.constexpr):
+        """Bitonic sort of each row of ``[W, 2**LOG]`` (int64 key, int32 idx) pairs held in registers: key
+        descending, equal keys by idx ascending (the order of ``torch.argsort(descending=True, stable=True)``)."""
+        for s in tl.static_range(1, LOG + 1):
+            for t in tl.static_range(s):
+                key, idx = _swap_pairs(key, idx, W, s, s - 1 - t, LOG, INTERP)
         return key, idx
 
     @triton.jit
     def _sort_pairs(key, idx, LOG: tl.constexpr, INTERP: tl.constexpr):
-        """Bitonic sort of ``[2**LOG]`` (int64 key, int32 idx) pairs held in registers: key descending,
-        equal keys by idx ascending (the order of ``torch.argsort(descending=True, stable=True)``)."""
-        for s in tl.static_range(1, LOG + 1):
-            for t in tl.static_range(s):
-                key, idx = _swap_pairs(key, idx, s, s - 1 - t, LOG, INTERP)
-        return key, idx
+        """``_sort_rows`` of one row ``[2**LOG]``."""
+        key, idx = _sort_rows(tl.reshape(key, (1, 1 << LOG)), tl.reshape(idx, (1, 1 << LOG)), 1, LOG, INTERP)
+        return tl.reshape(key, (1 << LOG,)), tl.reshape(idx, (1 << LOG,))
+
+    @triton.jit
+    def _merge_ranks(key, idx, sk_ptr, si_ptr, W: tl.constexpr, LOG_L: tl.constexpr):
+        """The rank of every pair of ``[W, L]`` (L = 2**LOG_L; each row sorted by ``_sort_rows``, the pairs
+        distinct) in the order of all W L pairs: the sum over the rows of how many of that row's pairs come
+        before it, each counted by a binary search of the row, stored to this program's scratch
+        ``sk_ptr`` / ``si_ptr`` ``[W L]`` (its own row counts exactly its position there)."""
+        L: tl.constexpr = 1 << LOG_L
+        off = tl.arange(0, W)[:, None] * L + tl.arange(0, L)[None, :]
+        tl.store(sk_ptr + off, key)
+        tl.store(si_ptr + off, idx)
+        tl.debug_barrier()  # every row stored before any is searched
+        rank = tl.zeros((W, L), tl.int32)
+        for w in tl.static_range(W):
+            pos = tl.zeros((W, L), tl.int32)
+            for b in tl.static_range(LOG_L):  # the largest pos with every pair of row w before it before ours
+                step = 1 << (LOG_L - 1 - b)
+                pk = tl.load(sk_ptr + w * L + pos + (step - 1))
+                pi = tl.load(si_ptr + w * L + pos + (step - 1))
+                pos = tl.where((pk > key) | ((pk == key) & (pi < idx)), pos + step, pos)
+            pk = tl.load(sk_ptr + w * L + pos)  # ... and the pair at pos itself: a count in [0, L]
+            pi = tl.load(si_ptr + w * L + pos)
+            rank += pos + ((pk > key) | ((pk == key) & (pi < idx))).to(tl.int32)
+        return rank
 
     @triton.jit
     def _rac_select_kernel(
-        r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, M, K, n, G, ONE_GROUP: tl.constexpr, PER_TOKEN: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_G: tl.constexpr, LOG_K: tl.constexpr, INTERP: tl.constexpr,
+        r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, sk_ptr, si_ptr, M, K, n, G, ONE_GROUP: tl.constexpr,
+        PER_TOKEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, LOG_K: tl.constexpr, LOG_W: tl.constexpr,
+        INTERP: tl.constexpr,
     ):  # fmt: skip
-        """Group g: the fp64 norms of its K channels, their stable descending sort in registers; stores
-        S[g] (the first n), rank[g, c] and (per group) gmax[g] = max over S of the group's |r| maxima; the
-        last group's program also gmax[G] of the masked rows (group G) over the same S."""
+        """Group g: the fp64 norms of its K channels, their stable descending order; stores S[g] (the first n),
+        rank[g, c] and (per group) gmax[g] = max over S of the group's |r| maxima; the last group's program
+        also gmax[G] of the masked rows (group G) over the same S. The order: ``LOG_W`` 0, one bitonic sort of
+        all KP pairs in registers; else each of 2**LOG_W runs of KP / 2**LOG_W channels sorted in registers
+        (``_sort_rows``), then the ranks merged by binary searches of the runs (``_merge_ranks``, through this
+        group's scratch rows ``sk`` / ``si`` ``[KP]``): the same order, fewer exchanges across warps."""
         g = tl.program_id(0)
         c = tl.arange(0, 1 << LOG_K)
         cmask = c < K
@@ -265,12 +303,22 @@ if HAS_TRITON:
         for i0 in range(start, end, ROWS):
             acc, cmax = _accumulate_rows(acc, cmax, r_ptr, i0, end, c, cmask, K, ROWS, not PER_TOKEN)
         key = tl.where(cmask, _sort_key(acc), -1)  # padded channels after every real one
-        skey, sidx = _sort_pairs(key, c, LOG_K, INTERP)
-        tl.store(s_ptr + g * n + c, sidx.to(tl.int64), mask=c < n)  # c: the position in the sorted list
-        tl.store(rank_ptr + g * K + sidx, c, mask=sidx < K)
-        if not PER_TOKEN:
+        if LOG_W == 0:
+            skey, sidx = _sort_pairs(key, c, LOG_K, INTERP)
+            tl.store(s_ptr + g * n + c, sidx.to(tl.int64), mask=c < n)  # c: the position in the sorted list
+            tl.store(rank_ptr + g * K + sidx, c, mask=sidx < K)
             kth = tl.sum(tl.where(c == n - 1, skey, 0), axis=0)  # the n-th pair: the last one in S
             ith = tl.sum(tl.where(c == n - 1, sidx, 0), axis=0)
+        else:
+            W: tl.constexpr = 1 << LOG_W
+            L: tl.constexpr = (1 << LOG_K) >> LOG_W
+            rk, ri = _sort_rows(tl.reshape(key, (W, L)), tl.reshape(c, (W, L)), W, LOG_K - LOG_W, INTERP)
+            pos = _merge_ranks(rk, ri, sk_ptr + g * (1 << LOG_K), si_ptr + g * (1 << LOG_K), W, LOG_K - LOG_W)
+            tl.store(s_ptr + g * n + pos, ri.to(tl.int64), mask=pos < n)
+            tl.store(rank_ptr + g * K + ri, pos, mask=ri < K)
+            kth = tl.sum(tl.sum(tl.where(pos == n - 1, rk, 0), axis=1), axis=0)
+            ith = tl.sum(tl.sum(tl.where(pos == n - 1, ri, 0), axis=1), axis=0)
+        if not PER_TOKEN:
             sel = cmask & ((key > kth) | ((key == kth) & (c <= ith)))
             tl.store(gmax_ptr + g, tl.max(tl.where(sel, cmax, 0.0), axis=0))
             if not ONE_GROUP:
@@ -334,6 +382,7 @@ def rac_units(
     n: int,
     per_token: bool = False,
     method: RacMethod | None = None,
+    sort_run: int | None = None,
     block_m: int | None = None,
     block_k: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,7 +390,9 @@ def rac_units(
     of NVFP4(``R[:, S]``) scattered to their channels, zero elsewhere, into ``out`` ``[M, K]`` (rows may be
     strided, e.g. ``buf[:, 1]``); returns ``(S_dec [M] fp32, S [G, n] long)``. ``group`` ``[M]`` sorted
     ascending in ``[0, groups]`` (``groups``: rows of no group), or None (one group). ``method``: the
-    selection algorithm (None: ``default_method(K, group is not None)``); both give the same bits. ``block_m``: rows per
+    selection algorithm (None: ``default_method(K, group is not None)``); both give the same bits. ``sort_run``
+    (sort): channels per run sorted in registers before the runs' ranks are merged (``_rac_select_kernel``), a
+    power of two; None: one run of all K (padded to a power of two); the same order either way. ``block_m``: rows per
     program of the units kernel (None: 16 for ``count``; for ``sort`` 1 on the GPU, 16 under the
     interpreter, whose cost is per program); ``block_k``: the count path's units tile width."""
     if not HAS_TRITON:
@@ -360,9 +411,14 @@ def rac_units(
     s = torch.empty(n_sel, n, dtype=torch.long, device=r.device)
     rank = torch.empty(n_sel, k, dtype=torch.int32, device=r.device)
     g = torch.empty(m, dtype=torch.float32, device=r.device)
+    kp = triton.next_power_of_2(k)
+    if sort_run is not None and (sort_run < 2 or sort_run & (sort_run - 1) or method != "sort"):
+        raise ValueError(f"rac_units: sort_run must be a power of two >= 2 with method='sort', got {sort_run} "
+                         f"with method={method!r}")
     if method == "sort":
         bm = (16 if interpreted(r) else 1) if block_m is None else block_m
-        _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, bm)
+        log_w = 0 if sort_run is None or sort_run >= kp else (kp // sort_run).bit_length() - 1
+        _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, bm, log_w)
     else:
         _count_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m or 16, block_k)
     return g, s
@@ -385,14 +441,17 @@ def group_norms(r: torch.Tensor, group: torch.Tensor | None, groups: int) -> tor
     return norms
 
 
-def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m) -> None:
-    """The sort path's two launches (module docstring)."""
+def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, log_w) -> None:
+    """The sort path's two launches (module docstring); ``log_w``: log2 of the sorted runs (0: one run)."""
     m, k = r.shape
     kp = triton.next_power_of_2(k)
     gmax = torch.empty(n_sel + (not one), dtype=torch.float32, device=r.device)  # per group (with G)
+    sk = torch.empty(n_sel, kp, dtype=torch.long, device=r.device) if log_w else gmax  # the merge's scratch
+    si = torch.empty(n_sel, kp, dtype=torch.int32, device=r.device) if log_w else gmax
     _rac_select_kernel[(n_sel,)](
-        r, grp, s, rank, gmax, m, k, n, n_sel, ONE_GROUP=one, PER_TOKEN=per_token, ROWS=max(1, min(8, 4096 // kp)),
-        BLOCK_G=min(2048, triton.next_power_of_2(m)), LOG_K=kp.bit_length() - 1, INTERP=interpreted(r),
+        r, grp, s, rank, gmax, sk, si, m, k, n, n_sel, ONE_GROUP=one, PER_TOKEN=per_token,
+        ROWS=max(1, min(8, 4096 // kp)), BLOCK_G=min(2048, triton.next_power_of_2(m)), LOG_K=kp.bit_length() - 1,
+        LOG_W=log_w, INTERP=interpreted(r),
         num_warps=max(4, min(16, kp // 128)),
     )  # fmt: skip
     bn = max(NVFP4_BLOCK, triton.next_power_of_2(n))
