@@ -7,10 +7,4 @@ export PYTHONPATH=.; mkdir -p $OUT; git rev-parse HEAD > $OUT/tree.txt 2>&1; git
 T0=$(date +%s)
 timeout 400 python3 benchmarks/bench_e2e.py --suites profile --preset 100m --profile-recipes w4a16,bf16 \
   --graphs on --compile on --json $OUT/profile_100m.json > $OUT/profile_100m.log 2>&1; echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/profile_100m.log
-python3 -c "
-import json
-d = json.load(open('$OUT/profile_100m.json')); rows = d['rows'] if isinstance(d, dict) else d
-for r in rows:
-    print(r['recipe'], r['graphs'], r['compile'], round(r.get('decode_ms_per_step', 0), 2), r.get('gpu_kernels_per_step'), r.get('error', ''))
-    for n, c, us in r.get('top_per_step_us', [])[:14]: print('   ', round(us, 1), c, n[:110])
-" 2>&1 | head -n 70; tail -n 1 $OUT/profile_100m.log; true
+python3 scripts/device_calls/print_profile.py $OUT/profile_100m.json --top 14 2>&1 | head -n 70; tail -n 1 $OUT/profile_100m.log; true

@@ -11,10 +11,4 @@ echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/gpu_tests.txt
 timeout 210 python3 benchmarks/bench_e2e.py --suites profile --preset 1b --profile-recipes w4a4+rac50,w4a4 \
   --graphs on --compile on --json $OUT/profile_1b.json > $OUT/profile_1b.log 2>&1; echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/profile_1b.log
 tail -n 3 $OUT/gpu_tests.txt
-python3 -c "
-import json
-d = json.load(open('$OUT/profile_1b.json')); rows = d['rows'] if isinstance(d, dict) else d
-for r in rows:
-    print(r['recipe'], r['graphs'], r['compile'], round(r.get('decode_ms_per_step', 0), 2), r.get('gpu_kernels_per_step'), r.get('error', ''))
-    for n, c, us in r.get('top_per_step_us', [])[:20]: print('   ', round(us, 1), c, n[:110])
-" 2>&1 | head -n 60; tail -n 1 $OUT/profile_1b.log; true
+python3 scripts/device_calls/print_profile.py $OUT/profile_1b.json --top 20 2>&1 | head -n 60; tail -n 1 $OUT/profile_1b.log; true

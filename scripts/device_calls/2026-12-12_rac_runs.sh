@@ -22,10 +22,4 @@ grep "^row" $OUT/bench_rac.log | python3 -c "
 import json, sys
 for l in sys.stdin:
     r = json.loads(l[4:]); print(r['shape'], round(r['us'], 1), 'w4a4', round(r['w4a4_us'], 1), 'runs', r.get('residual_sort_run_us'))"
-python3 -c "
-import json
-d = json.load(open('$OUT/profile_1b.json')); rows = d['rows'] if isinstance(d, dict) else d
-for r in rows[:1]:
-    print(r['recipe'], round(r.get('decode_ms_per_step', 0), 2), r.get('gpu_kernels_per_step'))
-    for n, c, us in r.get('top_per_step_us', [])[:16]: print('   ', round(us, 1), c, n[:110])
-" 2>&1 | head -n 20; grep "^rollout" $OUT/e2e.log | tail -n 3; tail -n 1 $OUT/e2e.log; true
+python3 scripts/device_calls/print_profile.py $OUT/profile_1b.json --top 16 2>&1 | head -n 20; grep "^rollout" $OUT/e2e.log | tail -n 3; tail -n 1 $OUT/e2e.log; true
