@@ -278,7 +278,7 @@ def test_fused_rac_operands_bit_exact_cuda(k, per_token, method):
 @pytest.mark.parametrize("k,n", [(4096, 2048), (2880, 1440), (1024, 512), (208, 16), (208, 208)], ids=lambda v: str(v))
 @pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
 def test_rac_sort_equals_count_cuda(k, n, per_token):
-    """The compiled sort path (xor partner exchange, one row per program; one sorted run, and runs of 128 and 64
+    """The compiled sort path (xor partner exchange, one row per program; one sorted run, and runs of 128
     channels merged by binary search where K <= 1024) against the count path on the GPU,
     byte for byte (u, S_dec, S): the widest sort (K = 4096, 4096 pairs in one program), K not a power of
     two (2880 = the 20b's hidden size, 208), n = 16 and n = K, empty experts, NaN and inf rows, masked rows,
@@ -298,7 +298,7 @@ def test_rac_sort_equals_count_cuda(k, n, per_token):
     for grp, groups in ((group, e), (None, 1)):
         rr = r if grp is not None else r[64:576].contiguous()
         outs = []
-        runs = (None, 128, 64) if k <= 1024 else (None,)  # sorted runs merged (sort_run) where they unroll small
+        runs = (None, 128) if k <= 1024 else (None,)  # sorted runs merged (sort_run) where they unroll small
         for method, run in (("count", None),) + tuple(("sort", v) for v in runs):
             out = torch.full_like(rr, 7.0).bfloat16()
             gs, s = rac_units(rr, grp, groups, out, n=n, per_token=per_token, method=method, sort_run=run)

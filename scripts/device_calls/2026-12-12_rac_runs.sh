@@ -8,13 +8,13 @@
 export PYTHONPATH=.; mkdir -p $OUT; git rev-parse HEAD > $OUT/tree.txt 2>&1; git status --short >> $OUT/tree.txt
 T0=$(date +%s); left() { echo $(( 580 - ($(date +%s) - T0) )); }
 cap() { local l; l=$(left); [ $l -lt $1 ] && echo $l || echo $1; }
-timeout $(cap 120) python3 -m pytest -q tests/test_quant_factored_gpu.py -k "rac_sort_equals_count and (1024 or 208)" \
+timeout $(cap 150) python3 -m pytest -q tests/test_quant_factored_gpu.py -k "rac_sort_equals_count and (1024 or 208)" \
   > $OUT/gpu_tests_rac.txt 2>&1; echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/gpu_tests_rac.txt
 timeout $(cap 130) python3 benchmarks/bench_kernels.py --only rac --json $OUT/bench_rac.json > $OUT/bench_rac.log 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/bench_rac.log
 timeout $(cap 110) python3 benchmarks/bench_e2e.py --suites profile --preset 1b --profile-recipes w4a4+rac50 --graphs on \
   --compile on --json $OUT/profile_1b.json > $OUT/profile_1b.log 2>&1; echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/profile_1b.log
-timeout $(cap 220) python3 benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 --long-tokens 0 \
+timeout $(cap 200) python3 benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 --long-tokens 0 \
   --graphs on --compile on --recipes bf16,w4a16,w4a4+rac50 --json $OUT/e2e.json > $OUT/e2e.log 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e.log
 tail -n 2 $OUT/gpu_tests_rac.txt
