@@ -320,6 +320,7 @@ def bench_attention(rows: list, copy_bw: float) -> None:
 
 
 RAC_SHAPES = [(1024, "gate_up"), (256, "down")]  # the 1b's expert projections: K, name
+RAC_SELECT_WARPS = (None, 16)  # rac_units' select_warps (None: its default, KP / 128 within 4..16)
 RAC_SORT_RUNS = (None, 256, 128)  # rac_units' sort_run (None: one sorted run of all K; runs of 64 spill at K = 1024)
 
 
@@ -336,7 +337,8 @@ def bench_rac(rows: list) -> None:
     selection), W4A4 alone (``w4a4_us``: the one-launch operand, ``factored_quant.group_units``;
     ``w4a4_steps_us``: row amax, group max and quantize as three steps), RAC 50% with a calibrated channel order
     (``static_us``: ``quads::rac_static_units`` and the norms it observes), the residual operand alone on W4A4's
-    residual per sorted run of the select kernel (``residual_sort_run_us``: ``[sort_run, us]``, ``RAC_SORT_RUNS``),
+    residual per sorted run and warps of the select kernel (``residual_sort_run_us``: ``[sort_run, select_warps,
+    us]``, ``RAC_SORT_RUNS`` x ``RAC_SELECT_WARPS``),
     and ``group_units`` alone per launch
     config (``GROUP_UNITS_CONFIGS``, the first its default: ``group_units_us``; the fastest:
     ``group_units_best_us``)."""
@@ -374,10 +376,12 @@ def bench_rac(rows: list) -> None:
             rs = [x.float() - factored.operands(x, segs, n=0, dtype=torch.float32).dequantized() for x in xs]
             res_out = torch.empty(tokens * topk, k, dtype=torch.bfloat16, device="cuda")
             for run in RAC_SORT_RUNS:
-                if run is None or run < k:
-                    t[("residual", run)] = time_graph([
-                        lambda r=r, run=run: rac_units(r, segs.group, e, res_out, n=k // 2, method="sort", sort_run=run)
-                        for r in rs])  # fmt: skip
+                for warps in RAC_SELECT_WARPS:
+                    if run is None or run < k:
+                        t[("residual", run, warps)] = time_graph([
+                            lambda r=r, run=run, w=warps: rac_units(r, segs.group, e, res_out, n=k // 2, method="sort",
+                                                                    sort_run=run, select_warps=w)
+                            for r in rs])  # fmt: skip
             # the W4A4 operand's kernels alone (group amax + quantize), per launch config
             out = torch.empty(tokens * topk, k, dtype=torch.bfloat16, device="cuda")
             for cfg in GROUP_UNITS_CONFIGS:
@@ -388,7 +392,7 @@ def bench_rac(rows: list) -> None:
                      f"n={k // 2}", "us": t[default] * 1e6, "method": default, "sort_us": t["sort"] * 1e6,
                      "count_us": t["count"] * 1e6, "unfused_us": t["unfused"] * 1e6, "w4a4_us": t["w4a4"] * 1e6,
                      "static_us": t["static"] * 1e6,
-                     "residual_sort_run_us": [[key[1], v * 1e6] for key, v in t.items()
+                     "residual_sort_run_us": [[key[1], key[2], v * 1e6] for key, v in t.items()
                                               if isinstance(key, tuple) and key[0] == "residual"],
                      "w4a4_steps_us": t["w4a4_steps"] * 1e6, "group_units_us": t[GROUP_UNITS_CONFIGS[0]] * 1e6,
                      "group_units_best_us": min(t[c] for c in GROUP_UNITS_CONFIGS) * 1e6,

@@ -383,6 +383,7 @@ def rac_units(
     per_token: bool = False,
     method: RacMethod | None = None,
     sort_run: int | None = None,
+    select_warps: int | None = None,
     block_m: int | None = None,
     block_k: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,7 +393,8 @@ def rac_units(
     ascending in ``[0, groups]`` (``groups``: rows of no group), or None (one group). ``method``: the
     selection algorithm (None: ``default_method(K, group is not None)``); both give the same bits. ``sort_run``
     (sort): channels per run sorted in registers before the runs' ranks are merged (``_rac_select_kernel``), a
-    power of two; None: one run of all K (padded to a power of two); the same order either way. ``block_m``: rows per
+    power of two; None: one run of all K (padded to a power of two); the same order either way. ``select_warps``:
+    the select kernel's warps (None: KP / 128, within 4..16). ``block_m``: rows per
     program of the units kernel (None: 16 for ``count``; for ``sort`` 1 on the GPU, 16 under the
     interpreter, whose cost is per program); ``block_k``: the count path's units tile width."""
     if not HAS_TRITON:
@@ -418,7 +420,8 @@ def rac_units(
     if method == "sort":
         bm = (16 if interpreted(r) else 1) if block_m is None else block_m
         log_w = 0 if sort_run is None or sort_run >= kp else (kp // sort_run).bit_length() - 1
-        _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, bm, log_w)
+        warps = max(4, min(16, kp // 128)) if select_warps is None else select_warps
+        _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, bm, log_w, warps)
     else:
         _count_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m or 16, block_k)
     return g, s
@@ -441,8 +444,9 @@ def group_norms(r: torch.Tensor, group: torch.Tensor | None, groups: int) -> tor
     return norms
 
 
-def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, log_w) -> None:
-    """The sort path's two launches (module docstring); ``log_w``: log2 of the sorted runs (0: one run)."""
+def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, log_w, warps) -> None:
+    """The sort path's two launches (module docstring); ``log_w``: log2 of the sorted runs (0: one run);
+    ``warps``: the select kernel's."""
     m, k = r.shape
     kp = triton.next_power_of_2(k)
     gmax = torch.empty(n_sel + (not one), dtype=torch.float32, device=r.device)  # per group (with G)
@@ -452,7 +456,7 @@ def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, log_
         r, grp, s, rank, gmax, sk, si, m, k, n, n_sel, ONE_GROUP=one, PER_TOKEN=per_token,
         ROWS=max(1, min(8, 4096 // kp)), BLOCK_G=min(2048, triton.next_power_of_2(m)), LOG_K=kp.bit_length() - 1,
         LOG_W=log_w, INTERP=interpreted(r),
-        num_warps=max(4, min(16, kp // 128)),
+        num_warps=warps,
     )  # fmt: skip
     bn = max(NVFP4_BLOCK, triton.next_power_of_2(n))
     _rac_units_sel_kernel[(triton.cdiv(m, block_m),)](
