@@ -344,7 +344,7 @@ def bench_rac(rows: list) -> None:
     ``group_units_best_us``)."""
     from quads.kernels import dispatch
     from quads.kernels.factored_quant import group_units
-    from quads.kernels.rac_select import default_method
+    from quads.kernels.rac_select import default_method, rac_units
     from quads.model.moe import static_routes
     from quads.quant import factored
 
@@ -371,8 +371,6 @@ def bench_rac(rows: list) -> None:
                                                                     observe=lambda r, norms: None) for x in xs])  # fmt: skip
             # the residual operand alone (quads::rac_units' sort path on W4A4's residual), its select kernel's channels
             # sorted in one run or in runs merged by binary search (sort_run)
-            from quads.kernels.rac_select import rac_units
-
             rs = [x.float() - factored.operands(x, segs, n=0, dtype=torch.float32).dequantized() for x in xs]
             res_out = torch.empty(tokens * topk, k, dtype=torch.bfloat16, device="cuda")
             for run in RAC_SORT_RUNS:

@@ -1,6 +1,7 @@
 """Instruction counts of RAC's selection kernels (``quads.kernels.rac_select``), from their sm_90 SASS,
-compiled offline (no GPU), for both selection methods at the 1b decode shapes (the sort's select kernel also with its channels sorted in runs
-of ``SORT_RUNS`` merged by binary search: ``rac_units(sort_run=...)``, constexpr ``LOG_W``).
+compiled offline (no GPU), for both selection methods at the 1b decode shapes (the sort's select kernel
+also with its channels sorted in runs of ``SORT_RUNS`` merged by binary search: ``rac_units(sort_run=...)``,
+constexpr ``LOG_W``).
 
     TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=. python scripts/sass_rac.py [--out FILE [--append]] [--label TEXT] [--ks 1024,256]
 

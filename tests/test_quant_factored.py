@@ -462,12 +462,12 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from quads.kernels.rac_select import _merge_ranks, _sort_pairs, _sort_rows
+    from quads.kernels.rac_select import _merge_ranks, _sort_rows
 
     @triton.jit
     def _sort_pairs_kernel(key_ptr, out_ptr, LOG: tl.constexpr, INTERP: tl.constexpr):
-        c = tl.arange(0, 1 << LOG)
-        _, idx = _sort_pairs(tl.load(key_ptr + c), c, LOG, INTERP)
+        c = tl.arange(0, 1 << LOG)[None, :]  # one run of 2**LOG pairs, as the select kernel's one-run sort
+        _, idx = _sort_rows(tl.load(key_ptr + c), c, 1, LOG, INTERP)
         tl.store(out_ptr + c, idx)
 
     @triton.jit
@@ -483,7 +483,7 @@ if HAS_TRITON:
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 @pytest.mark.parametrize("gpu_form", [False, True], ids=["interp-form", "gpu-form"])
 def test_sort_pairs_is_torch_stable_argsort(gpu_form):
-    """The bitonic network alone (rac_select._sort_pairs) on int64 keys with many ties, the NaN key and the
+    """The bitonic network alone (rac_select._sort_rows, one run) on int64 keys with many ties, the NaN key and the
     padding key -1: the order of torch.argsort(descending=True, stable=True), for every size 2 .. 64,
     with the interpreter's form of the partner exchange and with the GPU's (xor) form."""
     g = torch.Generator().manual_seed(0)

@@ -22,7 +22,7 @@ Shared numerics (both methods, so that they select the same channels bit for bit
 
 1. ``_rac_select_kernel`` (grid G, one program per group): the group's rows (found by one vector pass
    over ``group``), its K norms and maxima held in registers, then a bitonic sort of the
-   ``(key, channel)`` pairs in registers (``_sort_pairs``: log2(KP) (log2(KP) + 1) / 2 compare-and-swap
+   ``(key, channel)`` pairs in registers (``_sort_rows``: log2(KP) (log2(KP) + 1) / 2 compare-and-swap
    steps over KP = next power of two of K; padded channels get key -1, after every real one; or, with
    ``sort_run``, runs of that many channels sorted in registers, then each pair's rank merged as the sum
    over the runs of a binary search, through a scratch row: the same order with fewer exchanges across
@@ -253,12 +253,6 @@ if HAS_TRITON:
         return key, idx
 
     @triton.jit
-    def _sort_pairs(key, idx, LOG: tl.constexpr, INTERP: tl.constexpr):
-        """``_sort_rows`` of one row ``[2**LOG]``."""
-        key, idx = _sort_rows(tl.reshape(key, (1, 1 << LOG)), tl.reshape(idx, (1, 1 << LOG)), 1, LOG, INTERP)
-        return tl.reshape(key, (1 << LOG,)), tl.reshape(idx, (1 << LOG,))
-
-    @triton.jit
     def _merge_ranks(key, idx, sk_ptr, si_ptr, W: tl.constexpr, LOG_L: tl.constexpr):
         """The rank of every pair of ``[W, L]`` (L = 2**LOG_L; each row sorted by ``_sort_rows``, the pairs
         distinct) in the order of all W L pairs: the sum over the rows of how many of that row's pairs come
@@ -303,21 +297,17 @@ if HAS_TRITON:
         for i0 in range(start, end, ROWS):
             acc, cmax = _accumulate_rows(acc, cmax, r_ptr, i0, end, c, cmask, K, ROWS, not PER_TOKEN)
         key = tl.where(cmask, _sort_key(acc), -1)  # padded channels after every real one
+        W: tl.constexpr = 1 << LOG_W
+        L: tl.constexpr = (1 << LOG_K) >> LOG_W
+        rk, ri = _sort_rows(tl.reshape(key, (W, L)), tl.reshape(c, (W, L)), W, LOG_K - LOG_W, INTERP)
         if LOG_W == 0:
-            skey, sidx = _sort_pairs(key, c, LOG_K, INTERP)
-            tl.store(s_ptr + g * n + c, sidx.to(tl.int64), mask=c < n)  # c: the position in the sorted list
-            tl.store(rank_ptr + g * K + sidx, c, mask=sidx < K)
-            kth = tl.sum(tl.where(c == n - 1, skey, 0), axis=0)  # the n-th pair: the last one in S
-            ith = tl.sum(tl.where(c == n - 1, sidx, 0), axis=0)
+            pos = tl.reshape(c, (W, L))  # one run: each pair's place in it is its rank
         else:
-            W: tl.constexpr = 1 << LOG_W
-            L: tl.constexpr = (1 << LOG_K) >> LOG_W
-            rk, ri = _sort_rows(tl.reshape(key, (W, L)), tl.reshape(c, (W, L)), W, LOG_K - LOG_W, INTERP)
             pos = _merge_ranks(rk, ri, sk_ptr + g * (1 << LOG_K), si_ptr + g * (1 << LOG_K), W, LOG_K - LOG_W)
-            tl.store(s_ptr + g * n + pos, ri.to(tl.int64), mask=pos < n)
-            tl.store(rank_ptr + g * K + ri, pos, mask=ri < K)
-            kth = tl.sum(tl.sum(tl.where(pos == n - 1, rk, 0), axis=1), axis=0)
-            ith = tl.sum(tl.sum(tl.where(pos == n - 1, ri, 0), axis=1), axis=0)
+        tl.store(s_ptr + g * n + pos, ri.to(tl.int64), mask=pos < n)
+        tl.store(rank_ptr + g * K + ri, pos, mask=ri < K)
+        kth = tl.sum(tl.sum(tl.where(pos == n - 1, rk, 0), axis=1), axis=0)  # the n-th pair: the last one in S
+        ith = tl.sum(tl.sum(tl.where(pos == n - 1, ri, 0), axis=1), axis=0)
         if not PER_TOKEN:
             sel = cmask & ((key > kth) | ((key == kth) & (c <= ith)))
             tl.store(gmax_ptr + g, tl.max(tl.where(sel, cmax, 0.0), axis=0))
@@ -404,7 +394,8 @@ def rac_units(
     method = default_method(k, group is not None) if method is None else method
     if method not in get_args(RacMethod):
         raise ValueError(f"unknown RAC selection method {method!r}; valid: {', '.join(get_args(RacMethod))}")
-    if method == "sort" and triton.next_power_of_2(k) > SORT_MAX_K:
+    kp = triton.next_power_of_2(k)
+    if method == "sort" and kp > SORT_MAX_K:
         raise ValueError(f"rac_units: method='sort' holds K (padded to a power of two) <= {SORT_MAX_K} norms in "
                          f"one program, got K={k}; use method='count'")
     one = group is None
@@ -413,7 +404,6 @@ def rac_units(
     s = torch.empty(n_sel, n, dtype=torch.long, device=r.device)
     rank = torch.empty(n_sel, k, dtype=torch.int32, device=r.device)
     g = torch.empty(m, dtype=torch.float32, device=r.device)
-    kp = triton.next_power_of_2(k)
     if sort_run is not None and (sort_run < 2 or sort_run & (sort_run - 1) or method != "sort"):
         raise ValueError(f"rac_units: sort_run must be a power of two >= 2 with method='sort', got {sort_run} "
                          f"with method={method!r}")
