@@ -3,13 +3,16 @@
 # dependent kernels are a large share of a ~3 ms step. A/B on one machine: Inductor's Programmatic Dependent
 # Launch (torch._inductor.config.triton.enable_pdl, env TORCHINDUCTOR_ENABLE_PDL) off then on, the 1b e2e rows
 # for bf16, w4a16, w4a4+rac50; the first run's Inductor cache keeps the source of the attention-side fused kernels
-# (18 us a layer in runs 20 and 41, 3 us in run 31) for reading here. One H200, <= 580 s.
+# (18 us a layer in runs 20 and 41, 3 us in run 31) for reading here. First: what one kernel boundary costs in a graph
+# (benchmarks/bench_graph_launch.py: chains of tiny dependent kernels, plain, with PDL, ATen). One H200, <= 580 s.
 # OUT=$OUT bash scripts/device_calls/2026-12-13_pdl.sh
 export PYTHONPATH=.; mkdir -p $OUT; git rev-parse HEAD > $OUT/tree.txt 2>&1; git status --short >> $OUT/tree.txt
 T0=$(date +%s); left() { echo $(( 580 - ($(date +%s) - T0) )); }
 cap() { local l; l=$(left); [ $l -lt $1 ] && echo $l || echo $1; }
 python3 -c "import torch, triton, torch._inductor.config as c; print(torch.__version__, triton.__version__,
 'enable_pdl' in dir(c.triton))" > $OUT/versions.txt 2>&1
+timeout $(cap 60) python3 benchmarks/bench_graph_launch.py --n 256 --json $OUT/graph_launch.json > $OUT/graph_launch.log 2>&1
+echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/graph_launch.log
 for PDL in 0 1; do
   IC=$(mktemp -d); export TORCHINDUCTOR_CACHE_DIR=$IC TORCHINDUCTOR_ENABLE_PDL=$PDL
   timeout $(cap 250) python3 benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 3 --new-tokens 64 \
@@ -20,4 +23,4 @@ for PDL in 0 1; do
     > $OUT/inductor_pick.txt 2>&1 && (cd $OUT && tar czf inductor.tgz inductor && rm -rf inductor)
   grep -c "launch_pdl.*True\|gdc_wait" -r $IC 2>/dev/null | awk -F: '{s+=$2} END {print "pdl mentions", s}' >> $OUT/e2e_pdl$PDL.log
 done
-cat $OUT/versions.txt $OUT/inductor_pick.txt; for PDL in 0 1; do grep "^rollout" $OUT/e2e_pdl$PDL.log; tail -n 2 $OUT/e2e_pdl$PDL.log; done; true
+cat $OUT/versions.txt $OUT/inductor_pick.txt; grep -o '"kind.*us_per_kernel[^,]*\|"kind.*error.\{0,80\}' $OUT/graph_launch.log; for PDL in 0 1; do grep "^rollout" $OUT/e2e_pdl$PDL.log; tail -n 2 $OUT/e2e_pdl$PDL.log; done; true
