@@ -4,10 +4,10 @@
 # Launch (torch._inductor.config.triton.enable_pdl, env TORCHINDUCTOR_ENABLE_PDL) off then on, the 1b e2e rows
 # for bf16, w4a16, w4a4+rac50; the first run's Inductor cache keeps the source of the attention-side fused kernels
 # (18 us a layer in runs 20 and 41, 3 us in run 31) for reading here. First: what one kernel boundary costs in a graph
-# (benchmarks/bench_graph_launch.py: chains of tiny dependent kernels, plain, with PDL, ATen). One H200, <= 580 s.
+# (benchmarks/bench_graph_launch.py: chains of tiny dependent kernels, plain, with PDL, ATen). One H200, <= 470 s.
 # OUT=$OUT bash scripts/device_calls/2026-12-13_pdl.sh
 export PYTHONPATH=.; mkdir -p $OUT; git rev-parse HEAD > $OUT/tree.txt 2>&1; git status --short >> $OUT/tree.txt
-T0=$(date +%s); left() { echo $(( 580 - ($(date +%s) - T0) )); }
+T0=$(date +%s); left() { echo $(( 470 - ($(date +%s) - T0) )); }
 cap() { local l; l=$(left); [ $l -lt $1 ] && echo $l || echo $1; }
 python3 -c "import torch, triton, torch._inductor.config as c; print(torch.__version__, triton.__version__,
 'enable_pdl' in dir(c.triton))" > $OUT/versions.txt 2>&1
@@ -15,7 +15,7 @@ timeout $(cap 60) python3 benchmarks/bench_graph_launch.py --n 256 --json $OUT/g
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/graph_launch.log
 for PDL in 0 1; do
   IC=$(mktemp -d); export TORCHINDUCTOR_CACHE_DIR=$IC TORCHINDUCTOR_ENABLE_PDL=$PDL
-  timeout $(cap 250) python3 benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 3 --new-tokens 64 \
+  timeout $(cap 200) python3 benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 \
     --long-tokens 0 --graphs on --compile on --recipes bf16,w4a16,w4a4+rac50 --json $OUT/e2e_pdl$PDL.json \
     > $OUT/e2e_pdl$PDL.log 2>&1; echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e_pdl$PDL.log
   [ $PDL = 0 ] && python3 scripts/device_calls/pick_inductor_kernels.py $IC $OUT/inductor \
