@@ -319,6 +319,33 @@ def bench_attention(rows: list, copy_bw: float) -> None:
             torch.cuda.empty_cache()
 
 
+def bench_prologue(rows: list) -> None:
+    """The decode step's attention prologue at the engine's shapes (128 rows, one new token, a cache of S
+    columns): ``decode_qkv`` (q/k norm, RoPE, the cache write in one kernel) against the same operations
+    (``decode_qkv_reference``, the model's eager code) compiled by Inductor, as the compiled decode step
+    runs them without the kernel, and eager. Several layers' operands per timed replay."""
+    from quads.kernels import decode_qkv as dq
+
+    for b, h, g, d, preset in ATTN_SHAPES:
+        for s in (128, 640):
+            nh = h * g
+            sets = []
+            for _ in range(8):
+                a = {"q": torch.randn(b, nh * d), "k": torch.randn(b, h * d), "v": torch.randn(b, h * d),
+                     "q_weight": 1 + 0.1 * torch.randn(d), "k_weight": 1 + 0.1 * torch.randn(d),
+                     "cos": torch.rand(b, d), "sin": torch.rand(b, d),
+                     "k_cache": torch.randn(b, h, s, d), "v_cache": torch.randn(b, h, s, d)}
+                sets.append({n: t.to("cuda", torch.bfloat16) for n, t in a.items()})
+            pos = torch.tensor([s // 2], device="cuda")
+            ref = torch.compile(dq.decode_qkv_reference, dynamic=False, fullgraph=True)
+            t_kernel = time_graph([lambda a=a: dq.decode_qkv_op(**a, eps=1e-6, pos=pos) for a in sets])
+            t_inductor = time_graph([lambda a=a: ref(**a, eps=1e-6, pos=pos) for a in sets])
+            t_eager = time_graph([lambda a=a: dq.decode_qkv_reference(**a, eps=1e-6, pos=pos) for a in sets])
+            rows.append({"bench": "decode prologue", "shape": f"{preset} B={b} nh={nh} nkv={h} D={d} S={s}",
+                         "us": t_kernel * 1e6, "inductor_us": t_inductor * 1e6, "eager_us": t_eager * 1e6,
+                         "x_vs_inductor": t_inductor / t_kernel})  # fmt: skip
+
+
 RAC_SHAPES = [(1024, "gate_up"), (256, "down")]  # the 1b's expert projections: K, name
 RAC_SELECT_WARPS = (None, 16)  # rac_units' select_warps (None: its default, KP / 128 within 4..16)
 RAC_SORT_RUNS = (None, 256, 128)  # rac_units' sort_run (None: one sorted run of all K; runs of 64 spill at K = 1024)
@@ -738,7 +765,7 @@ def _fmt(v) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
-    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,rac,attention", help="comma list of suites (and: tune)")
+    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,rac,attention,prologue", help="comma list of suites (and: tune)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--ms", default="", help="comma list of W4A16 token counts (default: all)")
     ap.add_argument(
@@ -767,6 +794,7 @@ def main(argv: list[str] | None = None) -> int:
                "w4a16": lambda: bench_w4a16(rows, copy_bw, args.quick),
                "moe": lambda: bench_moe(rows, args.quick, copy_bw), "w4a4": lambda: bench_w4a4(rows),
                "rac": lambda: bench_rac(rows), "attention": lambda: bench_attention(rows, copy_bw),
+               "prologue": lambda: bench_prologue(rows),
                "tune": lambda: bench_tune(rows, args.workers, args.tuning_out, args.tune_kinds,
                                           args.tune_moe_shapes)}  # fmt: skip
     for s in suites:

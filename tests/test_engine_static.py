@@ -73,14 +73,22 @@ def test_score_reproduces_static_batch_bit_for_bit(dispatch):
     assert torch.equal(res.logprobs, batch.logprobs) and torch.equal(res.routing, batch.routing)
 
 
-def test_triton_decode_attention_matches_sdpa_and_rescores_bit_for_bit():
-    """decode_attention="triton" (reads only the written cache columns; Triton's interpreter here) samples
-    what SDPA over the whole masked cache samples, to fp32 summation order, and rescoring replays it."""
+def test_triton_decode_attention_matches_sdpa_and_rescores_bit_for_bit(monkeypatch):
+    """decode_attention="triton" (reads only the written cache columns; Triton's interpreter here), with its
+    prologue in one kernel (q/k norm, RoPE, cache write: ``decode_qkv``), samples what SDPA over the whole
+    masked cache samples, to fp32 summation order, and rescoring replays it."""
+    from quads.kernels import decode_qkv
+
+    calls = []
+    kernel = decode_qkv.decode_qkv
+    monkeypatch.setattr(decode_qkv, "decode_qkv", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     model = tiny(SPECS["w4a16"], dtype="float32")
     params = finishing_params(model, 1.0)
     ref = RolloutEngine(model, TOK, decode="static", moe_dispatch="device").generate(PROMPTS, params)
+    assert not calls  # SDPA: the prologue's operations one by one
     eng = RolloutEngine(model, TOK, decode="static", moe_dispatch="device", decode_attention="triton")
     got = eng.generate(PROMPTS, params)
+    assert len(calls) == model.config.n_layers * got.stats.decode_steps > 0  # every layer of every step
     assert (got.decode_attention, ref.decode_attention) == ("triton", "sdpa")
     assert got.stats.decode_path == "static+triton-attention/device"
     assert got.response_ids == ref.response_ids and got.finish_reasons == ref.finish_reasons

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quads.kernels.decode_attention import decode_attention_op
+from quads.kernels.decode_qkv import decode_qkv_op
 from quads.model.config import ModelConfig
 from quads.model.gemm import Linear
 
@@ -224,12 +225,34 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(kv, cfg.rms_norm_eps)
 
+    def _fused_decode(self, q: torch.Tensor, cos: torch.Tensor, cache: KVCache | None, rows: torch.Tensor | None
+                      ) -> bool:
+        """Whether this forward is a fixed-shape decode step with Triton attention whose prologue (per-head q/k
+        norm, RoPE, cache write) ``decode_qkv`` runs: one new token per row, every operand in the cache's dtype
+        (under autocast the norms' outputs may not be; then the operations below run)."""
+        if rows is None or q.shape[1] != 1 or not isinstance(cache, StaticKVCache) or not cache.decoding:
+            return False
+        if cache.attention != "triton" or self.qk_norm != "head":
+            return False
+        dt = cache.k[self.layer_idx].dtype
+        return q.dtype == dt and cos.dtype == dt and self.q_norm.weight.dtype == dt and self.k_norm.weight.dtype == dt
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``rows`` [B] bool (fixed-slot decode): rows that are False get a zero attention output, so
         they feed zeros, not garbage, into ``o_proj`` (whose activation scale may span the batch)."""
         B, L, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, L, nh*D], [B, L, nkv*D] x2
+        if self._fused_decode(q, cos, cache, rows):
+            # the fixed-shape decode step with Triton attention: q/k norm, RoPE and the cache write in one kernel
+            # (quads.kernels.decode_qkv; the same operations as below, one launch), then the attention
+            g = self.n_heads // self.n_kv
+            kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
+            qo = decode_qkv_op(q.view(B, -1), k.view(B, -1), v.view(B, -1), self.q_norm.weight, self.k_norm.weight,
+                               self.q_norm.eps, cos.view(B, -1), sin.view(B, -1), kc, vc, cache.pos)
+            out = decode_attention_op(qo.view(B, self.n_kv, g, self.head_dim), kc, vc, cache.key_mask, cache.pos)
+            out = torch.where(rows[:, None, None, None], out, 0.0).reshape(B, self.n_heads, 1, self.head_dim)
+            return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, L, self.n_heads, self.head_dim)
