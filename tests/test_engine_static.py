@@ -159,6 +159,28 @@ def test_masked_slots_and_static_expert_paths():
     rb = static_routes(big, 32)
     assert torch.equal(rb.order, torch.argsort(big.reshape(-1), stable=True))
     assert torch.equal(rb.expert, big.reshape(-1)[rb.order])
+    assert torch.equal(rb.slot_pos[rb.order], torch.arange(128 * 4))  # the inverse permutation
+
+
+def test_sorted_rows_back_to_expert_order_by_gather_equal_the_scatter():
+    """The capturable expert paths bring each token's sorted rows back by a gather (``slot_pos``, the inverse of
+    the sort; ``_expert_slots``, the inverse of ``_expert_rank``): the same rows in the same order as the
+    scatter to ``order - order % k + rank`` they replace, so the same sums bit for bit."""
+    from quads.quant.layers import _expert_rank, _expert_slots, _sum_parts
+
+    torch.manual_seed(5)
+    T, k, E = 96, 8, 16
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    ids[::5, 3:] = E  # masked slots: equal ids, sorted last
+    routes = static_routes(ids, E)
+    contrib = torch.randn(T * k, 24).bfloat16()  # one row per sorted position
+    dest = routes.order - routes.order % k + _expert_rank(ids).reshape(-1)[routes.order]
+    scattered = _sum_parts(torch.empty_like(contrib).index_copy_(0, dest, contrib).view(T, k, -1))
+    src = routes.slot_pos.view(T, k).gather(1, _expert_slots(ids))
+    gathered = _sum_parts(contrib[src.reshape(-1)].view(T, k, -1))
+    assert torch.equal(gathered.view(torch.int16), scattered.view(torch.int16))
+    y = torch.empty_like(contrib).index_copy_(0, routes.order, contrib)  # moe.MoEExperts.forward_static's
+    assert torch.equal(contrib.index_select(0, routes.slot_pos), y)
 
 
 def test_static_cache_keeps_rows_and_refresh_keeps_storage():
@@ -296,13 +318,14 @@ def test_expert_rank_is_the_stable_argsorts_inverse():
     """The quantized experts sum each token's outputs in ascending expert id (the loop's order) through
     ``_expert_rank`` (k x k compares, no sort kernel): the inverse permutation of a stable argsort, ties (masked
     slots, id E) by slot index; the sum equals the argsort-and-gather one bit for bit."""
-    from quads.quant.layers import _expert_rank, _sum_in_expert_order
+    from quads.quant.layers import _expert_rank, _expert_slots, _sum_in_expert_order
 
     torch.manual_seed(4)
     ids = torch.randint(0, 9, (300, 8))
     ids[::7, 2:5] = 9  # several masked slots of one token: equal ids
     order = torch.argsort(ids, dim=-1, stable=True)
     assert torch.equal(_expert_rank(ids), torch.argsort(order, dim=-1))
+    assert torch.equal(_expert_slots(ids), order)  # the gather form's slot of each rank
     per_slot = torch.randn(300, 8, 16).bfloat16()
     parts = per_slot.gather(1, order[..., None].expand(300, 8, 16))
     want = torch.zeros_like(parts[:, 0])

@@ -85,7 +85,7 @@ class MoEExperts(nn.Module):
         xs = hidden_states[routes.order // k]  # [T*k, H] sorted by expert, masked slots last
         gate, up = grouped_mm(xs, self.gate_up_proj, routes).chunk(2, dim=-1)
         ys = grouped_mm(F.silu(gate) * up, self.down_proj, routes)  # [T*k, H], zero rows at masked slots
-        y = torch.empty_like(ys).index_copy_(0, routes.order, ys)  # back to slot order [T*k, H]
+        y = ys.index_select(0, routes.slot_pos)  # back to slot order [T*k, H]: a gather, fused into the sum
         return _weighted_slot_sum(y, top_k_weights, hidden_states.dtype)
 
 
@@ -101,13 +101,15 @@ class StaticRoutes:
     """The ``T * k`` routing slots of ``top_k_index`` [T, k] sorted by expert on the device (no sync).
 
     ``order`` [T*k]: flat slot at each sorted position (stable: token order within an expert; masked
-    slots, expert id ``E``, last); ``expert`` [T*k]: the expert of each sorted position (E = masked);
+    slots, expert id ``E``, last); ``slot_pos`` [T*k]: the sorted position of each flat slot (the inverse
+    permutation of ``order``); ``expert`` [T*k]: the expert of each sorted position (E = masked);
     ``offsets`` [E+1] long: start of each expert's rows, ``offsets[E]`` = valid slots; ``pos`` [T*k]:
     row of each sorted position inside its expert's group; ``capacity``: rows per expert of a padded
     layout, T (a token visits an expert at most once), fixed by the batch shape alone.
     """
 
     order: torch.Tensor
+    slot_pos: torch.Tensor
     expert: torch.Tensor
     offsets: torch.Tensor
     pos: torch.Tensor
@@ -148,8 +150,8 @@ def static_routes(top_k_index: torch.Tensor, n_experts: int) -> StaticRoutes:
     order = torch.empty_like(flat).scatter_(0, dest, torch.arange(T * k, device=flat.device))
     expert = flat[order]
     pos = pos_of_slot[order]
-    return StaticRoutes(order=order, expert=expert, offsets=offsets, pos=pos, capacity=T, n_experts=n_experts,
-                        ends=offsets[1:].to(torch.int32))
+    return StaticRoutes(order=order, slot_pos=dest, expert=expert, offsets=offsets, pos=pos, capacity=T,
+                        n_experts=n_experts, ends=offsets[1:].to(torch.int32))
 
 
 def native_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:

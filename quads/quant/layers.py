@@ -370,6 +370,14 @@ def _expert_rank(top_k_index: torch.Tensor) -> torch.Tensor:
     return before.sum(-1)  # [t, j]: the slots j' of token t that come before j
 
 
+def _expert_slots(top_k_index: torch.Tensor) -> torch.Tensor:
+    """``[T, k]``: each token's slots in ascending expert id, equal ids by slot index (a stable argsort of each
+    row): the inverse of ``_expert_rank``, by k x k compares (pointwise, no sort kernel)."""
+    k = top_k_index.shape[-1]
+    j = torch.arange(k, device=top_k_index.device)
+    return ((_expert_rank(top_k_index)[:, None, :] == j[None, :, None]) * j[None, None, :]).sum(-1)
+
+
 def _sum_parts(parts: torch.Tensor) -> torch.Tensor:
     """``parts`` ``[T, k, H]`` summed over k, one add at a time in that order, as the experts loop accumulates."""
     out = torch.zeros_like(parts[:, 0])
@@ -543,9 +551,10 @@ class QuantizedExperts(_QuantizedBase):
         ys = gemm("down_proj", self.act_fn(gate) * up)  # [T*k, H] sorted, zero rows at masked slots
         w = top_k_weights.reshape(-1)[routes.order]
         contrib = (ys * w[:, None].to(ys.dtype)).to(hidden_states.dtype)
-        # the sorted rows straight to each token's slots in ascending expert id (one scatter, no sort)
-        dest = routes.order - routes.order % k + _expert_rank(top_k_index).reshape(-1)[routes.order]
-        return _sum_parts(torch.empty_like(contrib).index_copy_(0, dest, contrib).view(T, k, -1))
+        # each token's sorted rows gathered in ascending expert id (no scatter, no sort): Inductor fuses the gather
+        # into the sum
+        src = routes.slot_pos.view(T, k).gather(1, _expert_slots(top_k_index))  # [T, k] sorted rows, rank order
+        return _sum_parts(contrib[src.reshape(-1)].view(T, k, -1))
 
     def _forward_grouped(self, hidden_states: torch.Tensor, layout: grouped.ExpertLayout) -> torch.Tensor:
         """The batched expert path (``quads.quant.grouped``); same result as the loop up to GEMM order."""
