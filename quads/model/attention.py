@@ -225,17 +225,18 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(kv, cfg.rms_norm_eps)
 
-    def _fused_decode(self, q: torch.Tensor, cos: torch.Tensor, cache: KVCache | None, rows: torch.Tensor | None
-                      ) -> bool:
+    def _fused_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                      cache: KVCache | None, rows: torch.Tensor | None) -> bool:
         """Whether this forward is a fixed-shape decode step with Triton attention whose prologue (per-head q/k
-        norm, RoPE, cache write) ``decode_qkv`` runs: one new token per row, every operand in the cache's dtype
-        (under autocast the norms' outputs may not be; then the operations below run)."""
+        norm, RoPE, cache write) ``decode_qkv`` runs: one new token per row, every operand contiguous and in the
+        cache's dtype (under autocast the norms' outputs may not be; then the operations below run)."""
         if rows is None or q.shape[1] != 1 or not isinstance(cache, StaticKVCache) or not cache.decoding:
             return False
-        if cache.attention != "triton" or self.qk_norm != "head":
+        if cache.attention != "triton" or self.qk_norm != "head" or self.q_norm.eps != self.k_norm.eps:
             return False
         dt = cache.k[self.layer_idx].dtype
-        return q.dtype == dt and cos.dtype == dt and self.q_norm.weight.dtype == dt and self.k_norm.weight.dtype == dt
+        same = all(t.dtype == dt for t in (q, k, v, cos, self.q_norm.weight, self.k_norm.weight))
+        return same and all(t.is_contiguous() for t in (q, k, v, cos))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -243,7 +244,7 @@ class Attention(nn.Module):
         they feed zeros, not garbage, into ``o_proj`` (whose activation scale may span the batch)."""
         B, L, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, L, nh*D], [B, L, nkv*D] x2
-        if self._fused_decode(q, cos, cache, rows):
+        if self._fused_decode(q, k, v, cos, cache, rows):
             # the fixed-shape decode step with Triton attention: q/k norm, RoPE and the cache write in one kernel
             # (quads.kernels.decode_qkv; the same operations as below, one launch), then the attention
             g = self.n_heads // self.n_kv
