@@ -358,6 +358,14 @@ def _op_split(o16: dict, o48: dict, steps: int, steps16: int, top: int | None = 
     return largest(per_step), largest(outside)
 
 
+def _profile_modes(graphs: str, compile: str, cuda: bool) -> list[tuple[bool, bool]]:
+    """The (graphs, compile) modes the profile suite traces: with ``on`` in ``graphs`` (CUDA only) the step
+    in graphs for each ``compile`` value, with ``off`` (or on the CPU) the eager step: no graph, no compile."""
+    want = {g.strip() for g in graphs.split(",") if g.strip()}
+    modes = [(True, c.strip() == "on") for c in compile.split(",") if c.strip()] if cuda and "on" in want else []
+    return modes + ([(False, False)] if "off" in want or not modes else [])
+
+
 def profile_decode(args, rows: list) -> None:
     """torch.profiler over generations of 16 and 48 new tokens per (preset, recipe, graphs): kernels,
     launches and host syncs per decode step = the difference of the two traces / 32 steps (prefill,
@@ -377,9 +385,7 @@ def profile_decode(args, rows: list) -> None:
             spec = ROLLOUT_RECIPES[name]
             model = _model(preset, args.device, "bfloat16").requires_grad_(False)
             _quantized(model, name, spec, prompts, args.device)
-            compiles = [c.strip() == "on" for c in args.compile.split(",") if c.strip()]
-            modes = ([(True, c) for c in compiles] if cuda else []) + [(False, False)]
-            for graphs, comp in modes:
+            for graphs, comp in _profile_modes(args.graphs, args.compile, cuda):
                 row = {"suite": "profile", "preset": preset, "recipe": name, "graphs": graphs, "compile": comp}
                 try:
                     eng = RolloutEngine(model, tok, device=args.device, cuda_graphs=graphs, compile=comp)
@@ -389,7 +395,7 @@ def profile_decode(args, rows: list) -> None:
                     c48, b48, o48, h48 = _trace_counts(eng, prompts, long, args.device)
                     steps = b48.stats.decode_steps - b16.stats.decode_steps
                     row.update({f"{k}_per_step": (c48[k] - c16[k]) / steps for k in c48})
-                    per_step, outside = _op_split(o16, o48, steps, b16.stats.decode_steps)
+                    per_step, outside = _op_split(o16, o48, steps, b16.stats.decode_steps, top=args.profile_top or None)
                     row.update(decode_path=b48.stats.decode_path, steps_diff=steps,
                                decode_ms_per_step=b48.stats.decode_s / b48.stats.decode_steps * 1e3,
                                prefill_ms=b48.stats.prefill_s * 1e3,
@@ -760,7 +766,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipes", default="", help="rollout: only these recipes, comma list (default: all)")
     ap.add_argument("--decodes", default="auto",
                     help="rollout decode paths, comma list: auto (static on CUDA), static, eager (the reference)")
-    ap.add_argument("--graphs", default="on,off", help="static decode on CUDA: CUDA graphs on, off or on,off")
+    ap.add_argument("--graphs", default="on,off", help="static decode on CUDA: CUDA graphs on, off or on,off "
+                    "(profile suite: on = the compiled step(s) in graphs, off = the eager step)")
     ap.add_argument("--compile", default="on", help="static decode on CUDA: torch.compile of the step: on, off or on,off")
     ap.add_argument("--decode-attention", default="auto",
                     help="rollout: the static step's attention, auto (the engine's default: triton on CUDA), sdpa, "
@@ -768,6 +775,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-tokens", type=int, default=512, help="rollout: the longer-response row (0 = none)")
     ap.add_argument("--long-recipes", default="bf16,w4a4+rac50", help="recipes that get the longer-response row")
     ap.add_argument("--profile-recipes", default="bf16,w4a4+rac50", help="profile suite: recipes to trace")
+    ap.add_argument("--profile-top", type=int, default=15,
+                    help="profile suite: the largest N kernels a step and outside decode (0: all of them)")
     ap.add_argument("--batch", type=int, default=64, help="trainer: sequences per step")
     ap.add_argument("--seq-len", type=int, default=128, help="trainer: tokens per sequence")
     ap.add_argument("--reps", type=int, default=5, help="rollout: timed generations (median)")

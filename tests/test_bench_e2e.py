@@ -170,3 +170,13 @@ def test_profile_splits_op_time_into_decode_steps_and_the_rest():
     assert len(split(o16, o48, steps=32, steps16=15, top=1)[1]) == 1
     _, every = split(o16, o48, steps=32, steps16=15, top=None)  # the host total sums every op
     assert len(every) == 3 and round(sum(r[2] for r in every), 6) == 1.35
+
+
+def test_profile_modes_follow_graphs_and_compile():
+    """The profile suite's (graphs, compile) modes: ``--graphs on`` traces only the compiled step(s) in
+    graphs, ``off`` adds the eager step, and the CPU (no graphs) always traces the eager one."""
+    modes = _bench()._profile_modes
+    assert modes("on", "on", cuda=True) == [(True, True)]
+    assert modes("on,off", "on,off", cuda=True) == [(True, True), (True, False), (False, False)]
+    assert modes("off", "on", cuda=True) == [(False, False)]
+    assert modes("on", "on", cuda=False) == [(False, False)]
