@@ -103,6 +103,25 @@ def test_decode_attention_row_with_no_visible_key_is_zero():
     assert (got[1] == 0).all() and torch.isfinite(got).all()
 
 
+def test_decode_attention_rows_false_give_zeros_and_the_rest_the_same_bits():
+    """``rows`` (the fixed-slot decode's live rows): what ``torch.where(rows, out, 0)`` gave, bit for bit, in
+    the combine kernel (a dead row with no visible key, whose plain output is zeros anyway, included)."""
+    q, k, v, mask = _case(4, 2, 2, 40, 32, pad=[0, 3, 0, 9])
+    mask[3] = False
+    last = torch.tensor([39], device=DEV)
+    rows = torch.tensor([True, False, True, False], device=DEV)
+    plain = da.decode_attention(q, k, v, mask, last, block_s=16, splits=2)
+    got = da.decode_attention(q, k, v, mask, last, rows, block_s=16, splits=2)
+    assert torch.equal(got, torch.where(rows[:, None, None, None], plain, 0.0))
+    assert (got[1] == 0).all() and not (plain[1] == 0).all()
+    ref = da.decode_attention_reference(q, k, v, mask, last, rows=rows)
+    assert (ref[1] == 0).all() and torch.equal(ref[0], da.decode_attention_reference(q, k, v, mask, last)[0])
+    with pytest.raises(ValueError, match="rows must be a bool"):
+        da.decode_attention(q, k, v, mask, last, rows[:3])
+    with pytest.raises(ValueError, match="rows must be a bool"):
+        da.decode_attention(q, k, v, mask, last, rows.long())
+
+
 def test_decode_attention_rejects_bad_shapes():
     q, k, v, mask = _case(2, 2, 2, 16, 32)
     n = torch.tensor([15], device=DEV)
@@ -133,3 +152,5 @@ def test_gpu_decode_attention_1b_shapes(s, n):
     _within_one_rounding(got, da.decode_attention_reference(q, k, v, mask, last), f"1b S={s}")
     op = torch.compile(lambda *a: da.decode_attention_op(*a), fullgraph=True)
     assert torch.equal(op(q, k, v, mask, last), got)
+    rows = torch.arange(128, device=DEV) % 5 != 0
+    assert torch.equal(op(q, k, v, mask, last, rows), torch.where(rows[:, None, None, None], got, 0.0))

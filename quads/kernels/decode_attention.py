@@ -7,8 +7,8 @@ a device tensor (``last``, the cache's write position ``StaticKVCache.pos``), so
 serves every step while each step reads only columns ``0..last``: over a generation about half of what
 SDPA reads, and the longer the responses the more.
 
-- ``decode_attention(q [B, nkv, g, D], k, v [B, nkv, S, D], key_mask [B, S] bool, last [1] int) ->
-  [B, nkv, g, D]``: for each of the g query heads of a key/value head (GQA), softmax over the keys with
+- ``decode_attention(q [B, nkv, g, D], k, v [B, nkv, S, D], key_mask [B, S] bool, last [1] int, rows [B]
+  bool or None) -> [B, nkv, g, D]``: for each of the g query heads of a key/value head (GQA), softmax over the keys with
   ``key_mask`` True among columns ``0..last`` of ``q . k / sqrt(D)``, times v; columns after ``last``
   are never read. Flash-decoding: grid (B x nkv, splits), each program runs an online
   softmax over its chunk of the columns in fp32 and writes (max, sum, weighted values) to an fp32
@@ -20,7 +20,8 @@ SDPA reads, and the longer the responses the more.
   reference); fp32 inputs multiply in IEEE fp32; fp64 is refused (the reference computes it). No FMA
   contraction (``EXACT``): the bits do not depend on Triton's default, so rescoring in another process
   gives the same ones. A row with no visible key gets zeros (SDPA gives NaN; the
-  engine never has one: a query always sees itself).
+  engine never has one: a query always sees itself). ``rows`` (the fixed-slot decode's live rows): a row that is
+  False gets zeros, written by the combine kernel (the ``torch.where`` it replaces was one more kernel a layer).
 - ``decode_attention_reference``: the same in PyTorch (fp64 by default), what the kernel is tested against.
 - ``quads::decode_attention``: the launcher as one custom op, so a compiled decode step keeps it opaque.
 """
@@ -37,10 +38,11 @@ SMS = 132  # H200 streaming multiprocessors: the split heuristic aims at 4 progr
 
 
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
-                               last: torch.Tensor | int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+                               last: torch.Tensor | int, dtype: torch.dtype = torch.float64,
+                               rows: torch.Tensor | None = None) -> torch.Tensor:
     """``decode_attention`` in PyTorch, computed in ``dtype`` (fp64: the exact reference) and returned in it;
-    columns after ``last`` are hidden, rows with no visible key give zeros."""
-    _check(q, k, v, key_mask, last)
+    columns after ``last`` are hidden, rows with no visible key (and rows False in ``rows``) give zeros."""
+    _check(q, k, v, key_mask, last, rows)
     n = 1 + (int(last) if not torch.is_tensor(last) else int(last.reshape(-1)[0]))
     s = k.shape[2]
     visible = key_mask.bool() & (torch.arange(s, device=k.device) < n)[None, :]  # [B, S]
@@ -48,10 +50,15 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     scores = torch.einsum("bhgd,bhsd->bhgs", qd, kd) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-hidden rows: NaN -> 0
-    return torch.einsum("bhgs,bhsd->bhgd", p, vd)
+    out = torch.einsum("bhgs,bhsd->bhgd", p, vd)
+    return out if rows is None else torch.where(rows[:, None, None, None], out, 0.0)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, last) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, last,
+           rows: torch.Tensor | None = None) -> None:
+    if rows is not None and (rows.shape != (q.shape[0],) or rows.dtype != torch.bool):
+        raise ValueError(f"decode_attention: rows must be a bool [B] = [{q.shape[0]}], got {rows.dtype} "
+                         f"{tuple(rows.shape)}")  # fmt: skip
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"decode_attention: q must be [B, nkv, g, D] and k, v [B, nkv, S, D] alike; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
@@ -151,9 +158,10 @@ if HAS_TRITON:
         tl.store(w + 2 * GP + rg[:, None] * D + rd[None, :], acc)
 
     @triton.jit
-    def _combine_kernel(ws_ptr, out_ptr, NKV, G, sob, soh, sog, GP: tl.constexpr, D: tl.constexpr,
-                        SPLITS: tl.constexpr):  # fmt: skip
-        """Grid (B * nkv,): the splits' partial softmaxes merged in split order, divided once, cast (RNE)."""
+    def _combine_kernel(ws_ptr, out_ptr, rows_ptr, NKV, G, sob, soh, sog, GP: tl.constexpr, D: tl.constexpr,
+                        SPLITS: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+        """Grid (B * nkv,): the splits' partial softmaxes merged in split order, divided once, cast (RNE);
+        with ROWS, zeros for a row whose ``rows`` byte is 0."""
         bh = tl.program_id(0)
         rg = tl.arange(0, GP)
         rd = tl.arange(0, D)
@@ -171,8 +179,10 @@ if HAS_TRITON:
             c = tl.where(ms > float("-inf"), tl.exp(ms - mm), 0.0)
             l += c * tl.load(w + GP + rg)  # noqa: E741
             acc += c[:, None] * tl.load(w + 2 * GP + rg[:, None] * D + rd[None, :])
-        y = tl.where(live[:, None], tl.math.div_rn(acc, tl.where(live, l, 1.0)[:, None]), 0.0)
         b = bh // NKV
+        if ROWS:
+            live = live & (tl.load(rows_ptr + b) != 0)
+        y = tl.where(live[:, None], tl.math.div_rn(acc, tl.where(live, l, 1.0)[:, None]), 0.0)
         h = bh % NKV
         tl.store(out_ptr + b * sob + h * soh + rg[:, None] * sog + rd[None, :], cast_out(y, out_ptr),
                  mask=rg[:, None] < G)  # fmt: skip
@@ -182,16 +192,16 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the kernel takes
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
-                     last: torch.Tensor, *, block_s: int = 64, splits: int | None = None,
-                     num_warps: int = 4) -> torch.Tensor:
+                     last: torch.Tensor, rows: torch.Tensor | None = None, *, block_s: int = 64,
+                     splits: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """Decode attention (module docstring): ``q`` ``[B, nkv, g, D]``, ``k``/``v`` ``[B, nkv, S, D]`` (the
     cache buffers), ``key_mask`` ``[B, S]`` (True: a key the query may see), ``last`` ``[1]`` integer on
-    the device (the last column that may hold a key; the columns after it are not read) -> ``[B, nkv, g, D]``
-    in ``q``'s dtype. ``splits`` None
+    the device (the last column that may hold a key; the columns after it are not read), ``rows`` ``[B]`` bool
+    or None (False: the row's output is zeros) -> ``[B, nkv, g, D]`` in ``q``'s dtype. ``splits`` None
     picks ``splits_for``; D must be a power of two (the built-in presets' 32 and 64)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use decode_attention_reference")
-    _check(q, k, v, key_mask, last)
+    _check(q, k, v, key_mask, last, rows)
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"decode_attention: q, k and v must share one of {DTYPES}; got {q.dtype}, {k.dtype}, "
                          f"{v.dtype} (fp64: decode_attention_reference)")  # fmt: skip
@@ -221,23 +231,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
         GP=gp, D=d, BLOCK_S=block_s, CHUNK=chunk, SPLITS=split, F32=q.dtype == torch.float32,
         PSCALE=32768.0 if q.dtype == torch.float16 else 1.0, INTERP=interpreted(q), num_warps=num_warps, **EXACT,
     )  # fmt: skip
-    _combine_kernel[(b * h,)](ws, out, h, g, out.stride(0), out.stride(1), out.stride(2), GP=gp, D=d,
-                              SPLITS=split, num_warps=num_warps, **EXACT)  # fmt: skip
+    live = mask if rows is None else rows.contiguous().view(torch.uint8)  # any pointer when ROWS is off
+    _combine_kernel[(b * h,)](ws, out, live, h, g, out.stride(0), out.stride(1), out.stride(2), GP=gp, D=d,
+                              SPLITS=split, ROWS=rows is not None, num_warps=num_warps, **EXACT)  # fmt: skip
     return out
 
 
 @torch.library.custom_op("quads::decode_attention", mutates_args=())
 def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
-                         last: torch.Tensor) -> torch.Tensor:
-    return decode_attention(q, k, v, key_mask, last)
+                         last: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    return decode_attention(q, k, v, key_mask, last, rows)
 
 
 @_decode_attention_op.register_fake
-def _(q, k, v, key_mask, last):
+def _(q, k, v, key_mask, last, rows=None):
     return torch.empty_like(q)
 
 
 def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
-                        last: torch.Tensor) -> torch.Tensor:
+                        last: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """``decode_attention`` as the custom op ``quads::decode_attention`` (opaque to ``torch.compile``)."""
-    return torch.ops.quads.decode_attention(q, k, v, key_mask, last)
+    return torch.ops.quads.decode_attention(q, k, v, key_mask, last, rows)

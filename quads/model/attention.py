@@ -251,9 +251,8 @@ class Attention(nn.Module):
             kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
             qo = decode_qkv_op(q.view(B, -1), k.view(B, -1), v.view(B, -1), self.q_norm.weight, self.k_norm.weight,
                                self.q_norm.eps, cos.view(B, -1), sin.view(B, -1), kc, vc, cache.pos)
-            out = decode_attention_op(qo.view(B, self.n_kv, g, self.head_dim), kc, vc, cache.key_mask, cache.pos)
-            out = torch.where(rows[:, None, None, None], out, 0.0).reshape(B, self.n_heads, 1, self.head_dim)
-            return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
+            out = decode_attention_op(qo.view(B, self.n_kv, g, self.head_dim), kc, vc, cache.key_mask, cache.pos, rows)
+            return self.o_proj(out.reshape(B, L, self.n_heads * self.head_dim))  # [B, nkv, g, D] = [B, 1, nh*D]
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, L, self.n_heads, self.head_dim)
@@ -268,9 +267,8 @@ class Attention(nn.Module):
         if rows is not None and L == 1 and cache is not None and cache.attention == "triton":
             # the fixed-shape decode step over the written columns only (0..cache.pos)
             g = self.n_heads // self.n_kv
-            out = decode_attention_op(q.reshape(B, self.n_kv, g, self.head_dim), k, v, cache.key_mask, cache.pos)
-            out = torch.where(rows[:, None, None, None], out, 0.0).reshape(B, self.n_heads, 1, self.head_dim)
-            return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
+            out = decode_attention_op(q.reshape(B, self.n_kv, g, self.head_dim), k, v, cache.key_mask, cache.pos, rows)
+            return self.o_proj(out.reshape(B, L, self.n_heads * self.head_dim))
         if rows is not None and L == 1 and self.n_kv != self.n_heads:
             # one new token: the g = nh / nkv query heads of a key/value head become g queries of it,
             # [B, nkv, g, D] against [B, nkv, S, D] (the same dot products and softmaxes as GQA, with
