@@ -7,7 +7,7 @@
 # OUT=$OUT bash scripts/device_calls/2026-12-14_rac_runs_short.sh
 export PYTHONPATH=.; mkdir -p $OUT; git rev-parse HEAD > $OUT/tree.txt 2>&1; git status --short >> $OUT/tree.txt
 T0=$(date +%s); TOTAL=${TOTAL:-330}; left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
-cap() { local l; l=$(left); [ $l -lt $1 ] && echo $l || echo $1; }
+cap() { local l; l=$(left); [ $l -lt 1 ] && l=1; [ $l -lt $1 ] && echo $l || echo $1; }
 timeout $(cap 80) python3 -m pytest -q tests/test_decode_attention.py "tests/test_engine_gpu.py::test_graph_matches_no_graph[bf16-1.0-True]" \
   > $OUT/gpu_tests_attention.txt 2>&1; echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/gpu_tests_attention.txt
 timeout $(cap 80) python3 -m pytest -q tests/test_quant_factored_gpu.py -k "rac_sort_equals_count and (1024 or 208)" \
