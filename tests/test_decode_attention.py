@@ -104,16 +104,19 @@ def test_decode_attention_row_with_no_visible_key_is_zero():
 
 
 def test_decode_attention_rows_false_give_zeros_and_the_rest_the_same_bits():
-    """``rows`` (the fixed-slot decode's live rows): what ``torch.where(rows, out, 0)`` gave, bit for bit, in
-    the combine kernel (a dead row with no visible key, whose plain output is zeros anyway, included)."""
+    """``rows`` (the fixed-slot decode's live rows): what ``torch.where(rows, out, 0)`` gave, bit for bit, and a
+    dead row's cache is never read (NaN keys and values there change nothing); a dead row with no visible key
+    (plain output zeros anyway) included."""
     q, k, v, mask = _case(4, 2, 2, 40, 32, pad=[0, 3, 0, 9])
     mask[3] = False
     last = torch.tensor([39], device=DEV)
     rows = torch.tensor([True, False, True, False], device=DEV)
     plain = da.decode_attention(q, k, v, mask, last, block_s=16, splits=2)
+    assert not (plain[1] == 0).all()
+    k[1], v[1] = float("nan"), float("nan")  # row 1 is dead: never read
     got = da.decode_attention(q, k, v, mask, last, rows, block_s=16, splits=2)
     assert torch.equal(got, torch.where(rows[:, None, None, None], plain, 0.0))
-    assert (got[1] == 0).all() and not (plain[1] == 0).all()
+    assert (got[1] == 0).all() and torch.isfinite(got).all()
     ref = da.decode_attention_reference(q, k, v, mask, last, rows=rows)
     assert (ref[1] == 0).all() and torch.equal(ref[0], da.decode_attention_reference(q, k, v, mask, last)[0])
     with pytest.raises(ValueError, match="rows must be a bool"):

@@ -21,7 +21,8 @@ SDPA reads, and the longer the responses the more.
   contraction (``EXACT``): the bits do not depend on Triton's default, so rescoring in another process
   gives the same ones. A row with no visible key gets zeros (SDPA gives NaN; the
   engine never has one: a query always sees itself). ``rows`` (the fixed-slot decode's live rows): a row that is
-  False gets zeros, written by the combine kernel (the ``torch.where`` it replaces was one more kernel a layer).
+  False reads no column and gets zeros (in place of a ``torch.where`` after the kernel, one more kernel a layer; over a
+  generation whose rows finish early, the finished rows' cache is not read).
 - ``decode_attention_reference``: the same in PyTorch (fp64 by default), what the kernel is tested against.
 - ``quads::decode_attention``: the launcher as one custom op, so a compiled decode step keeps it opaque.
 """
@@ -101,10 +102,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_kernel(
-        q_ptr, k_ptr, v_ptr, m_ptr, last_ptr, ws_ptr, S, NKV, G, sm_scale,
+        q_ptr, k_ptr, v_ptr, m_ptr, last_ptr, rows_ptr, ws_ptr, S, NKV, G, sm_scale,
         sqb, sqh, sqg, skb, skh, sks, svb, svh, svs, smb,
         GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
-        F32: tl.constexpr, PSCALE: tl.constexpr, INTERP: tl.constexpr,
+        F32: tl.constexpr, PSCALE: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr,
     ):  # fmt: skip
         """Grid (B * nkv, SPLITS): the online softmax of the g queries of one key/value head (padded to GP
         rows of a tensor-core tile) over columns ``[split * CHUNK, min((split + 1) * CHUNK, last + 1, S))``;
@@ -112,12 +113,15 @@ if HAS_TRITON:
         | acc (GP x D)]``). ``q . k`` is one MMA per block (exact products, fp32 sums); the probabilities
         enter the ``p @ v`` MMA as two half-precision terms, ``p_hi + p_lo`` (16 significant bits), so
         that the value sum keeps nearly fp32's precision; FP16 terms are taken of ``p * PSCALE`` (2**15),
-        which keeps small probabilities out of FP16's subnormals, and the sums scaled back exactly."""
+        which keeps small probabilities out of FP16's subnormals, and the sums scaled back exactly. With ROWS, a
+        row whose ``rows`` byte is 0 reads no column: its partial softmax is empty, so the combine writes zeros."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // NKV
         h = bh % NKV
         n = tl.load(last_ptr).to(tl.int32) + 1  # columns 0..last may hold keys
+        if ROWS:
+            n = tl.where(tl.load(rows_ptr + b) != 0, n, 0)  # a dead row: no column
         lo = split * CHUNK
         hi = tl.minimum(tl.minimum(lo + CHUNK, n), S)
         rg = tl.arange(0, GP)
@@ -158,10 +162,9 @@ if HAS_TRITON:
         tl.store(w + 2 * GP + rg[:, None] * D + rd[None, :], acc)
 
     @triton.jit
-    def _combine_kernel(ws_ptr, out_ptr, rows_ptr, NKV, G, sob, soh, sog, GP: tl.constexpr, D: tl.constexpr,
-                        SPLITS: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
-        """Grid (B * nkv,): the splits' partial softmaxes merged in split order, divided once, cast (RNE);
-        with ROWS, zeros for a row whose ``rows`` byte is 0."""
+    def _combine_kernel(ws_ptr, out_ptr, NKV, G, sob, soh, sog, GP: tl.constexpr, D: tl.constexpr,
+                        SPLITS: tl.constexpr):  # fmt: skip
+        """Grid (B * nkv,): the splits' partial softmaxes merged in split order, divided once, cast (RNE)."""
         bh = tl.program_id(0)
         rg = tl.arange(0, GP)
         rd = tl.arange(0, D)
@@ -179,10 +182,8 @@ if HAS_TRITON:
             c = tl.where(ms > float("-inf"), tl.exp(ms - mm), 0.0)
             l += c * tl.load(w + GP + rg)  # noqa: E741
             acc += c[:, None] * tl.load(w + 2 * GP + rg[:, None] * D + rd[None, :])
-        b = bh // NKV
-        if ROWS:
-            live = live & (tl.load(rows_ptr + b) != 0)
         y = tl.where(live[:, None], tl.math.div_rn(acc, tl.where(live, l, 1.0)[:, None]), 0.0)
+        b = bh // NKV
         h = bh % NKV
         tl.store(out_ptr + b * sob + h * soh + rg[:, None] * sog + rd[None, :], cast_out(y, out_ptr),
                  mask=rg[:, None] < G)  # fmt: skip
@@ -224,16 +225,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     if q.numel() == 0:
         return out
     ws = torch.empty(b * h * split * gp * (d + 2), dtype=torch.float32, device=q.device)
+    live = mask if rows is None else rows.contiguous().view(torch.uint8)  # any pointer when ROWS is off
     _split_kernel[(b * h, split)](
-        q, k, v, mask, last, ws, s, h, g, 1.0 / math.sqrt(d),
+        q, k, v, mask, last, live, ws, s, h, g, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0),
         GP=gp, D=d, BLOCK_S=block_s, CHUNK=chunk, SPLITS=split, F32=q.dtype == torch.float32,
-        PSCALE=32768.0 if q.dtype == torch.float16 else 1.0, INTERP=interpreted(q), num_warps=num_warps, **EXACT,
+        PSCALE=32768.0 if q.dtype == torch.float16 else 1.0, INTERP=interpreted(q), ROWS=rows is not None,
+        num_warps=num_warps, **EXACT,
     )  # fmt: skip
-    live = mask if rows is None else rows.contiguous().view(torch.uint8)  # any pointer when ROWS is off
-    _combine_kernel[(b * h,)](ws, out, live, h, g, out.stride(0), out.stride(1), out.stride(2), GP=gp, D=d,
-                              SPLITS=split, ROWS=rows is not None, num_warps=num_warps, **EXACT)  # fmt: skip
+    _combine_kernel[(b * h,)](ws, out, h, g, out.stride(0), out.stride(1), out.stride(2), GP=gp, D=d,
+                              SPLITS=split, num_warps=num_warps, **EXACT)  # fmt: skip
     return out
 
 
