@@ -358,12 +358,12 @@ def _op_split(o16: dict, o48: dict, steps: int, steps16: int, top: int | None = 
     return largest(per_step), largest(outside)
 
 
-def _profile_modes(graphs: str, compile: str, cuda: bool) -> list[tuple[bool, bool]]:
+def _profile_modes(graphs: str, compiles: str, cuda: bool) -> list[tuple[bool, bool]]:
     """The (graphs, compile) modes the profile suite traces: with ``on`` in ``graphs`` (CUDA only) the step
-    in graphs for each ``compile`` value, with ``off`` (or on the CPU) the eager step: no graph, no compile."""
-    want = {g.strip() for g in graphs.split(",") if g.strip()}
-    modes = [(True, c.strip() == "on") for c in compile.split(",") if c.strip()] if cuda and "on" in want else []
-    return modes + ([(False, False)] if "off" in want or not modes else [])
+    in graphs for each ``compiles`` value, with ``off`` (or on the CPU) the eager step: no graph, no compile."""
+    want = _on_off(graphs, "--graphs")
+    modes = [(True, c) for c in _on_off(compiles, "--compile")] if cuda and True in want else []
+    return modes + ([(False, False)] if False in want or not modes else [])
 
 
 def profile_decode(args, rows: list) -> None:
