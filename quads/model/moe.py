@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quads.kernels._common import HAS_TRITON
+from quads.kernels.expert_routes import expert_routes_op, expert_routes_reference
 from quads.model import gemm
 from quads.model.config import ModelConfig
 
@@ -136,22 +138,17 @@ class StaticRoutes:
 
 
 def static_routes(top_k_index: torch.Tensor, n_experts: int) -> StaticRoutes:
-    """Sort the slots of ``top_k_index`` [T, k] (ids in [0, E], E = masked) by expert, on the device."""
+    """Sort the slots of ``top_k_index`` [T, k] (ids in [0, E], E = masked) by expert, on the device: a counting
+    sort (``quads.kernels.expert_routes``), one Triton launch on CUDA, torch operations elsewhere (the same
+    integers)."""
     T, k = top_k_index.shape
-    flat = top_k_index.reshape(-1).long()
-    # a counting sort (the stable sort of a few small keys): one compare, one cumsum along the
-    # contiguous dim (a scan along an outer dim is ~20x slower on CUDA), one scatter
-    hits = (torch.arange(n_experts + 1, device=flat.device)[:, None] == flat[None, :]).long()  # [E+1, T*k]
-    before = hits.cumsum(1)  # slots of each expert up to and including this one
-    counts = before[:, -1]
-    offsets = torch.cumsum(counts, 0) - counts  # [E+1] starts; offsets[E] = valid slots
-    pos_of_slot = before.gather(0, flat[None, :]).squeeze(0) - 1  # rank of each slot within its expert
-    dest = offsets[flat] + pos_of_slot  # sorted position of each slot
-    order = torch.empty_like(flat).scatter_(0, dest, torch.arange(T * k, device=flat.device))
-    expert = flat[order]
-    pos = pos_of_slot[order]
-    return StaticRoutes(order=order, slot_pos=dest, expert=expert, offsets=offsets, pos=pos, capacity=T,
-                        n_experts=n_experts, ends=offsets[1:].to(torch.int32))
+    flat = top_k_index.reshape(-1)
+    if flat.is_cuda and HAS_TRITON:
+        order, slot_pos, expert, pos, offsets, ends = expert_routes_op(flat, n_experts)
+    else:
+        order, slot_pos, expert, pos, offsets, ends = expert_routes_reference(flat, n_experts)
+    return StaticRoutes(order=order, slot_pos=slot_pos, expert=expert, offsets=offsets, pos=pos, capacity=T,
+                        n_experts=n_experts, ends=ends)
 
 
 def native_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
