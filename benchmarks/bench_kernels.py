@@ -425,6 +425,48 @@ def bench_rac(rows: list) -> None:
                      "count_over_sort": t["count"] / t["sort"], "x_vs_unfused": t["unfused"] / t[default]})  # fmt: skip
 
 
+# the select kernel's configs the rac_select suite times: (sort_run, select_warps, select_rows), None = the default
+RAC_SELECT_CONFIGS = ((None, None, None), (None, None, 8), (None, None, 16), (None, 16, None), (None, 16, 16),
+                      (256, None, None), (128, 16, None), (128, 16, 16))
+
+
+def bench_rac_select(rows: list) -> None:
+    """RAC's residual operand alone (``rac_units``' sort path: the select kernel + the units kernel) on W4A4's
+    residual at the 1b decode shapes (as ``bench_rac``), per select-kernel config in ``RAC_SELECT_CONFIGS``
+    (``sort_run``, ``select_warps``, ``select_rows``; the same bits in each): one row per shape and config, so
+    that a run cut short keeps what it timed; the first config is the default."""
+    from quads.kernels import dispatch
+    from quads.kernels.rac_select import rac_units
+    from quads.model.moe import static_routes
+    from quads.quant import factored
+
+    e, tokens, topk = 64, 128, 8
+    g = torch.Generator(device="cpu").manual_seed(0)
+    idx = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)]).cuda()
+    segs = factored.Segments.of(static_routes(idx, e).expert, e)
+    for k, what in RAC_SHAPES:
+        xs = [torch.randn(tokens * topk, k, device="cuda").bfloat16() for _ in range(4)]
+        with dispatch.kernels("triton"):
+            rs = [x.float() - factored.operands(x, segs, n=0, dtype=torch.float32).dequantized() for x in xs]
+        out = torch.empty(tokens * topk, k, dtype=torch.bfloat16, device="cuda")
+        ref = None
+        for run, warps, sel_rows in RAC_SELECT_CONFIGS:
+            if run is not None and run >= k:
+                continue
+            call = [lambda r=r: rac_units(r, segs.group, e, out, n=k // 2, method="sort", sort_run=run,
+                                          select_warps=warps, select_rows=sel_rows) for r in rs]  # fmt: skip
+            call[0]()
+            same = True
+            if ref is None:
+                ref = out.clone()
+            else:
+                same = bool(torch.equal(out.view(torch.int16), ref.view(torch.int16)))
+            us = time_graph(call) * 1e6
+            rows.append({"bench": "RAC 50% residual operand (1b decode)", "shape": f"{what} M={tokens * topk} E={e} "
+                         f"K={k} n={k // 2}", "us": us, "sort_run": run, "select_warps": warps,
+                         "select_rows": sel_rows, "same_bits_as_default": same})  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------ tune
 # Config sweep of every tuned kernel in one device call. The configs are compiled first by worker
 # processes in parallel (Triton's on-disk cache is shared), then timed one by one in this process.
@@ -765,7 +807,7 @@ def _fmt(v) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
-    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,rac,attention,prologue", help="comma list of suites (and: tune)")
+    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,rac,attention,prologue", help="comma list of suites (and: rac_select, tune)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--ms", default="", help="comma list of W4A16 token counts (default: all)")
     ap.add_argument(
@@ -793,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {"quantize": lambda: bench_quantize(rows, copy_bw, args.quick),
                "w4a16": lambda: bench_w4a16(rows, copy_bw, args.quick),
                "moe": lambda: bench_moe(rows, args.quick, copy_bw), "w4a4": lambda: bench_w4a4(rows),
-               "rac": lambda: bench_rac(rows), "attention": lambda: bench_attention(rows, copy_bw),
+               "rac": lambda: bench_rac(rows), "rac_select": lambda: bench_rac_select(rows), "attention": lambda: bench_attention(rows, copy_bw),
                "prologue": lambda: bench_prologue(rows),
                "tune": lambda: bench_tune(rows, args.workers, args.tuning_out, args.tune_kinds,
                                           args.tune_moe_shapes)}  # fmt: skip

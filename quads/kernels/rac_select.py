@@ -374,6 +374,7 @@ def rac_units(
     method: RacMethod | None = None,
     sort_run: int | None = None,
     select_warps: int | None = None,
+    select_rows: int | None = None,
     block_m: int | None = None,
     block_k: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,7 +385,9 @@ def rac_units(
     selection algorithm (None: ``default_method(K, group is not None)``); both give the same bits. ``sort_run``
     (sort): channels per run sorted in registers before the runs' ranks are merged (``_rac_select_kernel``), a
     power of two; None: one run of all K (padded to a power of two); the same order either way. ``select_warps``:
-    the select kernel's warps (None: KP / 128, within 4..16). ``block_m``: rows per
+    the select kernel's warps (None: KP / 128, within 4..16); ``select_rows``: rows whose loads the select
+    kernel issues together when it sums a group's norms (None: 4096 / KP, within 1..8; the same sums in the
+    same row order either way). ``block_m``: rows per
     program of the units kernel (None: 16 for ``count``; for ``sort`` 1 on the GPU, 16 under the
     interpreter, whose cost is per program); ``block_k``: the count path's units tile width."""
     if not HAS_TRITON:
@@ -411,7 +414,10 @@ def rac_units(
         bm = (16 if interpreted(r) else 1) if block_m is None else block_m
         log_w = 0 if sort_run is None or sort_run >= kp else (kp // sort_run).bit_length() - 1
         warps = max(4, min(16, kp // 128)) if select_warps is None else select_warps
-        _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, bm, log_w, warps)
+        rows = max(1, min(8, 4096 // kp)) if select_rows is None else select_rows
+        if rows < 1:
+            raise ValueError(f"rac_units: select_rows must be >= 1, got {select_rows}")
+        _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, bm, log_w, warps, rows)
     else:
         _count_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m or 16, block_k)
     return g, s
@@ -434,9 +440,9 @@ def group_norms(r: torch.Tensor, group: torch.Tensor | None, groups: int) -> tor
     return norms
 
 
-def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, log_w, warps) -> None:
+def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, log_w, warps, rows) -> None:
     """The sort path's two launches (module docstring); ``log_w``: log2 of the sorted runs (0: one run);
-    ``warps``: the select kernel's."""
+    ``warps``: the select kernel's; ``rows``: its rows loaded together."""
     m, k = r.shape
     kp = triton.next_power_of_2(k)
     gmax = torch.empty(n_sel + (not one), dtype=torch.float32, device=r.device)  # per group (with G)
@@ -444,7 +450,7 @@ def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, log_
     si = torch.empty(n_sel, kp, dtype=torch.int32, device=r.device) if log_w else gmax
     _rac_select_kernel[(n_sel,)](
         r, grp, s, rank, gmax, sk, si, m, k, n, n_sel, ONE_GROUP=one, PER_TOKEN=per_token,
-        ROWS=max(1, min(8, 4096 // kp)), BLOCK_G=min(2048, triton.next_power_of_2(m)), LOG_K=kp.bit_length() - 1,
+        ROWS=rows, BLOCK_G=min(2048, triton.next_power_of_2(m)), LOG_K=kp.bit_length() - 1,
         LOG_W=log_w, INTERP=interpreted(r),
         num_warps=warps,
     )  # fmt: skip
