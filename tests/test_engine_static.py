@@ -166,7 +166,9 @@ def test_sorted_rows_back_to_expert_order_by_gather_equal_the_scatter():
     """The capturable expert paths bring each token's sorted rows back by a gather (``slot_pos``, the inverse of
     the sort; ``_expert_slots``, the inverse of ``_expert_rank``): the same rows in the same order as the
     scatter to ``order - order % k + rank`` they replace, so the same sums bit for bit."""
-    from quads.quant.layers import _expert_rank, _expert_slots, _sum_parts
+    from quads.kernels.expert_routes import expert_rank as _expert_rank
+    from quads.kernels.expert_routes import expert_slots as _expert_slots
+    from quads.quant.layers import _sum_parts
 
     torch.manual_seed(5)
     T, k, E = 96, 8, 16
@@ -178,6 +180,7 @@ def test_sorted_rows_back_to_expert_order_by_gather_equal_the_scatter():
     scattered = _sum_parts(torch.empty_like(contrib).index_copy_(0, dest, contrib).view(T, k, -1))
     src = routes.slot_pos.view(T, k).gather(1, _expert_slots(ids))
     gathered = _sum_parts(contrib[src.reshape(-1)].view(T, k, -1))
+    assert torch.equal(routes.token_slots, src)
     assert torch.equal(gathered.view(torch.int16), scattered.view(torch.int16))
     y = torch.empty_like(contrib).index_copy_(0, routes.order, contrib)  # moe.MoEExperts.forward_static's
     assert torch.equal(contrib.index_select(0, routes.slot_pos), y)
@@ -318,7 +321,9 @@ def test_expert_rank_is_the_stable_argsorts_inverse():
     """The quantized experts sum each token's outputs in ascending expert id (the loop's order) through
     ``_expert_rank`` (k x k compares, no sort kernel): the inverse permutation of a stable argsort, ties (masked
     slots, id E) by slot index; the sum equals the argsort-and-gather one bit for bit."""
-    from quads.quant.layers import _expert_rank, _expert_slots, _sum_in_expert_order
+    from quads.kernels.expert_routes import expert_rank as _expert_rank
+    from quads.kernels.expert_routes import expert_slots as _expert_slots
+    from quads.quant.layers import _sum_in_expert_order
 
     torch.manual_seed(4)
     ids = torch.randint(0, 9, (300, 8))

@@ -10,7 +10,7 @@ from quads.kernels._common import interpreter_on
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEV == "cpu" and not interpreter_on(), reason="needs TRITON_INTERPRET=1 on CPU")
-NAMES = ("order", "slot_pos", "expert", "pos", "offsets", "ends")
+NAMES = ("order", "slot_pos", "expert", "pos", "offsets", "ends", "token_slots")
 
 
 def _ids(t, k, e, masked_rows=0, seed=0):
@@ -20,12 +20,13 @@ def _ids(t, k, e, masked_rows=0, seed=0):
     ids[:masked_rows] = e  # finished rows of the fixed-slot decode: every slot masked (id E)
     if t > 3:
         ids[3, k // 2:] = e  # a row that keeps some of its experts
-    return ids.reshape(-1).to(DEV)
+    return ids.to(DEV)
 
 
-def _check_against_the_stable_sort(got, ids, e):
-    order, slot_pos, expert, pos, offsets, ends = got
-    n = ids.shape[0]
+def _check_against_the_stable_sort(got, top_k_index, e):
+    order, slot_pos, expert, pos, offsets, ends, token_slots = got
+    t, k = top_k_index.shape
+    ids, n = top_k_index.reshape(-1), t * k
     assert torch.equal(order, torch.argsort(ids, stable=True))
     assert torch.equal(expert, ids[order])
     assert torch.equal(slot_pos[order], torch.arange(n, device=ids.device))  # the inverse permutation
@@ -33,6 +34,8 @@ def _check_against_the_stable_sort(got, ids, e):
     assert torch.equal(offsets, torch.cumsum(counts, 0) - counts)
     assert torch.equal(ends, (torch.cumsum(counts, 0)[:e]).to(torch.int32))
     assert torch.equal(pos, torch.arange(n, device=ids.device) - offsets[expert])
+    # each token's sorted rows in expert order: its slots' sorted positions, ascending (the sort is stable)
+    assert torch.equal(token_slots, torch.sort(slot_pos.view(t, k), dim=1).values)
 
 
 @pytest.mark.parametrize("t,k,e,masked,block", [(16, 4, 8, 2, 1024), (37, 8, 64, 5, 1024), (37, 8, 64, 5, 64),
@@ -47,20 +50,20 @@ def test_expert_routes_are_the_reference_and_the_stable_sort(t, k, e, masked, bl
 
 
 def test_expert_routes_of_no_slots_and_of_int32_ids():
-    got = er.expert_routes(torch.empty(0, dtype=torch.long, device=DEV), 4)
-    assert [x.numel() for x in got] == [0, 0, 0, 0, 5, 4] and (got[4] == 0).all() and (got[5] == 0).all()
+    got = er.expert_routes(torch.empty(0, 8, dtype=torch.long, device=DEV), 4)
+    assert [x.numel() for x in got] == [0, 0, 0, 0, 5, 4, 0] and (got[4] == 0).all() and (got[5] == 0).all()
     ids = _ids(9, 3, 6, 1)
     for a, b in zip(er.expert_routes(ids.int(), 6), er.expert_routes_reference(ids, 6)):
         assert torch.equal(a, b)
 
 
 def test_expert_routes_refuses_bad_operands():
-    with pytest.raises(ValueError, match="1-d int32/int64"):
-        er.expert_routes(torch.zeros(2, 3, dtype=torch.long, device=DEV), 4)
-    with pytest.raises(ValueError, match="1-d int32/int64"):
-        er.expert_routes(torch.zeros(4, device=DEV), 4)
+    with pytest.raises(ValueError, match="2-d int32/int64"):
+        er.expert_routes(torch.zeros(6, dtype=torch.long, device=DEV), 4)
+    with pytest.raises(ValueError, match="2-d int32/int64"):
+        er.expert_routes(torch.zeros(4, 2, device=DEV), 4)
     with pytest.raises(ValueError, match="n_experts must be >= 1"):
-        er.expert_routes(torch.zeros(4, dtype=torch.long, device=DEV), 0)
+        er.expert_routes(torch.zeros(4, 2, dtype=torch.long, device=DEV), 0)
 
 
 def test_expert_routes_op_compiles_without_a_graph_break():

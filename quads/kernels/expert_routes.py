@@ -6,13 +6,16 @@ kernels a layer, one of them an ATen fallback (Inductor does not lower a scatter
 ~15 us of GPU time and as many kernel boundaries in every decode step. Here it is one launch of ``E + 1``
 programs:
 
-- ``expert_routes(ids [N] long in [0, E], n_experts=E) -> (order, slot_pos, expert, pos, offsets, ends)``: the
-  fields of ``StaticRoutes`` (``order`` / ``slot_pos`` / ``expert`` / ``pos`` ``[N]`` long, ``offsets``
-  ``[E+1]`` long, ``ends`` ``[E]`` int32). Program ``e`` (``E``: the masked slots) counts the slots of experts
-  before ``e`` (its start), then walks the slots in blocks, ranks its own by an inclusive scan (token order:
-  the sort is stable) and writes each one's sorted position and the inverse permutation. Integers only:
-  the same values as the reference, bit for bit, on any device.
-- ``expert_routes_reference``: ``static_routes``' torch operations, what the kernel is tested against.
+- ``expert_routes(top_k_index [T, k] in [0, E], n_experts=E) -> (order, slot_pos, expert, pos, offsets, ends,
+  token_slots)``: the fields of ``StaticRoutes`` (``order`` / ``slot_pos`` / ``expert`` / ``pos`` ``[N]``
+  long, ``offsets`` ``[E+1]`` long, ``ends`` ``[E]`` int32, ``token_slots`` ``[T, k]`` long: each token's
+  sorted rows in ascending expert id, equal ids by slot, i.e. ``slot_pos`` gathered by ``expert_slots``).
+  Program ``e`` (``E``: the masked slots) counts the slots of experts before ``e`` (its start), then walks
+  the slots in blocks, ranks its own by an inclusive scan (token order: the sort is stable), writes each
+  one's sorted position and the inverse permutation, and places it among its token's k slots by k compares
+  (``expert_rank``). Integers only: the same values as the reference, bit for bit, on any device.
+- ``expert_routes_reference``: ``static_routes``' torch operations, what the kernel is tested against;
+  ``expert_rank`` / ``expert_slots``: a slot's place among its token's slots in expert order, and its inverse.
 - ``quads::expert_routes``: the launcher as one custom op, opaque to ``torch.compile``.
 """
 
@@ -22,14 +25,33 @@ import torch
 
 from quads.kernels._common import HAS_TRITON
 
-Routes = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Routes = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def expert_routes_reference(ids: torch.Tensor, n_experts: int) -> Routes:
+def expert_rank(top_k_index: torch.Tensor) -> torch.Tensor:
+    """``[T, k]``: each slot's place among its token's k slots in ascending expert id, equal ids (masked slots)
+    by slot index: the inverse permutation of a stable argsort, by k x k compares (pointwise, no sort kernel)."""
+    k = top_k_index.shape[-1]
+    e, j = top_k_index, torch.arange(k, device=top_k_index.device)
+    before = (e[:, None, :] < e[:, :, None]) | ((e[:, None, :] == e[:, :, None]) & (j[None, :] < j[:, None]))
+    return before.sum(-1)  # [t, j]: the slots j' of token t that come before j
+
+
+def expert_slots(top_k_index: torch.Tensor) -> torch.Tensor:
+    """``[T, k]``: each token's slots in ascending expert id, equal ids by slot index (a stable argsort of each
+    row): the inverse of ``expert_rank``, by k x k compares (pointwise, no sort kernel)."""
+    k = top_k_index.shape[-1]
+    j = torch.arange(k, device=top_k_index.device)
+    return ((expert_rank(top_k_index)[:, None, :] == j[None, :, None]) * j[None, None, :]).sum(-1)
+
+
+def expert_routes_reference(top_k_index: torch.Tensor, n_experts: int) -> Routes:
     """``expert_routes`` by torch operations (a counting sort: one compare, one cumsum along the contiguous dim,
-    one scatter); the same arguments and results."""
-    n = ids.shape[0]
-    flat = ids.long()
+    one scatter; ``expert_slots`` by compares); the same arguments and results."""
+    _check(top_k_index, n_experts)
+    t, k = top_k_index.shape
+    n = t * k
+    flat = top_k_index.reshape(-1).long()
     hits = (torch.arange(n_experts + 1, device=flat.device)[:, None] == flat[None, :]).long()  # [E+1, N]
     before = hits.cumsum(1)  # slots of each expert up to and including this one
     counts = before[:, -1] if n else hits.sum(1)
@@ -39,12 +61,14 @@ def expert_routes_reference(ids: torch.Tensor, n_experts: int) -> Routes:
     # an int32 source: Inductor lowers its scatter (an int64 one is an ATen fallback on CUDA)
     order = torch.empty(n, dtype=torch.int32, device=flat.device).scatter_(
         0, dest, torch.arange(n, dtype=torch.int32, device=flat.device)).long()
-    return order, dest, flat[order], pos_of_slot[order], offsets, offsets[1:].to(torch.int32)
+    token_slots = dest.view(t, k).gather(1, expert_slots(top_k_index))
+    return order, dest, flat[order], pos_of_slot[order], offsets, offsets[1:].to(torch.int32), token_slots
 
 
 def _check(ids: torch.Tensor, n_experts: int) -> None:
-    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"expert_routes: ids must be a 1-d int32/int64 tensor, got {tuple(ids.shape)} {ids.dtype}")
+    if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"expert_routes: top_k_index must be a 2-d int32/int64 tensor [T, k], got "
+                         f"{tuple(ids.shape)} {ids.dtype}")
     if n_experts < 1:
         raise ValueError(f"expert_routes: n_experts must be >= 1, got {n_experts}")
 
@@ -54,12 +78,14 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _expert_routes_kernel(ids_ptr, order_ptr, slot_pos_ptr, expert_ptr, pos_ptr, offsets_ptr, ends_ptr, N, E,
-                              BLOCK: tl.constexpr):  # fmt: skip
+    def _expert_routes_kernel(ids_ptr, order_ptr, slot_pos_ptr, expert_ptr, pos_ptr, offsets_ptr, ends_ptr,
+                              token_slots_ptr, N, E, K, BLOCK: tl.constexpr, KP: tl.constexpr):  # fmt: skip
         """Program e in [0, E] (E: the masked slots): its start = #slots of experts < e, then each of its slots'
-        rank (an inclusive scan over the slots in order), sorted position, and the inverse permutation."""
+        rank (an inclusive scan over the slots in order), sorted position, the inverse permutation, and its place
+        among its token's K slots (KP: K padded to a power of two)."""
         e = tl.program_id(0)
         i = tl.arange(0, BLOCK)
+        jj = tl.arange(0, KP)
         below = tl.zeros((BLOCK,), tl.int32)
         for s in range(0, N, BLOCK):
             f = tl.load(ids_ptr + s + i, mask=s + i < N, other=E + 1).to(tl.int32)
@@ -77,26 +103,38 @@ if HAS_TRITON:
             tl.store(order_ptr + dest, (s + i).to(tl.int64), mask=hit)
             tl.store(expert_ptr + dest, (dest * 0 + e).to(tl.int64), mask=hit)
             tl.store(pos_ptr + dest, r.to(tl.int64), mask=hit)
+            # the slot's place among its token's slots in expert order: the token's slots of a lower expert, and
+            # of this one at a lower slot index (expert_rank)
+            tok = (s + i) // K
+            j = (s + i) - tok * K
+            other = tl.load(ids_ptr + tok[:, None] * K + jj[None, :], mask=hit[:, None] & (jj[None, :] < K),
+                            other=E + 1).to(tl.int32)  # fmt: skip
+            before = (other < e) | ((other == e) & (jj[None, :] < j[:, None]))
+            place = tl.sum(before.to(tl.int32), axis=1)
+            tl.store(token_slots_ptr + tok * K + place, dest.to(tl.int64), mask=hit)
             seen += tl.sum(h, axis=0)
         if e < E:
             tl.store(ends_ptr + e, start + seen)
 
 
-def expert_routes(ids: torch.Tensor, n_experts: int, *, block: int = 1024, num_warps: int = 4) -> Routes:
-    """The sorted slots (module docstring) in one launch of ``n_experts + 1`` programs; ``ids`` [N] in
-    [0, n_experts] (``n_experts``: a masked slot), contiguous."""
+def expert_routes(top_k_index: torch.Tensor, n_experts: int, *, block: int = 1024, num_warps: int = 4) -> Routes:
+    """The sorted slots (module docstring) in one launch of ``n_experts + 1`` programs; ``top_k_index`` [T, k]
+    in [0, n_experts] (``n_experts``: a masked slot)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use expert_routes_reference")
-    _check(ids, n_experts)
-    ids = ids.contiguous()
-    n, dev = ids.shape[0], ids.device
+    _check(top_k_index, n_experts)
+    t, k = top_k_index.shape
+    ids = top_k_index.contiguous()
+    n, dev = t * k, ids.device
     order, slot_pos, expert, pos = (torch.empty(n, dtype=torch.long, device=dev) for _ in range(4))
     offsets = torch.empty(n_experts + 1, dtype=torch.long, device=dev)
     ends = torch.empty(n_experts, dtype=torch.int32, device=dev)
+    token_slots = torch.empty(t, k, dtype=torch.long, device=dev)
     bl = max(16, min(block, triton.next_power_of_2(max(n, 1))))
-    _expert_routes_kernel[(n_experts + 1,)](ids, order, slot_pos, expert, pos, offsets, ends, n, n_experts,
-                                            BLOCK=bl, num_warps=num_warps)  # fmt: skip
-    return order, slot_pos, expert, pos, offsets, ends
+    _expert_routes_kernel[(n_experts + 1,)](ids, order, slot_pos, expert, pos, offsets, ends, token_slots, n,
+                                            n_experts, max(k, 1), BLOCK=bl, KP=triton.next_power_of_2(max(k, 1)),
+                                            num_warps=num_warps)  # fmt: skip
+    return order, slot_pos, expert, pos, offsets, ends, token_slots
 
 
 @torch.library.custom_op("quads::expert_routes", mutates_args=())
@@ -106,10 +144,10 @@ def _expert_routes_op(ids: torch.Tensor, n_experts: int) -> Routes:
 
 @_expert_routes_op.register_fake
 def _(ids, n_experts):
-    n = ids.shape[0]
+    t, k = ids.shape
     long = dict(dtype=torch.long, device=ids.device)
-    return (*(ids.new_empty(n, **long) for _ in range(4)), ids.new_empty(n_experts + 1, **long),
-            ids.new_empty(n_experts, dtype=torch.int32, device=ids.device))
+    return (*(ids.new_empty(t * k, **long) for _ in range(4)), ids.new_empty(n_experts + 1, **long),
+            ids.new_empty(n_experts, dtype=torch.int32, device=ids.device), ids.new_empty(t, k, **long))
 
 
 def expert_routes_op(ids: torch.Tensor, n_experts: int) -> Routes:

@@ -107,7 +107,9 @@ class StaticRoutes:
     permutation of ``order``); ``expert`` [T*k]: the expert of each sorted position (E = masked);
     ``offsets`` [E+1] long: start of each expert's rows, ``offsets[E]`` = valid slots; ``pos`` [T*k]:
     row of each sorted position inside its expert's group; ``capacity``: rows per expert of a padded
-    layout, T (a token visits an expert at most once), fixed by the batch shape alone.
+    layout, T (a token visits an expert at most once), fixed by the batch shape alone; ``token_slots``
+    [T, k]: each token's sorted positions in ascending expert id, equal ids by slot (``slot_pos`` gathered
+    by ``expert_routes.expert_slots``), the rows its outputs are summed from in expert order.
     """
 
     order: torch.Tensor
@@ -118,6 +120,7 @@ class StaticRoutes:
     capacity: int
     n_experts: int
     ends: torch.Tensor  # [E] int32 cumulative ends of experts 0..E-1 (``torch._grouped_mm``'s offsets)
+    token_slots: torch.Tensor  # [T, k] long
 
     @property
     def valid(self) -> torch.Tensor:
@@ -141,14 +144,10 @@ def static_routes(top_k_index: torch.Tensor, n_experts: int) -> StaticRoutes:
     """Sort the slots of ``top_k_index`` [T, k] (ids in [0, E], E = masked) by expert, on the device: a counting
     sort (``quads.kernels.expert_routes``), one Triton launch on CUDA, torch operations elsewhere (the same
     integers)."""
-    T, k = top_k_index.shape
-    flat = top_k_index.reshape(-1)
-    if flat.is_cuda and HAS_TRITON:
-        order, slot_pos, expert, pos, offsets, ends = expert_routes_op(flat, n_experts)
-    else:
-        order, slot_pos, expert, pos, offsets, ends = expert_routes_reference(flat, n_experts)
-    return StaticRoutes(order=order, slot_pos=slot_pos, expert=expert, offsets=offsets, pos=pos, capacity=T,
-                        n_experts=n_experts, ends=ends)
+    routes = expert_routes_op if top_k_index.is_cuda and HAS_TRITON else expert_routes_reference
+    order, slot_pos, expert, pos, offsets, ends, token_slots = routes(top_k_index, n_experts)
+    return StaticRoutes(order=order, slot_pos=slot_pos, expert=expert, offsets=offsets, pos=pos,
+                        capacity=top_k_index.shape[0], n_experts=n_experts, ends=ends, token_slots=token_slots)
 
 
 def native_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:

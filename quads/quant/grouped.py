@@ -231,7 +231,8 @@ def stacked_routes(routes: moe.StaticRoutes, p: int) -> moe.StaticRoutes:
     j = torch.arange(p, device=routes.pos.device)
     return moe.StaticRoutes(order=routes.order, slot_pos=routes.slot_pos, expert=routes.expert[:, None].expand(-1, p).reshape(-1),
                             offsets=routes.offsets * p, pos=(routes.pos[:, None] * p + j).reshape(-1),
-                            capacity=routes.capacity * p, n_experts=routes.n_experts, ends=routes.ends * p)
+                            capacity=routes.capacity * p, n_experts=routes.n_experts, ends=routes.ends * p,
+                            token_slots=routes.token_slots)
 
 
 def sorted_linear(

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from quads.kernels import dispatch, w4a16
+from quads.kernels.expert_routes import expert_rank
 from quads.model import moe
 from quads.quant import factored, grouped, ops, qat
 from quads.quant.amplify import amplify_weight
@@ -361,23 +362,6 @@ def scatter_expert_output(out: torch.Tensor, idx: torch.Tensor, y: torch.Tensor,
     out.index_put_((idx,), (y * w_route[:, None]).to(out.dtype), accumulate=True)
 
 
-def _expert_rank(top_k_index: torch.Tensor) -> torch.Tensor:
-    """``[T, k]``: each slot's place among its token's k slots in ascending expert id, equal ids (masked slots)
-    by slot index: the inverse permutation of a stable argsort, by k x k compares (pointwise, no sort kernel)."""
-    k = top_k_index.shape[-1]
-    e, j = top_k_index, torch.arange(k, device=top_k_index.device)
-    before = (e[:, None, :] < e[:, :, None]) | ((e[:, None, :] == e[:, :, None]) & (j[None, :] < j[:, None]))
-    return before.sum(-1)  # [t, j]: the slots j' of token t that come before j
-
-
-def _expert_slots(top_k_index: torch.Tensor) -> torch.Tensor:
-    """``[T, k]``: each token's slots in ascending expert id, equal ids by slot index (a stable argsort of each
-    row): the inverse of ``_expert_rank``, by k x k compares (pointwise, no sort kernel)."""
-    k = top_k_index.shape[-1]
-    j = torch.arange(k, device=top_k_index.device)
-    return ((_expert_rank(top_k_index)[:, None, :] == j[None, :, None]) * j[None, None, :]).sum(-1)
-
-
 def _sum_parts(parts: torch.Tensor) -> torch.Tensor:
     """``parts`` ``[T, k, H]`` summed over k, one add at a time in that order, as the experts loop accumulates."""
     out = torch.zeros_like(parts[:, 0])
@@ -390,7 +374,7 @@ def _sum_in_expert_order(per_slot: torch.Tensor, top_k_index: torch.Tensor) -> t
     """``[T, H]``: each token's k weighted expert outputs ``per_slot`` ``[T, k, H]`` (slot order) summed in
     ascending expert id, one add at a time, as the experts loop accumulates them."""
     T, k, H = per_slot.shape
-    rank = _expert_rank(top_k_index)
+    rank = expert_rank(top_k_index)
     return _sum_parts(torch.empty_like(per_slot).scatter_(1, rank[..., None].expand(T, k, H), per_slot))
 
 
@@ -553,8 +537,7 @@ class QuantizedExperts(_QuantizedBase):
         contrib = (ys * w[:, None].to(ys.dtype)).to(hidden_states.dtype)
         # each token's sorted rows gathered in ascending expert id (no scatter, no sort): Inductor fuses the gather
         # into the sum
-        src = routes.slot_pos.view(T, k).gather(1, _expert_slots(top_k_index))  # [T, k] sorted rows, rank order
-        return _sum_parts(contrib[src.reshape(-1)].view(T, k, -1))
+        return _sum_parts(contrib[routes.token_slots.reshape(-1)].view(T, k, -1))
 
     def _forward_grouped(self, hidden_states: torch.Tensor, layout: grouped.ExpertLayout) -> torch.Tensor:
         """The batched expert path (``quads.quant.grouped``); same result as the loop up to GEMM order."""
