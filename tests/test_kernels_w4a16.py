@@ -345,6 +345,16 @@ def test_grouped_gemm_matches_reference(t, e, n, k, masked):
     # as the product path's BF16 grouped GEMM (moe.grouped_mm over the dequantized stack)
     ref = moe.grouped_mm(x, nvfp4.dequantize(q, torch.bfloat16), routes)
     _bf16_close(got, ref, "vs moe.grouped_mm")
+    # rows gathered by the kernel (the engine's tokens, each slot's token): the product of x[rows], bit for bit,
+    # on both the single-pass and split-K launches, and through the dequant path (which gathers first)
+    tokens = _x(t, k)
+    rows = routes.order // 2
+    for kw in (dict(block_m=16), dict(block_k=64, split_k=3), dict(fused_max_rows_per_expert=0)):
+        want_rows = w4a16.grouped_gemm(tokens[rows], p, routes.ends, **kw)
+        assert torch.equal(w4a16.grouped_gemm(tokens, p, routes.ends, rows=rows, **kw), want_rows), kw
+    _bf16_close(w4a16.grouped_gemm_reference(tokens, p, routes.ends, rows=rows), want_rows, "reference, rows")
+    with pytest.raises(ValueError, match="rows must be int64"):
+        w4a16.grouped_gemm(tokens, p, routes.ends, rows=rows.int())
 
 
 def test_a_single_weight_is_a_one_expert_stack():
@@ -647,6 +657,10 @@ def test_gpu_grouped_real_size(tokens, e, n, k, topk):
     _bf16_close(got, w4a16.grouped_gemm_reference(x, p, routes.ends), f"grouped T={tokens} E={e} N={n} K={k}")
     ref = moe.grouped_mm(x, nvfp4.dequantize(q, torch.bfloat16), routes)
     assert _rel(got, ref) < 2.0**-8
+    hidden = torch.randn(tokens, k, device="cuda").bfloat16()  # the rows gathered by the kernel: the same bits
+    rows = routes.order // topk
+    assert torch.equal(w4a16.grouped_gemm(hidden, p, routes.ends, rows=rows),
+                       w4a16.grouped_gemm(hidden[rows], p, routes.ends))
 
 
 @gpu

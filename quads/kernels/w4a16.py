@@ -189,8 +189,12 @@ def gemm_reference(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
     return (x.float() @ dequantize(w).float().T).to(x.dtype)
 
 
-def grouped_gemm_reference(x: torch.Tensor, w: W4A16Weight, ends: torch.Tensor) -> torch.Tensor:
-    """Per expert ``x_e @ We_e.T`` (fp32 accumulation) over the sorted rows, zeros past ``ends[-1]``."""
+def grouped_gemm_reference(x: torch.Tensor, w: W4A16Weight, ends: torch.Tensor,
+                           rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Per expert ``x_e @ We_e.T`` (fp32 accumulation) over the sorted rows (``rows``: ``x[rows]``), zeros past
+    ``ends[-1]``."""
+    if rows is not None:
+        x = x[rows]
     out = torch.zeros(x.shape[0], w.n, dtype=x.dtype, device=x.device)
     we = dequantize(w).float()
     start = 0
@@ -343,18 +347,19 @@ if HAS_TRITON:
         return v
 
     @triton.jit
-    def _k_tile(acc, x_ptr, rm, row_end, stride_xm, c_ptr, s_ptr, g, rn, k0, N, K, KT, BLOCK_N: tl.constexpr,
+    def _k_tile(acc, x_ptr, rm, xr, row_end, stride_xm, c_ptr, s_ptr, g, rn, k0, N, K, KT, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-        """``acc`` + rows ``rm`` (those below ``row_end``) of ``x`` x the weight's rows ``rn``, over columns
-        [k0, k0 + BLOCK_K): the tile decoded (``_decode``) and multiplied on the tensor cores ``SUB_K``
-        columns at a time, in K order (a smaller decoded tile holds fewer registers)."""
+        """``acc`` + the product rows ``rm`` (those below ``row_end``), read from rows ``xr`` of ``x`` (``rm``
+        itself, or gathered), x the weight's rows ``rn``, over columns [k0, k0 + BLOCK_K): the tile decoded
+        (``_decode``) and multiplied on the tensor cores ``SUB_K`` columns at a time, in K order (a smaller
+        decoded tile holds fewer registers)."""
         for sub in tl.static_range(BLOCK_K // SUB_K):
             ks = k0 + sub * SUB_K
             rk = ks + tl.arange(0, SUB_K)
             xm = rm[:, None] < row_end
             if not EVEN_K:
                 xm = xm & (rk[None, :] < K)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0)
+            x = tl.load(x_ptr + xr[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0)
             w = _decode(c_ptr, s_ptr, g, rn, ks, N, K, KT, BLOCK_N, SUB_K, EVEN_K, INTERP)
             acc = _dot(x.to(tl.bfloat16), tl.trans(w), acc, INTERP)
         return acc
@@ -378,7 +383,7 @@ if HAS_TRITON:
         hi = tl.minimum(lo + per, n_tiles)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for kt in range(lo, hi):
-            acc = _k_tile(acc, x_ptr, rm, M, stride_xm, c_ptr, s_ptr, g, rn, kt * BLOCK_K, N, K, KT, BLOCK_N,
+            acc = _k_tile(acc, x_ptr, rm, rm, M, stride_xm, c_ptr, s_ptr, g, rn, kt * BLOCK_K, N, K, KT, BLOCK_N,
                           BLOCK_K, SUB_K, EVEN_K, INTERP)  # fmt: skip
         om = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT_K == 1:
@@ -482,12 +487,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _grouped_kernel(
-        x_ptr, c_ptr, s_ptr, g_ptr, ends_ptr, out_ptr, ws_ptr, T, N, K, KT, E, stride_xm,
+        x_ptr, rows_ptr, c_ptr, s_ptr, g_ptr, ends_ptr, out_ptr, ws_ptr, T, N, K, KT, E, stride_xm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        EVEN_K: tl.constexpr, INTERP: tl.constexpr, SUB_K: tl.constexpr,
+        EVEN_K: tl.constexpr, INTERP: tl.constexpr, SUB_K: tl.constexpr, GATHER: tl.constexpr,
     ):  # fmt: skip
         """Grid (N tiles, E + 1, SPLIT_K): program e < E runs the rows of expert e (split s: a contiguous
-        range of the K tiles, into ``ws[s]``, ``_k_tile``), program E writes zeros to the rows past ``ends[E-1]``."""
+        range of the K tiles, into ``ws[s]``, ``_k_tile``), program E writes zeros to the rows past ``ends[E-1]``.
+        ``GATHER``: product row m reads row ``rows[m]`` of ``x`` (else row m)."""
         pid_n = tl.program_id(0)
         e = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -514,9 +520,13 @@ if HAS_TRITON:
             hi = tl.minimum(lo + per, n_tiles)
             for m0 in range(start, end, BLOCK_M):  # experts without rows read no weights
                 rm = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
+                if GATHER:
+                    xr = tl.load(rows_ptr + rm, mask=rm < end, other=0).to(tl.int64)
+                else:
+                    xr = rm
                 acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                 for kt in range(lo, hi):
-                    acc = _k_tile(acc, x_ptr, rm, end, stride_xm, ce, se, g, rn, kt * BLOCK_K, N, K, KT, BLOCK_N,
+                    acc = _k_tile(acc, x_ptr, rm, xr, end, stride_xm, ce, se, g, rn, kt * BLOCK_K, N, K, KT, BLOCK_N,
                                   BLOCK_K, SUB_K, EVEN_K, INTERP)  # fmt: skip
                 om = (rm[:, None] < end) & (rn[None, :] < N)
                 if SPLIT_K == 1:
@@ -784,9 +794,13 @@ def grouped_gemm(
     sub_k: int | None = None,
     fused_max_rows_per_expert: int | None = None,
     backend: str | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped MoE W4A16 (module docstring): ``x`` ``[T, K]`` BF16 sorted by expert, packed ``w``
-    ``[E, N, K]``, ``ends`` ``[E]`` int32 on the device -> ``[T, N]`` BF16.
+    ``[E, N, K]``, ``ends`` ``[E]`` int32 on the device -> ``[T, N]`` BF16. ``rows`` ``[T]`` (int64, optional):
+    the sorted rows are ``x[rows]`` (``x`` ``[S, K]``: e.g. a MoE layer's tokens, ``rows`` each slot's token),
+    which the Triton kernel reads in place (the product of ``x[rows]``, bit for bit, without writing it); rows
+    past ``ends[E-1]`` are not read.
 
     Above ``fused_max_rows_per_expert`` rows per expert on average (``tuning.json``
     ``w4a16_dispatch.grouped``; prefill) the product is ``torch._grouped_mm`` over the BF16 stack
@@ -816,11 +830,19 @@ def grouped_gemm(
         raise ValueError(f"w4a16.grouped_gemm: ends must be int32 [E={e}] on {x.device} (cumulative rows per "
                          f"expert), got {ends.dtype} {tuple(ends.shape)} on {ends.device}")  # fmt: skip
     x = x.contiguous()
-    t, k, n = x.shape[0], w.k, w.n
+    if rows is not None:
+        if rows.dim() != 1 or rows.dtype != torch.long or rows.device != x.device:
+            raise ValueError(f"w4a16.grouped_gemm: rows must be int64 [T] on {x.device}, got {rows.dtype} "
+                             f"{tuple(rows.shape)} on {rows.device}")  # fmt: skip
+        rows = rows.contiguous()
+    t, k, n = (x.shape[0] if rows is None else rows.shape[0]), w.k, w.n
     case = grouped_case(t, e, n, k)
     d = _cfg("w4a16_grouped_gemm", case, block_m=block_m, block_n=block_n, block_k=block_k,
              num_warps=num_warps, num_stages=num_stages, split_k=split_k, max_registers=max_registers, sub_k=sub_k)  # fmt: skip
     rpe = fused_max_rows_per_expert
+    if rows is not None and (t > e * (rpe if rpe is not None else tuning.config("w4a16_dispatch", "grouped")[
+            "fused_max_rows_per_expert"]) or (backend or d.get("backend")) == "cuda"):
+        x, rows = x[rows], None  # the paths below read the sorted rows themselves
     if t > e * (rpe if rpe is not None else tuning.config("w4a16_dispatch", "grouped")["fused_max_rows_per_expert"]):
         y = torch._grouped_mm(x, dequantize_bf16(w).transpose(-2, -1), offs=ends)
         rows = torch.arange(t, device=x.device)
@@ -842,9 +864,10 @@ def grouped_gemm(
     split = max(1, min(d["split_k"] or grouped_split_for(t, e, n, k, bn, bk), -(-k // bk)))
     ws = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _grouped_kernel[(triton.cdiv(n, bn), e + 1, split)](
-        x, w.codes, w.scales, w.global_scale, ends, out, ws, t, n, k, w.codes.shape[-3], e, x.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, BLOCK_K=bk, EVEN_K=k % bk == 0, INTERP=interpreted(x), SUB_K=sk,
-        num_warps=d["num_warps"], num_stages=d["num_stages"], **_max_registers(d.get("max_registers"), x),
+        x, ends if rows is None else rows, w.codes, w.scales, w.global_scale, ends, out, ws, t, n, k,
+        w.codes.shape[-3], e, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, BLOCK_K=bk, EVEN_K=k % bk == 0,
+        INTERP=interpreted(x), SUB_K=sk, GATHER=rows is not None, num_warps=d["num_warps"],
+        num_stages=d["num_stages"], **_max_registers(d.get("max_registers"), x),
     )  # fmt: skip
     return _sum_splits(ws, out, split)
 
@@ -891,13 +914,13 @@ def _(x, codes, scales, global_scale, n, k):
 
 @torch.library.custom_op("quads::w4a16_grouped_gemm", mutates_args=())
 def _grouped_gemm_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-                     ends: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    return grouped_gemm(x, W4A16Weight(codes, scales, global_scale, n, k, codes.shape[0]), ends)
+                     ends: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    return grouped_gemm(x, W4A16Weight(codes, scales, global_scale, n, k, codes.shape[0]), ends, rows=rows)
 
 
 @_grouped_gemm_op.register_fake
-def _(x, codes, scales, global_scale, ends, n, k):
-    return x.new_empty(x.shape[0], n)
+def _(x, codes, scales, global_scale, ends, n, k, rows=None):
+    return x.new_empty(x.shape[0] if rows is None else rows.shape[0], n)
 
 
 def linear_op(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
@@ -905,6 +928,7 @@ def linear_op(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
     return torch.ops.quads.w4a16_gemm(x, w.codes, w.scales, w.global_scale, w.n, w.k)
 
 
-def grouped_op(x: torch.Tensor, w: W4A16Weight, ends: torch.Tensor) -> torch.Tensor:
-    """``grouped_gemm(x, w, ends)`` with the tuned launch config, as the custom op ``quads::w4a16_grouped_gemm``."""
-    return torch.ops.quads.w4a16_grouped_gemm(x, w.codes, w.scales, w.global_scale, ends, w.n, w.k)
+def grouped_op(x: torch.Tensor, w: W4A16Weight, ends: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``grouped_gemm(x, w, ends, rows=rows)`` with the tuned launch config, as the custom op
+    ``quads::w4a16_grouped_gemm``."""
+    return torch.ops.quads.w4a16_grouped_gemm(x, w.codes, w.scales, w.global_scale, ends, w.n, w.k, rows)

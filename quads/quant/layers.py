@@ -496,19 +496,22 @@ class QuantizedExperts(_QuantizedBase):
                              "capturable expert path; decode with cuda_graphs=False")
         T, k = top_k_index.shape
         routes = moe.static_routes(top_k_index, self.num_experts)
-        xs = hidden_states[routes.order // k]  # [T*k, H] sorted by expert, masked slots last
+        tokens = routes.order // k  # [T*k] the token of each sorted row (masked slots last)
 
         amplified = self.spec.error_scale != 1.0 and not self.spec.is_identity
         sorted_rows = self.spec.act == "nvfp4" and self.spec.nvfp4_mode == "te" and not amplified
         segs = factored.Segments.of(routes.expert, self.num_experts) if sorted_rows else None
         stacked = grouped.stacked_routes(routes, 2 if self.spec.rac_ratio > 0 else 1) if sorted_rows else None
 
-        def gemm(name: str, a: torch.Tensor) -> torch.Tensor:
+        def gemm(name: str, a: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+            """The sorted rows ``a`` (``rows`` given: ``a[rows]``) times the expert weights ``name``."""
             store = self.stores[name]
             if self.spec.act == "none" and not amplified:
-                if store.use_packed(a):
-                    return w4a16.grouped_op(a, store.get_packed(), routes.ends)
-                return moe.grouped_mm(a, store.get(), routes)
+                if store.use_packed(a):  # the grouped W4A16 kernel gathers the rows itself
+                    return w4a16.grouped_op(a, store.get_packed(), routes.ends, rows)
+                return moe.grouped_mm(a if rows is None else a[rows], store.get(), routes)
+            if rows is not None:
+                a = a[rows]
             sel = self.selectors[name] if name in self.selectors else None
             if sorted_rows:
                 if store.use_packed(a):
@@ -531,7 +534,7 @@ class QuantizedExperts(_QuantizedBase):
                                        w_amp=store.get_amplified() if amplified else None)
             return routes.unpad(y)
 
-        gate, up = gemm("gate_up_proj", xs).chunk(2, dim=-1)
+        gate, up = gemm("gate_up_proj", hidden_states, tokens).chunk(2, dim=-1)  # the tokens' rows sorted by expert
         ys = gemm("down_proj", self.act_fn(gate) * up)  # [T*k, H] sorted, zero rows at masked slots
         w = top_k_weights.reshape(-1)[routes.order]
         contrib = (ys * w[:, None].to(ys.dtype)).to(hidden_states.dtype)
