@@ -465,6 +465,7 @@ def bench_rac_select(rows: list) -> None:
             rows.append({"bench": "RAC 50% residual operand (1b decode)", "shape": f"{what} M={tokens * topk} E={e} "
                          f"K={k} n={k // 2}", "us": us, "sort_run": run, "select_warps": warps,
                          "select_rows": sel_rows, "same_bits_as_default": same})  # fmt: skip
+            print("timed", json.dumps(rows[-1]), flush=True)  # as each is timed (the compiles are long); "row" at the end
 
 
 # ------------------------------------------------------------------------------------------ tune
