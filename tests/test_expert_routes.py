@@ -38,11 +38,14 @@ def _check_against_the_stable_sort(got, top_k_index, e):
     assert torch.equal(token_slots, torch.sort(slot_pos.view(t, k), dim=1).values)
 
 
-@pytest.mark.parametrize("t,k,e,masked,block", [(16, 4, 8, 2, 1024), (37, 8, 64, 5, 1024), (37, 8, 64, 5, 64),
-                                                (5, 2, 1, 1, 16), (128, 8, 64, 20, 256), (1, 1, 3, 0, 16)], ids=str)
-def test_expert_routes_are_the_reference_and_the_stable_sort(t, k, e, masked, block):
+@pytest.mark.parametrize("t,k,e,masked,block,block_e", [(16, 4, 8, 2, 1024, 64), (37, 8, 64, 5, 1024, 64),
+                                                        (37, 8, 64, 5, 64, 16), (5, 2, 1, 1, 16, 2),
+                                                        (128, 8, 64, 20, 256, 64), (1, 1, 3, 0, 16, 16),
+                                                        (40, 6, 4, 7, 32, 8)], ids=str)  # fmt: skip
+def test_expert_routes_are_the_reference_and_the_stable_sort(t, k, e, masked, block, block_e):
+    """Also with an expert's rows over several passes (block_e below its count) and k no power of two."""
     ids = _ids(t, k, e, masked)
-    got = er.expert_routes(ids, e, block=block)
+    got = er.expert_routes(ids, e, block=block, block_e=block_e)
     ref = er.expert_routes_reference(ids, e)
     for name, a, b in zip(NAMES, got, ref):
         assert a.dtype == b.dtype and torch.equal(a, b), name

@@ -11,9 +11,10 @@ programs:
   long, ``offsets`` ``[E+1]`` long, ``ends`` ``[E]`` int32, ``token_slots`` ``[T, k]`` long: each token's
   sorted rows in ascending expert id, equal ids by slot, i.e. ``slot_pos`` gathered by ``expert_slots``).
   Program ``e`` (``E``: the masked slots) counts the slots of experts before ``e`` (its start), then walks
-  the slots in blocks, ranks its own by an inclusive scan (token order: the sort is stable), writes each
-  one's sorted position and the inverse permutation, and places it among its token's k slots by k compares
-  (``expert_rank``). Integers only: the same values as the reference, bit for bit, on any device.
+  the slots in blocks, ranks its own by an inclusive scan (token order: the sort is stable) and writes each
+  one's sorted position and the inverse permutation; then it reads its own sorted rows back (a few per expert
+  at decode) and places each among its token's k slots by k compares (``expert_rank``). Integers only: the
+  same values as the reference, bit for bit, on any device.
 - ``expert_routes_reference``: ``static_routes``' torch operations, what the kernel is tested against;
   ``expert_rank`` / ``expert_slots``: a slot's place among its token's slots in expert order, and its inverse.
 - ``quads::expert_routes``: the launcher as one custom op, opaque to ``torch.compile``.
@@ -79,13 +80,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _expert_routes_kernel(ids_ptr, order_ptr, slot_pos_ptr, expert_ptr, pos_ptr, offsets_ptr, ends_ptr,
-                              token_slots_ptr, N, E, K, BLOCK: tl.constexpr, KP: tl.constexpr):  # fmt: skip
+                              token_slots_ptr, N, E, K, BLOCK: tl.constexpr, KP: tl.constexpr,
+                              BLOCK_E: tl.constexpr):  # fmt: skip
         """Program e in [0, E] (E: the masked slots): its start = #slots of experts < e, then each of its slots'
-        rank (an inclusive scan over the slots in order), sorted position, the inverse permutation, and its place
-        among its token's K slots (KP: K padded to a power of two)."""
+        rank (an inclusive scan over the slots in order), sorted position and the inverse permutation; then, over
+        its own sorted rows only (read back from ``order``, BLOCK_E at a time), each slot's place among its
+        token's K slots (KP: K padded to a power of two)."""
         e = tl.program_id(0)
         i = tl.arange(0, BLOCK)
-        jj = tl.arange(0, KP)
         below = tl.zeros((BLOCK,), tl.int32)
         for s in range(0, N, BLOCK):
             f = tl.load(ids_ptr + s + i, mask=s + i < N, other=E + 1).to(tl.int32)
@@ -103,23 +105,33 @@ if HAS_TRITON:
             tl.store(order_ptr + dest, (s + i).to(tl.int64), mask=hit)
             tl.store(expert_ptr + dest, (dest * 0 + e).to(tl.int64), mask=hit)
             tl.store(pos_ptr + dest, r.to(tl.int64), mask=hit)
-            # the slot's place among its token's slots in expert order: the token's slots of a lower expert, and
-            # of this one at a lower slot index (expert_rank)
-            tok = (s + i) // K
-            j = (s + i) - tok * K
-            other = tl.load(ids_ptr + tok[:, None] * K + jj[None, :], mask=hit[:, None] & (jj[None, :] < K),
-                            other=E + 1).to(tl.int32)  # fmt: skip
-            before = (other < e) | ((other == e) & (jj[None, :] < j[:, None]))
-            place = tl.sum(before.to(tl.int32), axis=1)
-            tl.store(token_slots_ptr + tok * K + place, dest.to(tl.int64), mask=hit)
             seen += tl.sum(h, axis=0)
         if e < E:
             tl.store(ends_ptr + e, start + seen)
+        # each of this expert's slots placed among its token's slots in expert order (expert_rank): the token's
+        # slots of a lower expert, and of this one at a lower slot index. Over the expert's own rows (a few per
+        # expert at decode), read back from ``order`` after a barrier (this program's stores, visible to its threads)
+        tl.debug_barrier()
+        jj = tl.arange(0, KP)
+        c = tl.arange(0, BLOCK_E)
+        for c0 in range(0, seen, BLOCK_E):
+            cm = c0 + c < seen
+            d = start + c0 + c
+            slot = tl.load(order_ptr + d, mask=cm, other=0).to(tl.int32)
+            tok = slot // K
+            j = slot - tok * K
+            other = tl.load(ids_ptr + tok[:, None] * K + jj[None, :], mask=cm[:, None] & (jj[None, :] < K),
+                            other=E + 1).to(tl.int32)  # fmt: skip
+            before = (other < e) | ((other == e) & (jj[None, :] < j[:, None]))
+            place = tl.sum(before.to(tl.int32), axis=1)
+            tl.store(token_slots_ptr + tok * K + place, d.to(tl.int64), mask=cm)
 
 
-def expert_routes(top_k_index: torch.Tensor, n_experts: int, *, block: int = 1024, num_warps: int = 4) -> Routes:
+def expert_routes(top_k_index: torch.Tensor, n_experts: int, *, block: int = 1024, block_e: int = 64,
+                  num_warps: int = 4) -> Routes:
     """The sorted slots (module docstring) in one launch of ``n_experts + 1`` programs; ``top_k_index`` [T, k]
-    in [0, n_experts] (``n_experts``: a masked slot)."""
+    in [0, n_experts] (``n_experts``: a masked slot). ``block``: slots per pass of a program; ``block_e``: its
+    own rows per pass when it places them among their tokens' slots (launch options: the same integers)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use expert_routes_reference")
     _check(top_k_index, n_experts)
@@ -133,7 +145,7 @@ def expert_routes(top_k_index: torch.Tensor, n_experts: int, *, block: int = 102
     bl = max(16, min(block, triton.next_power_of_2(max(n, 1))))
     _expert_routes_kernel[(n_experts + 1,)](ids, order, slot_pos, expert, pos, offsets, ends, token_slots, n,
                                             n_experts, max(k, 1), BLOCK=bl, KP=triton.next_power_of_2(max(k, 1)),
-                                            num_warps=num_warps)  # fmt: skip
+                                            BLOCK_E=block_e, num_warps=num_warps)  # fmt: skip
     return order, slot_pos, expert, pos, offsets, ends, token_slots
 
 
