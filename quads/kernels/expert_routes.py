@@ -26,6 +26,9 @@ import torch
 
 from quads.kernels._common import HAS_TRITON
 
+# the kernel's slots at most where the engine takes it: each program walks every slot twice, so it is 2.5x faster
+# than Inductor's compiled reference at a decode step's 1,024 slots and 0.69x at a prefill's 16,384 (run 49)
+MAX_SLOTS = 4096
 Routes = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 

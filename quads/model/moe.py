@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quads.kernels._common import HAS_TRITON
-from quads.kernels.expert_routes import expert_routes_op, expert_routes_reference
+from quads.kernels.expert_routes import MAX_SLOTS, expert_routes_op, expert_routes_reference
 from quads.model import gemm
 from quads.model.config import ModelConfig
 
@@ -142,9 +142,10 @@ class StaticRoutes:
 
 def static_routes(top_k_index: torch.Tensor, n_experts: int) -> StaticRoutes:
     """Sort the slots of ``top_k_index`` [T, k] (ids in [0, E], E = masked) by expert, on the device: a counting
-    sort (``quads.kernels.expert_routes``), one Triton launch on CUDA, torch operations elsewhere (the same
-    integers)."""
-    routes = expert_routes_op if top_k_index.is_cuda and HAS_TRITON else expert_routes_reference
+    sort (``quads.kernels.expert_routes``), one Triton launch on CUDA up to ``expert_routes.MAX_SLOTS`` slots (a
+    decode step), torch operations elsewhere (the same integers)."""
+    kernel = top_k_index.is_cuda and HAS_TRITON and top_k_index.numel() <= MAX_SLOTS
+    routes = expert_routes_op if kernel else expert_routes_reference
     order, slot_pos, expert, pos, offsets, ends, token_slots = routes(top_k_index, n_experts)
     return StaticRoutes(order=order, slot_pos=slot_pos, expert=expert, offsets=offsets, pos=pos,
                         capacity=top_k_index.shape[0], n_experts=n_experts, ends=ends, token_slots=token_slots)
