@@ -448,7 +448,7 @@ def bench_rac(rows: list) -> None:
                      "count_over_sort": t["count"] / t["sort"], "x_vs_unfused": t["unfused"] / t[default]})  # fmt: skip
 
 
-# the select kernel's configs the rac_select suite times: (sort_run, select_warps, select_rows), None = the default
+# the select kernel's configs the rac_select suite times: (sort_run, select_warps, select_rows), None = tuning.json's rac_select
 RAC_SELECT_CONFIGS = ((None, None, None), (None, None, 8), (None, None, 16), (None, 16, None), (None, 16, 16),
                       (256, None, None), (128, 16, None), (128, 16, 16))
 

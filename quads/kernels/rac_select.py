@@ -59,6 +59,7 @@ from typing import Literal, get_args
 import torch
 
 from quads.formats.constants import NVFP4_BLOCK
+from quads.kernels import tuning
 from quads.kernels._common import EXACT, HAS_TRITON, check_out, interpreted
 
 RacMethod = Literal["sort", "count"]  # the selection algorithm (module docstring); same channels either way
@@ -384,10 +385,11 @@ def rac_units(
     ascending in ``[0, groups]`` (``groups``: rows of no group), or None (one group). ``method``: the
     selection algorithm (None: ``default_method(K, group is not None)``); both give the same bits. ``sort_run``
     (sort): channels per run sorted in registers before the runs' ranks are merged (``_rac_select_kernel``), a
-    power of two; None: one run of all K (padded to a power of two); the same order either way. ``select_warps``:
-    the select kernel's warps (None: KP / 128, within 4..16); ``select_rows``: rows whose loads the select
-    kernel issues together when it sums a group's norms (None: 4096 / KP, within 1..8; the same sums in the
-    same row order either way). ``block_m``: rows per
+    power of two, or null: one run of all K (padded to a power of two, KP); the same order either way.
+    ``select_warps``: the select kernel's warps (null: KP / 128, within 4..16); ``select_rows``: rows whose loads
+    the select kernel issues together when it sums a group's norms (null: 4096 / KP, within 1..8; the same sums
+    in the same row order either way). These three, None: ``tuning.json`` ``rac_select`` for KP (launch options,
+    the same bits under each). ``block_m``: rows per
     program of the units kernel (None: 16 for ``count``; for ``sort`` 1 on the GPU, 16 under the
     interpreter, whose cost is per program); ``block_k``: the count path's units tile width."""
     if not HAS_TRITON:
@@ -401,22 +403,26 @@ def rac_units(
     if method == "sort" and kp > SORT_MAX_K:
         raise ValueError(f"rac_units: method='sort' holds K (padded to a power of two) <= {SORT_MAX_K} norms in "
                          f"one program, got K={k}; use method='count'")
+    if sort_run is not None and (sort_run < 2 or sort_run & (sort_run - 1) or method != "sort"):
+        raise ValueError(f"rac_units: sort_run must be a power of two >= 2 with method='sort', got {sort_run} "
+                         f"with method={method!r}")
+    if select_rows is not None and select_rows < 1:
+        raise ValueError(f"rac_units: select_rows must be >= 1, got {select_rows}")
     one = group is None
     n_sel = 1 if one else groups  # groups that own a channel set (the masked rows' group G does not)
     grp = r if one else group.contiguous()  # a placeholder pointer for one group
     s = torch.empty(n_sel, n, dtype=torch.long, device=r.device)
     rank = torch.empty(n_sel, k, dtype=torch.int32, device=r.device)
     g = torch.empty(m, dtype=torch.float32, device=r.device)
-    if sort_run is not None and (sort_run < 2 or sort_run & (sort_run - 1) or method != "sort"):
-        raise ValueError(f"rac_units: sort_run must be a power of two >= 2 with method='sort', got {sort_run} "
-                         f"with method={method!r}")
     if method == "sort":
+        tuned = tuning.config("rac_select", tuning.case("rac_select", f"k{kp}", "sort"))  # per padded K
+        run = tuned["sort_run"] if sort_run is None else sort_run
+        warps = tuned["select_warps"] if select_warps is None else select_warps
+        rows = tuned["select_rows"] if select_rows is None else select_rows
         bm = (16 if interpreted(r) else 1) if block_m is None else block_m
-        log_w = 0 if sort_run is None or sort_run >= kp else (kp // sort_run).bit_length() - 1
-        warps = max(4, min(16, kp // 128)) if select_warps is None else select_warps
-        rows = max(1, min(8, 4096 // kp)) if select_rows is None else select_rows
-        if rows < 1:
-            raise ValueError(f"rac_units: select_rows must be >= 1, got {select_rows}")
+        log_w = 0 if run is None or run >= kp else (kp // run).bit_length() - 1
+        warps = max(4, min(16, kp // 128)) if warps is None else warps
+        rows = max(1, min(8, 4096 // kp)) if rows is None else rows
         _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, bm, log_w, warps, rows)
     else:
         _count_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m or 16, block_k)
