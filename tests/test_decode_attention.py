@@ -125,6 +125,25 @@ def test_decode_attention_rows_false_give_zeros_and_the_rest_the_same_bits():
         da.decode_attention(q, k, v, mask, last, rows.long())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_one_split_finished_in_the_split_kernel_is_the_two_launches_bit_for_bit(dtype):
+    """With one split the split kernel does the combine's arithmetic and writes the output (``finish_one_split``,
+    the default): the same bits as the split kernel + combine, dead rows, a row with no visible key and a value
+    column of negative zeros included."""
+    q, k, v, mask = _case(4, 2, 3, 40, 32, dtype=dtype, pad=[0, 5, 0, 2])
+    mask[2] = False  # no visible key
+    v[:, :, :, 3] = -0.0
+    last = torch.tensor([30], device=DEV)
+    rows = torch.tensor([True, True, True, False], device=DEV)
+    for r in (None, rows):
+        one = da.decode_attention(q, k, v, mask, last, r, block_s=16, splits=1)
+        two = da.decode_attention(q, k, v, mask, last, r, block_s=16, splits=1, finish_one_split=False)
+        assert torch.equal(one.view(-1).view(torch.uint8), two.view(-1).view(torch.uint8))
+        assert (one[2] == 0).all() and (r is None or (one[3] == 0).all())
+    if dtype != torch.float32:
+        _within_one_rounding(one[:2], da.decode_attention_reference(q, k, v, mask, last)[:2], "one split")
+
+
 def test_decode_attention_rejects_bad_shapes():
     q, k, v, mask = _case(2, 2, 2, 16, 32)
     n = torch.tensor([15], device=DEV)

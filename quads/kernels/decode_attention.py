@@ -13,7 +13,8 @@ SDPA reads, and the longer the responses the more.
   are never read. Flash-decoding: grid (B x nkv, splits), each program runs an online
   softmax over its chunk of the columns in fp32 and writes (max, sum, weighted values) to an fp32
   workspace; a second kernel combines the splits in a fixed order (the same call gives the same bits
-  every time) and casts once (RNE) to ``q``'s dtype. The g queries of a head are padded to one 16-row
+  every time) and casts once (RNE) to ``q``'s dtype; with one split (short caches at a full batch) the split
+  kernel does the combine's arithmetic itself, one launch. The g queries of a head are padded to one 16-row
   tensor-core tile: ``q . k`` is an MMA of the BF16 (FP16) inputs (exact products, fp32 sums), and the
   fp32 probabilities enter ``p @ v`` as two half-precision terms ``p_hi + p_lo`` (16 significant bits),
   so the result stays within one output rounding of the exact value (tests: against an fp64
@@ -102,10 +103,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_kernel(
-        q_ptr, k_ptr, v_ptr, m_ptr, last_ptr, rows_ptr, ws_ptr, S, NKV, G, sm_scale,
-        sqb, sqh, sqg, skb, skh, sks, svb, svh, svs, smb,
+        q_ptr, k_ptr, v_ptr, m_ptr, last_ptr, rows_ptr, ws_ptr, out_ptr, S, NKV, G, sm_scale,
+        sqb, sqh, sqg, skb, skh, sks, svb, svh, svs, smb, sob, soh, sog,
         GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
-        F32: tl.constexpr, PSCALE: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr,
+        F32: tl.constexpr, PSCALE: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr, FINISH: tl.constexpr,
     ):  # fmt: skip
         """Grid (B * nkv, SPLITS): the online softmax of the g queries of one key/value head (padded to GP
         rows of a tensor-core tile) over columns ``[split * CHUNK, min((split + 1) * CHUNK, last + 1, S))``;
@@ -114,7 +115,9 @@ if HAS_TRITON:
         enter the ``p @ v`` MMA as two half-precision terms, ``p_hi + p_lo`` (16 significant bits), so
         that the value sum keeps nearly fp32's precision; FP16 terms are taken of ``p * PSCALE`` (2**15),
         which keeps small probabilities out of FP16's subnormals, and the sums scaled back exactly. With ROWS, a
-        row whose ``rows`` byte is 0 reads no column: its partial softmax is empty, so the combine writes zeros."""
+        row whose ``rows`` byte is 0 reads no column: its partial softmax is empty, so the combine writes zeros.
+        ``FINISH`` (one split): the combine's arithmetic on this one split done here, the output written, no
+        workspace (the same operations, so the same bits as the two kernels)."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // NKV
@@ -156,10 +159,24 @@ if HAS_TRITON:
             m = m_new
         if not F32:
             acc = acc * (1.0 / PSCALE)  # exact
-        w = ws_ptr + (bh.to(tl.int64) * SPLITS + split) * GP * (D + 2)
-        tl.store(w + rg, m)
-        tl.store(w + GP + rg, l)
-        tl.store(w + 2 * GP + rg[:, None] * D + rd[None, :], acc)
+        if FINISH:  # _combine_kernel over this one split: weight exp(m - m) = 1 (0 for a row that saw no key)
+            live = m > float("-inf")
+            c = tl.where(live, tl.exp(m - tl.where(live, m, 0.0)), 0.0)
+            _finish(tl.zeros((GP, D), tl.float32) + c[:, None] * acc, tl.zeros((GP,), tl.float32) + c * l, live,
+                    out_ptr, b, h, sob, soh, sog, rg, rd, G)  # fmt: skip
+        else:
+            w = ws_ptr + (bh.to(tl.int64) * SPLITS + split) * GP * (D + 2)
+            tl.store(w + rg, m)
+            tl.store(w + GP + rg, l)
+            tl.store(w + 2 * GP + rg[:, None] * D + rd[None, :], acc)
+
+    @triton.jit
+    def _finish(acc, total, live, out_ptr, b, h, sob, soh, sog, rg, rd, G):
+        """The merged sums ``acc`` of a head's queries divided once by their softmax sums ``total`` (a row that saw
+        no key: zeros), cast (RNE), stored."""
+        y = tl.where(live[:, None], tl.math.div_rn(acc, tl.where(live, total, 1.0)[:, None]), 0.0)
+        tl.store(out_ptr + b * sob + h * soh + rg[:, None] * sog + rd[None, :], cast_out(y, out_ptr),
+                 mask=rg[:, None] < G)  # fmt: skip
 
     @triton.jit
     def _combine_kernel(ws_ptr, out_ptr, NKV, G, sob, soh, sog, GP: tl.constexpr, D: tl.constexpr,
@@ -182,11 +199,7 @@ if HAS_TRITON:
             c = tl.where(ms > float("-inf"), tl.exp(ms - mm), 0.0)
             l += c * tl.load(w + GP + rg)  # noqa: E741
             acc += c[:, None] * tl.load(w + 2 * GP + rg[:, None] * D + rd[None, :])
-        y = tl.where(live[:, None], tl.math.div_rn(acc, tl.where(live, l, 1.0)[:, None]), 0.0)
-        b = bh // NKV
-        h = bh % NKV
-        tl.store(out_ptr + b * sob + h * soh + rg[:, None] * sog + rd[None, :], cast_out(y, out_ptr),
-                 mask=rg[:, None] < G)  # fmt: skip
+        _finish(acc, l, live, out_ptr, bh // NKV, bh % NKV, sob, soh, sog, rg, rd, G)
 
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the kernel takes (fp64: the reference)
@@ -194,12 +207,14 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the kernel takes
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
                      last: torch.Tensor, rows: torch.Tensor | None = None, *, block_s: int = 64,
-                     splits: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                     splits: int | None = None, num_warps: int = 4, finish_one_split: bool = True) -> torch.Tensor:
     """Decode attention (module docstring): ``q`` ``[B, nkv, g, D]``, ``k``/``v`` ``[B, nkv, S, D]`` (the
     cache buffers), ``key_mask`` ``[B, S]`` (True: a key the query may see), ``last`` ``[1]`` integer on
     the device (the last column that may hold a key; the columns after it are not read), ``rows`` ``[B]`` bool
     or None (False: the row's output is zeros) -> ``[B, nkv, g, D]`` in ``q``'s dtype. ``splits`` None
-    picks ``splits_for``; D must be a power of two (the built-in presets' 32 and 64)."""
+    picks ``splits_for``; D must be a power of two (the built-in presets' 32 and 64). ``finish_one_split``
+    (a launch option, the same bits either way): with one split, the split kernel also does the combine's
+    arithmetic and writes the output (one launch, no workspace)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use decode_attention_reference")
     _check(q, k, v, key_mask, last, rows)
@@ -224,18 +239,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     out = torch.empty_like(q)
     if q.numel() == 0:
         return out
-    ws = torch.empty(b * h * split * gp * (d + 2), dtype=torch.float32, device=q.device)
+    finish = split == 1 and finish_one_split
+    ws = out if finish else torch.empty(b * h * split * gp * (d + 2), dtype=torch.float32, device=q.device)
     live = mask if rows is None else rows.contiguous().view(torch.uint8)  # any pointer when ROWS is off
     _split_kernel[(b * h, split)](
-        q, k, v, mask, last, live, ws, s, h, g, 1.0 / math.sqrt(d),
+        q, k, v, mask, last, live, ws, out, s, h, g, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), mask.stride(0),
+        v.stride(0), v.stride(1), v.stride(2), mask.stride(0), out.stride(0), out.stride(1), out.stride(2),
         GP=gp, D=d, BLOCK_S=block_s, CHUNK=chunk, SPLITS=split, F32=q.dtype == torch.float32,
         PSCALE=32768.0 if q.dtype == torch.float16 else 1.0, INTERP=interpreted(q), ROWS=rows is not None,
-        num_warps=num_warps, **EXACT,
+        FINISH=finish, num_warps=num_warps, **EXACT,
     )  # fmt: skip
-    _combine_kernel[(b * h,)](ws, out, h, g, out.stride(0), out.stride(1), out.stride(2), GP=gp, D=d,
-                              SPLITS=split, num_warps=num_warps, **EXACT)  # fmt: skip
+    if not finish:
+        _combine_kernel[(b * h,)](ws, out, h, g, out.stride(0), out.stride(1), out.stride(2), GP=gp, D=d,
+                                  SPLITS=split, num_warps=num_warps, **EXACT)  # fmt: skip
     return out
 
 
