@@ -840,14 +840,14 @@ def grouped_gemm(
     d = _cfg("w4a16_grouped_gemm", case, block_m=block_m, block_n=block_n, block_k=block_k,
              num_warps=num_warps, num_stages=num_stages, split_k=split_k, max_registers=max_registers, sub_k=sub_k)  # fmt: skip
     rpe = fused_max_rows_per_expert
-    if rows is not None and (t > e * (rpe if rpe is not None else tuning.config("w4a16_dispatch", "grouped")[
-            "fused_max_rows_per_expert"]) or (backend or d.get("backend")) == "cuda"):
-        x, rows = x[rows], None  # the paths below read the sorted rows themselves
-    if t > e * (rpe if rpe is not None else tuning.config("w4a16_dispatch", "grouped")["fused_max_rows_per_expert"]):
-        y = torch._grouped_mm(x, dequantize_bf16(w).transpose(-2, -1), offs=ends)
-        rows = torch.arange(t, device=x.device)
-        return torch.where((rows < ends[-1])[:, None], y, 0.0)  # rows past the last offset are not written
+    dequant = t > e * (rpe if rpe is not None else tuning.config("w4a16_dispatch", "grouped")["fused_max_rows_per_expert"])
     choice = backend or d.get("backend") or "triton"
+    if rows is not None and (dequant or choice == "cuda"):
+        x, rows = x[rows], None  # these paths read the sorted rows themselves
+    if dequant:
+        y = torch._grouped_mm(x, dequantize_bf16(w).transpose(-2, -1), offs=ends)
+        written = torch.arange(t, device=x.device) < ends[-1]
+        return torch.where(written[:, None], y, 0.0)  # rows past the last offset are not written
     if choice not in ("triton", "cuda"):
         raise ValueError(f"w4a16.grouped_gemm: backend must be triton or cuda, got {choice!r}")
     if choice == "cuda":
