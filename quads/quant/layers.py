@@ -534,8 +534,15 @@ class QuantizedExperts(_QuantizedBase):
                                        w_amp=store.get_amplified() if amplified else None)
             return routes.unpad(y)
 
-        gate, up = gemm("gate_up_proj", hidden_states, tokens).chunk(2, dim=-1)  # the tokens' rows sorted by expert
-        ys = gemm("down_proj", self.act_fn(gate) * up)  # [T*k, H] sorted, zero rows at masked slots
+        gate_up = self.stores["gate_up_proj"]
+        if (self.spec.act == "none" and not amplified and isinstance(self.act_fn, nn.SiLU)
+                and gate_up.use_packed(hidden_states)):
+            # silu(gate) * up in the grouped kernel's epilogue (no [T*k, 2I] product written)
+            h = w4a16.grouped_op(hidden_states, gate_up.get_packed(), routes.ends, tokens, gated=True)
+        else:
+            gate, up = gemm("gate_up_proj", hidden_states, tokens).chunk(2, dim=-1)  # the tokens' rows by expert
+            h = self.act_fn(gate) * up
+        ys = gemm("down_proj", h)  # [T*k, H] sorted, zero rows at masked slots
         # each token's sorted rows and their route weights gathered in ascending expert id (no scatter, no sort):
         # the same products as weighting the sorted rows first, which Inductor fuses with the gathers into the sum
         # (no [T*k, H] weighted copy)
