@@ -17,7 +17,7 @@ echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/gpu_tests.txt
 E2E="benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 --long-tokens 0 --graphs on --compile on"
 timeout $(cap 240) python3 $E2E --recipes bf16,w4a16,w4a4+rac50 --json $OUT/e2e.json > $OUT/e2e.log 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e.log
-mkdir -p /tmp/base && git archive c7252983cc6aa5a26ed7ea63e1c2cdf1ccb4af5d | tar -x -C /tmp/base && (cd /tmp/base && \
+mkdir -p /tmp/base && git archive c725298724e00180f5510dc51732af2706d73299 | tar -x -C /tmp/base && (cd /tmp/base && \
   PYTHONPATH=. timeout $(cap 150) python3 $E2E --recipes bf16,w4a16 --json $OUT/e2e_base.json > $OUT/e2e_base.log 2>&1
   echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e_base.log)
 timeout $(cap 90) python3 benchmarks/bench_e2e.py --suites profile --preset 1b --profile-recipes w4a16 --graphs on \
