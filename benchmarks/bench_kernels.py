@@ -448,9 +448,12 @@ def bench_rac(rows: list) -> None:
                      "count_over_sort": t["count"] / t["sort"], "x_vs_unfused": t["unfused"] / t[default]})  # fmt: skip
 
 
-# the select kernel's configs the rac_select suite times: (sort_run, select_warps, select_rows), None = tuning.json's rac_select
-RAC_SELECT_CONFIGS = ((None, None, None), (None, None, 8), (None, None, 16), (None, 16, None), (None, 16, 16),
-                      (256, None, None), (128, 16, None), (128, 16, 16))
+# the select kernel's configs the rac_select suite times: (sort_run, select_warps, select_rows, split_runs), None =
+# tuning.json's rac_select; the split ones (a program per run, two launches) first, then the one-program ones
+RAC_SELECT_CONFIGS = ((None, None, None, None), (256, None, None, True), (128, None, None, True), (64, None, None, True),
+                      (128, None, 16, True), (64, 2, 16, True), (None, None, 8, None), (None, None, 16, None),
+                      (None, 16, None, None), (None, 16, 16, None), (256, None, None, None), (128, 16, None, None),
+                      (128, 16, 16, None))
 
 
 def bench_rac_select(rows: list) -> None:
@@ -473,11 +476,11 @@ def bench_rac_select(rows: list) -> None:
             rs = [x.float() - factored.operands(x, segs, n=0, dtype=torch.float32).dequantized() for x in xs]
         out = torch.empty(tokens * topk, k, dtype=torch.bfloat16, device="cuda")
         ref = None
-        for run, warps, sel_rows in RAC_SELECT_CONFIGS:
+        for run, warps, sel_rows, split in RAC_SELECT_CONFIGS:
             if run is not None and run >= k:
                 continue
             call = [lambda r=r: rac_units(r, segs.group, e, out, n=k // 2, method="sort", sort_run=run,
-                                          select_warps=warps, select_rows=sel_rows) for r in rs]  # fmt: skip
+                                          select_warps=warps, select_rows=sel_rows, split_runs=split) for r in rs]  # fmt: skip
             call[0]()
             same = True
             if ref is None:
@@ -487,7 +490,7 @@ def bench_rac_select(rows: list) -> None:
             us = time_graph(call) * 1e6
             rows.append({"bench": "RAC 50% residual operand (1b decode)", "shape": f"{what} M={tokens * topk} E={e} "
                          f"K={k} n={k // 2}", "us": us, "sort_run": run, "select_warps": warps,
-                         "select_rows": sel_rows, "same_bits_as_default": same})  # fmt: skip
+                         "select_rows": sel_rows, "split_runs": split, "same_bits_as_default": same})  # fmt: skip
             print("timed", json.dumps(rows[-1]), flush=True)  # as each is timed (the compiles are long); "row" at the end
 
 

@@ -521,18 +521,20 @@ def test_sorted_runs_merged_are_torch_stable_argsort(gpu_form):
 @pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
 def test_sort_units_one_row_per_program(per_token):
     """The sort path as launched on the GPU (one row per program of the units kernel; one sorted run, or
-    runs of 16 and 32 channels merged; the norms' rows loaded 1, 3 or 16 at a time) equals the count path, byte
-    for byte (u, S_dec, S), masked rows and an empty group included."""
+    runs of 16 and 32 channels merged, in the select kernel or by a program per run (``split_runs``); the
+    norms' rows loaded 1, 3 or 16 at a time) equals the count path, byte for byte (u, S_dec, S), masked rows
+    and an empty group included."""
     from quads.kernels import rac_select
 
     x, segs = _rac_rows(11, 64, [3, 0, 4], masked=2)
     r = x - nvfp4.dequantize(nvfp4.quantize(x), torch.float32)
     outs = []
-    for method, bm, run, rows in (("count", None, None, None), ("sort", 1, None, None), ("sort", 1, 16, 3),
-                                  ("sort", 1, 32, 16), ("sort", 1, None, 1)):
+    for method, bm, run, rows, split in (("count", None, None, None, None), ("sort", 1, None, None, None),
+                                         ("sort", 1, 16, 3, False), ("sort", 1, 32, 16, False), ("sort", 1, None, 1, None),
+                                         ("sort", 1, 16, 3, True), ("sort", 1, 32, 2, True)):
         out = torch.full_like(r, 7.0)  # every element written: selected values or zero
         g, s = rac_select.rac_units(r, segs.group, segs.groups, out, n=32, per_token=per_token, method=method,
-                                    block_m=bm, sort_run=run, select_rows=rows)
+                                    block_m=bm, sort_run=run, select_rows=rows, split_runs=split)
         outs.append((out, g, s))
     for got in outs[1:]:
         for a, b in zip(outs[0], got):
@@ -557,6 +559,10 @@ def test_rac_method_default_and_errors():
         rac_select.rac_units(r[:, :64].contiguous(), None, 1, out[:, :64], n=16, method="rank")
     with pytest.raises(ValueError, match="sort_run must be a power of two"):
         rac_select.rac_units(r[:, :64].contiguous(), None, 1, out[:, :64], n=16, method="sort", sort_run=24)
+    with pytest.raises(ValueError, match="split_runs needs runs shorter"):
+        rac_select.rac_units(r[:, :64].contiguous(), None, 1, out[:, :64], n=16, method="sort", split_runs=True)
+    with pytest.raises(ValueError, match="split_runs needs method='sort'"):
+        rac_select.rac_units(r[:, :64].contiguous(), None, 1, out[:, :64], n=16, method="count", split_runs=True)
     with pytest.raises(ValueError, match="select_rows must be >= 1"):
         rac_select.rac_units(r[:, :64].contiguous(), None, 1, out[:, :64], n=16, method="sort", select_rows=0)
 

@@ -299,9 +299,12 @@ def test_rac_sort_equals_count_cuda(k, n, per_token):
         rr = r if grp is not None else r[64:576].contiguous()
         outs = []
         runs = (None, 128) if k <= 1024 else (None,)  # sorted runs merged (sort_run) where they unroll small
-        for method, run in (("count", None),) + tuple(("sort", v) for v in runs):
+        cfgs = (("count", None, None),) + tuple(("sort", v, None) for v in runs) + tuple(
+            ("sort", v, True) for v in runs if v is not None and v < k)  # a program per run (split_runs)
+        for method, run, split in cfgs:
             out = torch.full_like(rr, 7.0).bfloat16()
-            gs, s = rac_units(rr, grp, groups, out, n=n, per_token=per_token, method=method, sort_run=run)
+            gs, s = rac_units(rr, grp, groups, out, n=n, per_token=per_token, method=method, sort_run=run,
+                              split_runs=split)
             outs.append((out.view(torch.int16), gs.view(torch.int32), s))
         for got in outs[1:]:
             for a, b in zip(outs[0], got):

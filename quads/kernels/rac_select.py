@@ -34,6 +34,12 @@ Shared numerics (both methods, so that they select the same channels bit for bit
    (``per_token``: NaN-ignoring max of the row; else ``gmax`` of its group), the canonical NVFP4
    quantize (``nvfp4_quant._units_tile``), ``u`` scattered to its channels, zero outside S; S_dec.
 
+   With ``split_runs`` (runs shorter than KP), step 1 is two launches of a program per (group, run) instead
+   of one per group: ``_rac_run_sort_kernel`` sums its run's norms and maxima and sorts the run into the
+   scratch rows, ``_rac_run_rank_kernel`` ranks its run's pairs by binary searches of every run, stores S and
+   rank, and its run's part of ``gmax`` (the max over the run's selected channels; the units kernel takes the
+   max over the parts): the same numbers, each group's chain of barriers cut into runs that run side by side.
+
 ``method="count"`` (any K; the default for one group and for K > ``SORT_MAX_K``), three kernels:
 
 1. ``_rac_norms_kernel`` (grid G+1 x K-blocks, G+1: the masked rows' group too): norms and maxima per
@@ -321,13 +327,86 @@ if HAS_TRITON:
                     tl.store(gmax_ptr + G, tl.max(tl.where(sel, mmax, 0.0), axis=0))
 
     @triton.jit
+    def _before(pk, pi, key, idx):
+        """Whether pair (pk, pi) comes before (key, idx): key descending, equal keys by idx ascending."""
+        return (pk > key) | ((pk == key) & (pi < idx))
+
+    @triton.jit
+    def _rac_run_sort_kernel(
+        r_ptr, group_ptr, sk_ptr, si_ptr, cmax_ptr, M, K, ONE_GROUP: tl.constexpr, PER_TOKEN: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_G: tl.constexpr, LOG_K: tl.constexpr, LOG_L: tl.constexpr, INTERP: tl.constexpr,
+    ):  # fmt: skip
+        """Program (g, w), the split runs' first launch: the fp64 norms and |r| maxima of group g's channels
+        [w L, (w + 1) L) (L = 2**LOG_L), as ``_rac_select_kernel`` sums them, the run's (key, channel) pairs sorted
+        in registers (``_sort_rows``) and stored to ``sk`` / ``si`` [g, w L:(w + 1) L], the maxima to ``cmax``."""
+        g = tl.program_id(0)
+        L: tl.constexpr = 1 << LOG_L
+        c = tl.program_id(1) * L + tl.arange(0, L)
+        cmask = c < K
+        start, end = _group_rows(group_ptr, g, M, ONE_GROUP, BLOCK_G)
+        acc = tl.zeros((L,), tl.float64)
+        cmax = tl.zeros((L,), tl.float32)
+        for i0 in range(start, end, ROWS):
+            acc, cmax = _accumulate_rows(acc, cmax, r_ptr, i0, end, c, cmask, K, ROWS, not PER_TOKEN)
+        key = tl.where(cmask, _sort_key(acc), -1)  # padded channels after every real one
+        rk, ri = _sort_rows(tl.reshape(key, (1, L)), tl.reshape(c, (1, L)), 1, LOG_L, INTERP)
+        off = g.to(tl.int64) * (1 << LOG_K) + c
+        tl.store(sk_ptr + off, tl.reshape(rk, (L,)))
+        tl.store(si_ptr + off, tl.reshape(ri, (L,)))
+        if not PER_TOKEN:
+            tl.store(cmax_ptr + off, cmax)
+
+    @triton.jit
+    def _rac_run_rank_kernel(
+        r_ptr, group_ptr, sk_ptr, si_ptr, cmax_ptr, s_ptr, rank_ptr, gmax_ptr, M, K, n, G, ONE_GROUP: tl.constexpr,
+        PER_TOKEN: tl.constexpr, BLOCK_G: tl.constexpr, LOG_K: tl.constexpr, LOG_L: tl.constexpr,
+    ):  # fmt: skip
+        """Program (g, w), the split runs' second launch: the rank of each pair of group g's sorted run w among
+        all KP pairs = the sum over the runs of how many of that run's pairs come before it (a binary search of
+        each, as ``_merge_ranks``); stores S[g] (ranks < n), rank[g, c] and the run's part of gmax, ``gmax[g, w]``
+        = the max of the selected channels' |r| maxima (the units kernel takes the max over w); the last group's
+        programs also ``gmax[G, w]`` of the masked rows (group G) over the same S."""
+        g = tl.program_id(0)
+        w = tl.program_id(1)
+        L: tl.constexpr = 1 << LOG_L
+        W: tl.constexpr = 1 << (LOG_K - LOG_L)
+        base = g.to(tl.int64) * (1 << LOG_K)
+        own = w * L + tl.arange(0, L)
+        key = tl.load(sk_ptr + base + own)
+        idx = tl.load(si_ptr + base + own)
+        rank = tl.zeros((L,), tl.int32)
+        for v in tl.static_range(W):
+            pos = tl.zeros((L,), tl.int32)
+            for b in tl.static_range(LOG_L):  # the largest pos with every pair of run v before it before ours
+                step = 1 << (LOG_L - 1 - b)
+                at = base + v * L + pos + (step - 1)
+                pos = tl.where(_before(tl.load(sk_ptr + at), tl.load(si_ptr + at), key, idx), pos + step, pos)
+            at = base + v * L + pos  # ... and the pair at pos itself: a count in [0, L]
+            rank += pos + _before(tl.load(sk_ptr + at), tl.load(si_ptr + at), key, idx).to(tl.int32)
+        tl.store(s_ptr + g * n + rank, idx.to(tl.int64), mask=rank < n)
+        tl.store(rank_ptr + g * K + idx, rank, mask=idx < K)
+        if not PER_TOKEN:
+            sel = rank < n  # padded channels rank after the K real ones, so never below n <= K
+            cmax = tl.load(cmax_ptr + base + idx, mask=sel, other=0.0)
+            tl.store(gmax_ptr + g * W + w, tl.max(tl.where(sel, cmax, 0.0), axis=0))
+            if not ONE_GROUP:
+                if g == G - 1:  # the masked rows [end, M) (group G) take this group's S
+                    start, end = _group_rows(group_ptr, g, M, ONE_GROUP, BLOCK_G)
+                    mmax = tl.zeros((L,), tl.float32)
+                    for i in range(end, M):
+                        r = tl.load(r_ptr + i * K + idx, mask=sel, other=0.0)
+                        mmax = tl.maximum(mmax, tl.where(r != r, 0.0, tl.abs(r)))
+                    tl.store(gmax_ptr + G * W + w, tl.max(tl.where(sel, mmax, 0.0), axis=0))
+
+    @triton.jit
     def _rac_units_sel_kernel(
         r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, u_ptr, g_ptr, M, K, n, G, stride_um, ONE_GROUP: tl.constexpr,
         PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GMAX_PARTS: tl.constexpr,
     ):  # fmt: skip
         """Rows ``[BLOCK_M]`` (one on the GPU; the rows are independent) of the sort path: each row's gathered
-        R[i, S] in one tile, its amax (the row's, or gmax of its group), NVFP4 quantize, u scattered to S,
-        zero outside S, S_dec."""
+        R[i, S] in one tile, its amax (the row's, or gmax of its group: the max of its ``GMAX_PARTS`` parts),
+        NVFP4 quantize, u scattered to S, zero outside S, S_dec."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         grp, gs = _row_groups(group_ptr, rows, rmask, G, ONE_GROUP, BLOCK_M)
@@ -338,7 +417,9 @@ if HAS_TRITON:
         if PER_TOKEN:
             amax = tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1)
         else:
-            amax = tl.load(gmax_ptr + grp, mask=rmask, other=0.0)
+            amax = tl.load(gmax_ptr + grp * GMAX_PARTS, mask=rmask, other=0.0)
+            for p in tl.static_range(1, GMAX_PARTS):
+                amax = tl.maximum(amax, tl.load(gmax_ptr + grp * GMAX_PARTS + p, mask=rmask, other=0.0))
         s_enc, s_dec = _global_scales(amax)
         tl.store(g_ptr + rows, s_dec, mask=rmask)
         _, _, u = _units_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_N)
@@ -376,6 +457,7 @@ def rac_units(
     sort_run: int | None = None,
     select_warps: int | None = None,
     select_rows: int | None = None,
+    split_runs: bool | None = None,
     block_m: int | None = None,
     block_k: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -388,8 +470,11 @@ def rac_units(
     power of two, or null: one run of all K (padded to a power of two, KP); the same order either way.
     ``select_warps``: the select kernel's warps (null: KP / 128, within 4..16); ``select_rows``: rows whose loads
     the select kernel issues together when it sums a group's norms (null: 4096 / KP, within 1..8; the same sums
-    in the same row order either way). These three, None: ``tuning.json`` ``rac_select`` for KP (launch options,
-    the same bits under each). ``block_m``: rows per
+    in the same row order either way). ``split_runs`` (with runs shorter than KP): each run's norms and sort by a
+    program of its own (grid groups x runs, ``_rac_run_sort_kernel``), the ranks merged by a second launch of as
+    many programs (``_rac_run_rank_kernel``), where the select kernel runs one program per group; ``select_warps``
+    are then the run kernels' (null: L / 64 for runs of L, within 2..8). These four, None: ``tuning.json``
+    ``rac_select`` for KP (launch options, the same bits under each). ``block_m``: rows per
     program of the units kernel (None: 16 for ``count``; for ``sort`` 1 on the GPU, 16 under the
     interpreter, whose cost is per program); ``block_k``: the count path's units tile width."""
     if not HAS_TRITON:
@@ -408,6 +493,8 @@ def rac_units(
                          f"with method={method!r}")
     if select_rows is not None and select_rows < 1:
         raise ValueError(f"rac_units: select_rows must be >= 1, got {select_rows}")
+    if split_runs and method != "sort":
+        raise ValueError(f"rac_units: split_runs needs method='sort', got method={method!r}")
     one = group is None
     n_sel = 1 if one else groups  # groups that own a channel set (the masked rows' group G does not)
     grp = r if one else group.contiguous()  # a placeholder pointer for one group
@@ -419,11 +506,16 @@ def rac_units(
         run = tuned["sort_run"] if sort_run is None else sort_run
         warps = tuned["select_warps"] if select_warps is None else select_warps
         rows = tuned["select_rows"] if select_rows is None else select_rows
+        split = bool(tuned.get("split_runs") if split_runs is None else split_runs)
         bm = (16 if interpreted(r) else 1) if block_m is None else block_m
         log_w = 0 if run is None or run >= kp else (kp // run).bit_length() - 1
-        warps = max(4, min(16, kp // 128)) if warps is None else warps
+        if split and not log_w:
+            raise ValueError(f"rac_units: split_runs needs runs shorter than K padded to a power of two ({kp}), "
+                             f"got sort_run={run}")
+        if warps is None:
+            warps = max(2, min(8, (kp >> log_w) // 64)) if split else max(4, min(16, kp // 128))
         rows = max(1, min(8, 4096 // kp)) if rows is None else rows
-        _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, bm, log_w, warps, rows)
+        _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, bm, log_w, warps, rows, split)
     else:
         _count_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m or 16, block_k)
     return g, s
@@ -446,24 +538,35 @@ def group_norms(r: torch.Tensor, group: torch.Tensor | None, groups: int) -> tor
     return norms
 
 
-def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, log_w, warps, rows) -> None:
-    """The sort path's two launches (module docstring); ``log_w``: log2 of the sorted runs (0: one run);
-    ``warps``: the select kernel's; ``rows``: its rows loaded together."""
+def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, log_w, warps, rows, split) -> None:
+    """The sort path's launches (module docstring); ``log_w``: log2 of the sorted runs (0: one run);
+    ``warps``: the select kernel's (``split``: the run kernels'); ``rows``: its rows loaded together; ``split``
+    (``log_w`` > 0): each run's norms and sort by its own program, the ranks merged by a second launch."""
     m, k = r.shape
     kp = triton.next_power_of_2(k)
-    gmax = torch.empty(n_sel + (not one), dtype=torch.float32, device=r.device)  # per group (with G)
+    parts = (1 << log_w) if split else 1  # gmax per group (with G), in parts
+    gmax = torch.empty((n_sel + (not one)) * parts, dtype=torch.float32, device=r.device)
     sk = torch.empty(n_sel, kp, dtype=torch.long, device=r.device) if log_w else gmax  # the merge's scratch
     si = torch.empty(n_sel, kp, dtype=torch.int32, device=r.device) if log_w else gmax
-    _rac_select_kernel[(n_sel,)](
-        r, grp, s, rank, gmax, sk, si, m, k, n, n_sel, ONE_GROUP=one, PER_TOKEN=per_token,
-        ROWS=rows, BLOCK_G=min(2048, triton.next_power_of_2(m)), LOG_K=kp.bit_length() - 1,
-        LOG_W=log_w, INTERP=interpreted(r),
-        num_warps=warps,
-    )  # fmt: skip
+    common = dict(ONE_GROUP=one, PER_TOKEN=per_token, BLOCK_G=min(2048, triton.next_power_of_2(m)),
+                  LOG_K=kp.bit_length() - 1)
+    if split:
+        cmax = torch.empty(n_sel, kp, dtype=torch.float32, device=r.device)
+        log_l = kp.bit_length() - 1 - log_w
+        _rac_run_sort_kernel[(n_sel, parts)](r, grp, sk, si, cmax, m, k, ROWS=rows, LOG_L=log_l,
+                                             INTERP=interpreted(r), num_warps=warps, **common)  # fmt: skip
+        _rac_run_rank_kernel[(n_sel, parts)](r, grp, sk, si, cmax, s, rank, gmax, m, k, n, n_sel, LOG_L=log_l,
+                                             num_warps=warps, **common)  # fmt: skip
+    else:
+        _rac_select_kernel[(n_sel,)](
+            r, grp, s, rank, gmax, sk, si, m, k, n, n_sel, ROWS=rows, LOG_W=log_w, INTERP=interpreted(r),
+            num_warps=warps, **common,
+        )  # fmt: skip
     bn = max(NVFP4_BLOCK, triton.next_power_of_2(n))
     _rac_units_sel_kernel[(triton.cdiv(m, block_m),)](
         r, grp, s, rank, gmax, out, g, m, k, n, n_sel, out.stride(0), ONE_GROUP=one, PER_TOKEN=per_token,
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=min(kp, 1024), num_warps=4 if block_m * bn <= 1024 else 8, **EXACT,
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=min(kp, 1024), GMAX_PARTS=parts,
+        num_warps=4 if block_m * bn <= 1024 else 8, **EXACT,
     )  # fmt: skip
 
 
