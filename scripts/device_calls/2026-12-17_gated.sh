@@ -3,7 +3,8 @@
 # the route weights applied after the per-token gather (no weighted [T*k, H] copy), decode attention's one split
 # finished in its split kernel: GPU tests (the one-split finish, the gated kernel and the W4A16 rollout layers, graph =
 # no graph for the compiled w4a16 / RAC steps), the 1b e2e rows of this tree (three recipes, one run) and of c725298
-# (the tree before this session: bf16, w4a16) on the same machine, then the w4a16 step's profile. One GPU, <= 580 s
+# (the tree before this session: bf16, w4a16) on the same machine, between them the gated kernel alone at several N
+# tiles (bench_kernels --only gated). One GPU, <= 580 s
 # (TOTAL=<s> for less).
 # OUT=$OUT bash scripts/device_calls/2026-12-17_gated.sh
 export PYTHONPATH=.; mkdir -p $OUT; git rev-parse HEAD > $OUT/tree.txt 2>&1; git status --short >> $OUT/tree.txt
@@ -17,11 +18,10 @@ echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/gpu_tests.txt
 E2E="benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 --long-tokens 0 --graphs on --compile on"
 timeout $(cap 240) python3 $E2E --recipes bf16,w4a16,w4a4+rac50 --json $OUT/e2e.json > $OUT/e2e.log 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e.log
+timeout $(cap 90) python3 benchmarks/bench_kernels.py --only gated --json $OUT/gated.json > $OUT/gated.log 2>&1
+echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/gated.log
 mkdir -p /tmp/base && git archive c725298724e00180f5510dc51732af2706d73299 | tar -x -C /tmp/base && (cd /tmp/base && \
-  PYTHONPATH=. timeout $(cap 150) python3 $E2E --recipes bf16,w4a16 --json $OUT/e2e_base.json > $OUT/e2e_base.log 2>&1
+  PYTHONPATH=. timeout $(cap 140) python3 $E2E --recipes bf16,w4a16 --json $OUT/e2e_base.json > $OUT/e2e_base.log 2>&1
   echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e_base.log)
-timeout $(cap 90) python3 benchmarks/bench_e2e.py --suites profile --preset 1b --profile-recipes w4a16 --graphs on \
-  --compile on --profile-top 0 --json $OUT/profile_1b_w4a16.json > $OUT/profile_1b_w4a16.log 2>&1
-echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/profile_1b_w4a16.log
 tail -n 3 $OUT/gpu_tests.txt; grep -h "^rollout\|rc=" $OUT/e2e.log $OUT/e2e_base.log | cut -c1-160
-python3 scripts/device_calls/print_profile.py $OUT/profile_1b_w4a16.json --top 25 2>&1 | cut -c1-110; true
+grep -h "^timed\|rc=" $OUT/gated.log | cut -c1-260; true
