@@ -342,37 +342,6 @@ def bench_routes(rows: list) -> None:
                      "same_as_reference": same})  # fmt: skip
 
 
-def bench_gated(rows: list) -> None:
-    """The MoE gate-and-up GEMM with its gating (``silu(gate) * up``) at the 1b decode (1,024 sorted rows read from
-    128 tokens, 64 experts, gate_up [64, 512, 1024]) and Qwen3-30B-A3B's gate_up: ``w4a16.grouped_gemm(gated=True)``
-    (the gate in the epilogue) at several N tiles, against the product then the gating compiled by Inductor (as
-    the decode step ran it before), CUDA-graph replays over 8 weight stacks; each checks that its output equals the
-    first config's."""
-    from quads.kernels import nvfp4_quant, w4a16
-    from quads.model.moe import static_routes
-
-    gating = torch.compile(lambda y: w4a16.silu_mul(y), dynamic=False, fullgraph=True)
-    for e, n, k, tokens, topk, what in ((64, 512, 1024, 128, 8, "1b gate_up"), (128, 1536, 2048, 64, 8, "qwen3 gate_up")):
-        g = torch.Generator().manual_seed(0)
-        routes = static_routes(torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)]).cuda(), e)
-        rows_idx = routes.order // topk
-        x = torch.randn(tokens, k, device="cuda").bfloat16()
-        sets = []
-        for _ in range(8):
-            w = (torch.randn(e, n, k, device="cuda") * 0.02).bfloat16()
-            sets.append(w4a16.pack(nvfp4_quant.nvfp4_quantize(w, amax=w.float().abs().amax(dim=(-2, -1), keepdim=True))))
-        want = w4a16.grouped_gemm(x, sets[0], routes.ends, rows=rows_idx, gated=True)
-        t_two = time_graph([lambda p=p: gating(w4a16.grouped_gemm(x, p, routes.ends, rows=rows_idx)) for p in sets])
-        for bn in (None, 32, 16):
-            got = w4a16.grouped_gemm(x, sets[0], routes.ends, rows=rows_idx, gated=True, block_n=bn)
-            t = time_graph([lambda p=p: w4a16.grouped_gemm(x, p, routes.ends, rows=rows_idx, gated=True, block_n=bn)
-                            for p in sets])  # fmt: skip
-            rows.append({"bench": "grouped W4A16 gate_up + gating", "shape": f"{what} T={tokens} top{topk} E={e} N={n} "
-                         f"K={k}", "block_n": bn, "us": t * 1e6, "product_then_inductor_gating_us": t_two * 1e6,
-                         "x_vs_two": t_two / t, "same_as_first": bool(torch.equal(got, want))})  # fmt: skip
-            print("timed", json.dumps(rows[-1]), flush=True)
-
-
 def bench_prologue(rows: list) -> None:
     """The decode step's attention prologue at the engine's shapes (128 rows, one new token, a cache of S
     columns): ``decode_qkv`` (q/k norm, RoPE, the cache write in one kernel) against the same operations
@@ -865,7 +834,7 @@ def _fmt(v) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
-    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,rac,attention,prologue", help="comma list of suites (and: rac_select, routes, gated, tune)")
+    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,rac,attention,prologue", help="comma list of suites (and: rac_select, routes, tune)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--ms", default="", help="comma list of W4A16 token counts (default: all)")
     ap.add_argument(
@@ -893,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {"quantize": lambda: bench_quantize(rows, copy_bw, args.quick),
                "w4a16": lambda: bench_w4a16(rows, copy_bw, args.quick),
                "moe": lambda: bench_moe(rows, args.quick, copy_bw), "w4a4": lambda: bench_w4a4(rows),
-               "rac": lambda: bench_rac(rows), "rac_select": lambda: bench_rac_select(rows), "gated": lambda: bench_gated(rows), "attention": lambda: bench_attention(rows, copy_bw),
+               "rac": lambda: bench_rac(rows), "rac_select": lambda: bench_rac_select(rows), "attention": lambda: bench_attention(rows, copy_bw),
                "prologue": lambda: bench_prologue(rows), "routes": lambda: bench_routes(rows),
                "tune": lambda: bench_tune(rows, args.workers, args.tuning_out, args.tune_kinds,
                                           args.tune_moe_shapes)}  # fmt: skip

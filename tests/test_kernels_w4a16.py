@@ -357,36 +357,6 @@ def test_grouped_gemm_matches_reference(t, e, n, k, masked):
         w4a16.grouped_gemm(tokens, p, routes.ends, rows=rows.int())
 
 
-@pytest.mark.parametrize("n,bn", [(96, 32), (80, 32)], ids=str)
-def test_grouped_gemm_gated_is_silu_of_gate_times_up(n, bn):
-    """``gated``: ``silu_mul`` of the product ``[T, 2I]`` -> ``[T, I]``. The Triton kernel's epilogue (each program
-    the gate tile and the up tile I rows further; I = 48 is a whole number of N tiles, I = 40 is not) equals
-    ``silu_mul`` of the ungated kernel's own output up to the sigmoid's last fp32 bits (so one BF16 ulp);
-    split-K and the dequant path apply ``silu_mul`` to their product; rows of masked slots stay zero; the gathered
-    rows read in place; an odd N is refused."""
-    t, e, k = 7, 4, 128
-    q = _weight((e, n, k), experts_amax=True)
-    p = w4a16.pack(q)
-    routes = _routes(t, 2, e, masked=2)
-    tokens = _x(t, k)
-    rows = routes.order // 2
-    valid = int(routes.ends[-1])
-    plain = w4a16.grouped_gemm(tokens, p, routes.ends, rows=rows, block_m=16, block_n=bn, split_k=1)
-    want = w4a16.silu_mul(plain)
-    assert want.shape == (t * 2, n // 2)
-    got = w4a16.grouped_gemm(tokens, p, routes.ends, rows=rows, block_m=16, block_n=bn, split_k=1, gated=True)
-    _bf16_close(got, want, "gated epilogue")
-    assert (got == want).float().mean() > 0.9, "the epilogue's sigmoid should differ from torch's in rare elements only"
-    assert (got[valid:] == 0).all(), "rows of masked slots must be zeros"
-    ref = w4a16.silu_mul(w4a16.grouped_gemm_reference(tokens, p, routes.ends, rows=rows))
-    _bf16_close(got, ref, "gated vs reference")
-    for kw in (dict(block_k=64, split_k=2), dict(fused_max_rows_per_expert=0)):  # silu_mul after the product
-        _bf16_close(w4a16.grouped_gemm(tokens, p, routes.ends, rows=rows, gated=True, **kw), ref, f"gated {kw}")
-    odd = w4a16.pack(_weight((e, 33, k), experts_amax=True))
-    with pytest.raises(ValueError, match="even N"):
-        w4a16.grouped_gemm(tokens, odd, routes.ends, rows=rows, gated=True)
-
-
 def test_a_single_weight_is_a_one_expert_stack():
     """``W4A16Weight.as_stack``: views of the single weight's tensors whose grouped GEMM over ``ends = [M]``
     is the dense GEMM (to fp32 summation order) and whose unpacked stack is the canonical weight, byte for byte."""

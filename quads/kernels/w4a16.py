@@ -205,15 +205,6 @@ def grouped_gemm_reference(x: torch.Tensor, w: W4A16Weight, ends: torch.Tensor,
     return out
 
 
-def silu_mul(y: torch.Tensor) -> torch.Tensor:
-    """``F.silu(g) * u`` of ``y = [g | u]`` ``[..., 2n]`` -> ``[..., n]`` in ``y.dtype`` (eager PyTorch's roundings:
-    silu(g) rounded to ``y.dtype``, then the product; the experts' MLP as the trainer and the reference paths
-    compute it). The gated grouped kernel's epilogue computes the same, its sigmoid possibly differing from
-    torch's in the last fp32 bits."""
-    g, u = y.chunk(2, dim=-1)
-    return torch.nn.functional.silu(g) * u
-
-
 def supports(x: torch.Tensor) -> bool:
     """Whether the kernels take activations ``x`` (BF16; the reference path covers everything else)."""
     return x.dtype == torch.bfloat16
@@ -495,33 +486,18 @@ if HAS_TRITON:
         tl.store(out_ptr + i, cast_out(acc, out_ptr), mask=m)
 
     @triton.jit
-    def _silu_mul(g, u, out_ptr):
-        """``silu(g) * u`` of the fp32 GEMM outputs ``g``, ``u`` as ``silu_mul`` computes it: g and u rounded to the
-        output type, silu(g) rounded, the product rounded."""
-        g = cast_out(g, out_ptr).to(tl.float32)
-        u = cast_out(u, out_ptr).to(tl.float32)
-        return cast_out(cast_out(g * tl.sigmoid(g), out_ptr).to(tl.float32) * u, out_ptr)
-
-    @triton.jit
     def _grouped_kernel(
         x_ptr, rows_ptr, c_ptr, s_ptr, g_ptr, ends_ptr, out_ptr, ws_ptr, T, N, K, KT, E, stride_xm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         EVEN_K: tl.constexpr, INTERP: tl.constexpr, SUB_K: tl.constexpr, GATHER: tl.constexpr,
-        GATED: tl.constexpr,
     ):  # fmt: skip
         """Grid (N tiles, E + 1, SPLIT_K): program e < E runs the rows of expert e (split s: a contiguous
         range of the K tiles, into ``ws[s]``, ``_k_tile``), program E writes zeros to the rows past ``ends[E-1]``.
-        ``GATHER``: product row m reads row ``rows[m]`` of ``x`` (else row m). ``GATED`` (``SPLIT_K`` 1): the
-        output is ``[T, N/2]``, ``silu(y[:, :N/2]) * y[:, N/2:]`` of the product ``y`` (``_silu_mul``): each program
-        multiplies the weight rows of its N tile and those N/2 further."""
+        ``GATHER``: product row m reads row ``rows[m]`` of ``x`` (else row m)."""
         pid_n = tl.program_id(0)
         e = tl.program_id(1)
         pid_k = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if GATED:
-            N_OUT = N // 2
-        else:
-            N_OUT = N
         start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
         if SPLIT_K == 1:
             dst = out_ptr
@@ -531,8 +507,8 @@ if HAS_TRITON:
             for m0 in range(start, T, BLOCK_M):
                 rm = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
                 z = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                om = (rm[:, None] < T) & (rn[None, :] < N_OUT)
-                tl.store(dst + rm[:, None] * N_OUT + rn[None, :], z.to(dst.dtype.element_ty), mask=om)
+                om = (rm[:, None] < T) & (rn[None, :] < N)
+                tl.store(dst + rm[:, None] * N + rn[None, :], z.to(dst.dtype.element_ty), mask=om)
         else:
             end = tl.load(ends_ptr + e)
             ce = c_ptr + e.to(tl.int64) * KT * N * 8
@@ -549,18 +525,11 @@ if HAS_TRITON:
                 else:
                     xr = rm
                 acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                if GATED:
-                    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                 for kt in range(lo, hi):
                     acc = _k_tile(acc, x_ptr, rm, xr, end, stride_xm, ce, se, g, rn, kt * BLOCK_K, N, K, KT, BLOCK_N,
                                   BLOCK_K, SUB_K, EVEN_K, INTERP)  # fmt: skip
-                    if GATED:
-                        acc_u = _k_tile(acc_u, x_ptr, rm, xr, end, stride_xm, ce, se, g, rn + N_OUT, kt * BLOCK_K, N,
-                                        K, KT, BLOCK_N, BLOCK_K, SUB_K, EVEN_K, INTERP)  # fmt: skip
-                om = (rm[:, None] < end) & (rn[None, :] < N_OUT)
-                if GATED:
-                    tl.store(out_ptr + rm[:, None] * N_OUT + rn[None, :], _silu_mul(acc, acc_u, out_ptr), mask=om)
-                elif SPLIT_K == 1:
+                om = (rm[:, None] < end) & (rn[None, :] < N)
+                if SPLIT_K == 1:
                     tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(acc, out_ptr), mask=om)
                 else:
                     tl.store(dst + rm[:, None] * N + rn[None, :], acc, mask=om)
@@ -826,16 +795,12 @@ def grouped_gemm(
     fused_max_rows_per_expert: int | None = None,
     backend: str | None = None,
     rows: torch.Tensor | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     """Grouped MoE W4A16 (module docstring): ``x`` ``[T, K]`` BF16 sorted by expert, packed ``w``
     ``[E, N, K]``, ``ends`` ``[E]`` int32 on the device -> ``[T, N]`` BF16. ``rows`` ``[T]`` (int64, optional):
     the sorted rows are ``x[rows]`` (``x`` ``[S, K]``: e.g. a MoE layer's tokens, ``rows`` each slot's token),
     which the Triton kernel reads in place (the product of ``x[rows]``, bit for bit, without writing it); rows
-    past ``ends[E-1]`` are not read. ``gated`` (``w`` a gate-and-up stack ``[E, 2I, K]``): ``[T, I]``, ``silu_mul``
-    of the product, which the Triton kernel without split-K computes in its epilogue (each program multiplies
-    an N tile of the gate rows and the same tile of the up rows; no ``[T, 2I]`` product is written); the other
-    paths apply ``silu_mul`` to their product.
+    past ``ends[E-1]`` are not read.
 
     Above ``fused_max_rows_per_expert`` rows per expert on average (``tuning.json``
     ``w4a16_dispatch.grouped``; prefill) the product is ``torch._grouped_mm`` over the BF16 stack
@@ -864,8 +829,6 @@ def grouped_gemm(
     if ends.shape != (e,) or ends.dtype != torch.int32 or ends.device != x.device:
         raise ValueError(f"w4a16.grouped_gemm: ends must be int32 [E={e}] on {x.device} (cumulative rows per "
                          f"expert), got {ends.dtype} {tuple(ends.shape)} on {ends.device}")  # fmt: skip
-    if gated and w.n % 2:
-        raise ValueError(f"w4a16.grouped_gemm: gated needs an even N (gate and up rows), got {w.n}")
     x = x.contiguous()
     if rows is not None:
         if rows.dim() != 1 or rows.dtype != torch.long or rows.device != x.device:
@@ -884,32 +847,29 @@ def grouped_gemm(
     if dequant:
         y = torch._grouped_mm(x, dequantize_bf16(w).transpose(-2, -1), offs=ends)
         written = torch.arange(t, device=x.device) < ends[-1]
-        y = torch.where(written[:, None], y, 0.0)  # rows past the last offset are not written
-        return silu_mul(y) if gated else y
+        return torch.where(written[:, None], y, 0.0)  # rows past the last offset are not written
     if choice not in ("triton", "cuda"):
         raise ValueError(f"w4a16.grouped_gemm: backend must be triton or cuda, got {choice!r}")
     if choice == "cuda":
         y = _cuda_gemm(x, w, ends, case, required="w4a16.grouped_gemm: backend='cuda'" if backend == "cuda" else None)
         if y is not None:
-            return silu_mul(y) if gated else y
+            return y
     bk = min(d["block_k"], _padded_k(k))
     bm = d["block_m"] or grouped_block_m(t, e)
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
     bn = d["block_n"]
     sk = _sub_k(d.get("sub_k"), bk, "w4a16.grouped_gemm")
     split = max(1, min(d["split_k"] or grouped_split_for(t, e, n, k, bn, bk), -(-k // bk)))
-    fuse = gated and split == 1  # the gate in the epilogue (split partials are summed by a second kernel first)
-    out = torch.empty(t, n // 2 if fuse else n, dtype=x.dtype, device=x.device)
-    if t == 0:
-        return silu_mul(out) if gated and not fuse else out
     ws = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    _grouped_kernel[(triton.cdiv(out.shape[1], bn), e + 1, split)](
+    _grouped_kernel[(triton.cdiv(n, bn), e + 1, split)](
         x, ends if rows is None else rows, w.codes, w.scales, w.global_scale, ends, out, ws, t, n, k,
         w.codes.shape[-3], e, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, BLOCK_K=bk, EVEN_K=k % bk == 0,
-        INTERP=interpreted(x), SUB_K=sk, GATHER=rows is not None, GATED=fuse, num_warps=d["num_warps"],
+        INTERP=interpreted(x), SUB_K=sk, GATHER=rows is not None, num_warps=d["num_warps"],
         num_stages=d["num_stages"], **_max_registers(d.get("max_registers"), x),
     )  # fmt: skip
-    y = _sum_splits(ws, out, split)
-    return silu_mul(y) if gated and not fuse else y
+    return _sum_splits(ws, out, split)
 
 
 def _max_registers(n: int | None, x: torch.Tensor) -> dict:
@@ -954,15 +914,13 @@ def _(x, codes, scales, global_scale, n, k):
 
 @torch.library.custom_op("quads::w4a16_grouped_gemm", mutates_args=())
 def _grouped_gemm_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-                     ends: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None,
-                     gated: bool = False) -> torch.Tensor:
-    return grouped_gemm(x, W4A16Weight(codes, scales, global_scale, n, k, codes.shape[0]), ends, rows=rows,
-                        gated=gated)
+                     ends: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    return grouped_gemm(x, W4A16Weight(codes, scales, global_scale, n, k, codes.shape[0]), ends, rows=rows)
 
 
 @_grouped_gemm_op.register_fake
-def _(x, codes, scales, global_scale, ends, n, k, rows=None, gated=False):
-    return x.new_empty(x.shape[0] if rows is None else rows.shape[0], n // 2 if gated else n)
+def _(x, codes, scales, global_scale, ends, n, k, rows=None):
+    return x.new_empty(x.shape[0] if rows is None else rows.shape[0], n)
 
 
 def linear_op(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
@@ -970,8 +928,7 @@ def linear_op(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
     return torch.ops.quads.w4a16_gemm(x, w.codes, w.scales, w.global_scale, w.n, w.k)
 
 
-def grouped_op(x: torch.Tensor, w: W4A16Weight, ends: torch.Tensor, rows: torch.Tensor | None = None,
-               gated: bool = False) -> torch.Tensor:
-    """``grouped_gemm(x, w, ends, rows=rows, gated=gated)`` with the tuned launch config, as the custom op
+def grouped_op(x: torch.Tensor, w: W4A16Weight, ends: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``grouped_gemm(x, w, ends, rows=rows)`` with the tuned launch config, as the custom op
     ``quads::w4a16_grouped_gemm``."""
-    return torch.ops.quads.w4a16_grouped_gemm(x, w.codes, w.scales, w.global_scale, ends, w.n, w.k, rows, gated)
+    return torch.ops.quads.w4a16_grouped_gemm(x, w.codes, w.scales, w.global_scale, ends, w.n, w.k, rows)

@@ -534,21 +534,13 @@ class QuantizedExperts(_QuantizedBase):
                                        w_amp=store.get_amplified() if amplified else None)
             return routes.unpad(y)
 
-        gate_up = self.stores["gate_up_proj"]
-        if (self.spec.act == "none" and not amplified and isinstance(self.act_fn, nn.SiLU)
-                and gate_up.use_packed(hidden_states)):
-            # silu(gate) * up in the grouped kernel's epilogue (no [T*k, 2I] product written)
-            h = w4a16.grouped_op(hidden_states, gate_up.get_packed(), routes.ends, tokens, gated=True)
-        else:
-            gate, up = gemm("gate_up_proj", hidden_states, tokens).chunk(2, dim=-1)  # the tokens' rows by expert
-            h = self.act_fn(gate) * up
-        ys = gemm("down_proj", h)  # [T*k, H] sorted, zero rows at masked slots
-        # each token's sorted rows and their route weights gathered in ascending expert id (no scatter, no sort):
-        # the same products as weighting the sorted rows first, which Inductor fuses with the gathers into the sum
-        # (no [T*k, H] weighted copy)
-        ts = routes.token_slots  # [T, k]
-        w = top_k_weights.reshape(-1)[routes.order[ts]]  # [T, k]
-        return _sum_parts((ys[ts] * w[..., None].to(ys.dtype)).to(hidden_states.dtype))
+        gate, up = gemm("gate_up_proj", hidden_states, tokens).chunk(2, dim=-1)  # the tokens' rows sorted by expert
+        ys = gemm("down_proj", self.act_fn(gate) * up)  # [T*k, H] sorted, zero rows at masked slots
+        w = top_k_weights.reshape(-1)[routes.order]
+        contrib = (ys * w[:, None].to(ys.dtype)).to(hidden_states.dtype)
+        # each token's sorted rows gathered in ascending expert id (no scatter, no sort): Inductor fuses the gather
+        # into the sum
+        return _sum_parts(contrib[routes.token_slots.reshape(-1)].view(T, k, -1))
 
     def _forward_grouped(self, hidden_states: torch.Tensor, layout: grouped.ExpertLayout) -> torch.Tensor:
         """The batched expert path (``quads.quant.grouped``); same result as the loop up to GEMM order."""
