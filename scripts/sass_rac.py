@@ -1,7 +1,8 @@
 """Instruction counts of RAC's selection kernels (``quads.kernels.rac_select``), from their sm_90 SASS,
 compiled offline (no GPU), for both selection methods at the 1b decode shapes (the sort's select kernel
 also with its channels sorted in runs of ``SORT_RUNS`` merged by binary search: ``rac_units(sort_run=...)``,
-constexpr ``LOG_W``).
+constexpr ``LOG_W``; and the split runs' two kernels, a program per (expert, run) of ``SPLIT_RUNS`` channels:
+``rac_units(split_runs=True)``).
 
     TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=. python scripts/sass_rac.py [--out FILE [--append]] [--label TEXT] [--ks 1024,256]
 
@@ -45,6 +46,12 @@ ROWS_PER_EXPERT, M = 16, 1024  # the 1b decode shape of bench_kernels.py --only 
 SELECT_SIG = {"r_ptr": "*fp32", "group_ptr": "*i64", "s_ptr": "*i64", "rank_ptr": "*i32", "gmax_ptr": "*fp32",
               "sk_ptr": "*i64", "si_ptr": "*i32", "M": "i32", "K": "i32", "n": "i32", "G": "i32"}  # fmt: skip
 SORT_RUNS = (None, 256, 128, 64)  # the select kernel's sorted runs (rac_units' sort_run; None: one run of all K)
+SPLIT_RUNS = (256, 128, 64)  # the runs of rac_units(split_runs=True): a program per (group, run), two launches
+RUN_SORT_SIG = {"r_ptr": "*fp32", "group_ptr": "*i64", "sk_ptr": "*i64", "si_ptr": "*i32", "cmax_ptr": "*fp32",
+                "M": "i32", "K": "i32"}  # fmt: skip
+RUN_RANK_SIG = {"r_ptr": "*fp32", "group_ptr": "*i64", "sk_ptr": "*i64", "si_ptr": "*i32", "cmax_ptr": "*fp32",
+                "s_ptr": "*i64", "rank_ptr": "*i32", "gmax_ptr": "*fp32", "M": "i32", "K": "i32", "n": "i32",
+                "G": "i32"}  # fmt: skip
 UNITS_SEL_SIG = {"r_ptr": "*fp32", "group_ptr": "*i64", "s_ptr": "*i64", "rank_ptr": "*i32", "gmax_ptr": "*fp32",
                  "u_ptr": "*bf16", "g_ptr": "*fp32", "M": "i32", "K": "i32", "n": "i32", "G": "i32",
                  "stride_um": "i32"}  # fmt: skip
@@ -69,10 +76,19 @@ def cases(k: int) -> list[tuple]:
          max(4, min(16, kp // 128)), False)
         for run in SORT_RUNS if run is None or run < kp
     ]  # fmt: skip
+    for run in (r for r in SPLIT_RUNS if r < kp):  # rac_units(split_runs=True, sort_run=run), its default warps
+        common = {"ONE_GROUP": False, "PER_TOKEN": False, "BLOCK_G": min(2048, triton.next_power_of_2(M)),
+                  "LOG_K": kp.bit_length() - 1, "LOG_L": run.bit_length() - 1}
+        warps = max(2, min(8, run // 64))
+        select += [
+            ("split", "_rac_run_sort_kernel", rs._rac_run_sort_kernel, RUN_SORT_SIG,
+             {**common, "ROWS": max(1, min(8, 4096 // kp)), "INTERP": False}, warps, False),
+            ("split", "_rac_run_rank_kernel", rs._rac_run_rank_kernel, RUN_RANK_SIG, common, warps, False),
+        ]  # fmt: skip
     return select + [
         ("sort", "_rac_units_sel_kernel", rs._rac_units_sel_kernel, UNITS_SEL_SIG,
-         {"ONE_GROUP": False, "PER_TOKEN": False, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": min(kp, 1024)},
-         4 if bn <= 1024 else 8, True),
+         {"ONE_GROUP": False, "PER_TOKEN": False, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": min(kp, 1024),
+          "GMAX_PARTS": 1}, 4 if bn <= 1024 else 8, True),
         ("count", "_rac_norms_kernel", rs._rac_norms_kernel, NORMS_SIG,
          {"ONE_GROUP": False, "ROWS": 4, "BLOCK_C": bc}, 4, False),
         ("count", "_rac_rank_kernel", rs._rac_rank_kernel, RANK_SIG, {"BLOCK_C": bc, "BLOCK_J": min(64, bc)}, 4, False),
@@ -127,6 +143,8 @@ def estimate(name: str, consts: dict, warps: int, static: int, bodies: list[int]
     kp = triton.next_power_of_2(k)
     if name == "_rac_select_kernel":
         return static * warps
+    if name in ("_rac_run_sort_kernel", "_rac_run_rank_kernel"):  # one program per run: KP / L of them per expert
+        return static * warps * (kp >> consts["LOG_L"])
     if name == "_rac_rank_kernel" and len(bodies) >= 2:
         bc, bj = consts["BLOCK_C"], consts["BLOCK_J"]
         per_program = bodies[0] * (bc // bj) + bodies[1] * ((kp - bc) // bj)  # the block's own j, then the others
