@@ -272,16 +272,24 @@ if HAS_TRITON:
         tl.debug_barrier()  # every row stored before any is searched
         rank = tl.zeros((W, L), tl.int32)
         for w in tl.static_range(W):
-            pos = tl.zeros((W, L), tl.int32)
-            for b in tl.static_range(LOG_L):  # the largest pos with every pair of row w before it before ours
-                step = 1 << (LOG_L - 1 - b)
-                pk = tl.load(sk_ptr + w * L + pos + (step - 1))
-                pi = tl.load(si_ptr + w * L + pos + (step - 1))
-                pos = tl.where((pk > key) | ((pk == key) & (pi < idx)), pos + step, pos)
-            pk = tl.load(sk_ptr + w * L + pos)  # ... and the pair at pos itself: a count in [0, L]
-            pi = tl.load(si_ptr + w * L + pos)
-            rank += pos + ((pk > key) | ((pk == key) & (pi < idx))).to(tl.int32)
+            rank += _count_before(sk_ptr + w * L, si_ptr + w * L, key, idx, LOG_L)
         return rank
+
+    @triton.jit
+    def _before(pk, pi, key, idx):
+        """Whether pair (pk, pi) comes before (key, idx): key descending, equal keys by idx ascending."""
+        return (pk > key) | ((pk == key) & (pi < idx))
+
+    @triton.jit
+    def _count_before(sk_ptr, si_ptr, key, idx, LOG_L: tl.constexpr):
+        """How many of the 2**LOG_L sorted pairs at ``sk_ptr`` / ``si_ptr`` come before each pair (key, idx) (any
+        shape), by a binary search: the largest pos whose pairs all come before it, plus the pair at pos."""
+        pos = tl.zeros(key.shape, tl.int32)
+        for b in tl.static_range(LOG_L):
+            step = 1 << (LOG_L - 1 - b)
+            at = pos + (step - 1)
+            pos = tl.where(_before(tl.load(sk_ptr + at), tl.load(si_ptr + at), key, idx), pos + step, pos)
+        return pos + _before(tl.load(sk_ptr + pos), tl.load(si_ptr + pos), key, idx).to(tl.int32)
 
     @triton.jit
     def _rac_select_kernel(
@@ -325,11 +333,6 @@ if HAS_TRITON:
                         r = tl.load(r_ptr + i * K + c, mask=cmask, other=0.0)
                         mmax = tl.maximum(mmax, tl.where(r != r, 0.0, tl.abs(r)))
                     tl.store(gmax_ptr + G, tl.max(tl.where(sel, mmax, 0.0), axis=0))
-
-    @triton.jit
-    def _before(pk, pi, key, idx):
-        """Whether pair (pk, pi) comes before (key, idx): key descending, equal keys by idx ascending."""
-        return (pk > key) | ((pk == key) & (pi < idx))
 
     @triton.jit
     def _rac_run_sort_kernel(
@@ -376,13 +379,7 @@ if HAS_TRITON:
         idx = tl.load(si_ptr + base + own)
         rank = tl.zeros((L,), tl.int32)
         for v in tl.static_range(W):
-            pos = tl.zeros((L,), tl.int32)
-            for b in tl.static_range(LOG_L):  # the largest pos with every pair of run v before it before ours
-                step = 1 << (LOG_L - 1 - b)
-                at = base + v * L + pos + (step - 1)
-                pos = tl.where(_before(tl.load(sk_ptr + at), tl.load(si_ptr + at), key, idx), pos + step, pos)
-            at = base + v * L + pos  # ... and the pair at pos itself: a count in [0, L]
-            rank += pos + _before(tl.load(sk_ptr + at), tl.load(si_ptr + at), key, idx).to(tl.int32)
+            rank += _count_before(sk_ptr + base + v * L, si_ptr + base + v * L, key, idx, LOG_L)
         tl.store(s_ptr + g * n + rank, idx.to(tl.int64), mask=rank < n)
         tl.store(rank_ptr + g * K + idx, rank, mask=idx < K)
         if not PER_TOKEN:
