@@ -35,9 +35,9 @@ from quads.kernels import w4a16
 
 GEMM_SIG = {"x_ptr": "*bf16", "c_ptr": "*i32", "s_ptr": "*i32", "g_ptr": "*fp32", "out_ptr": "*bf16",
             "ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "KT": "i32", "stride_xm": "i32"}  # fmt: skip
-GROUPED_SIG = {"x_ptr": "*bf16", "c_ptr": "*i32", "s_ptr": "*i32", "g_ptr": "*fp32", "ends_ptr": "*i32",
-               "out_ptr": "*bf16", "ws_ptr": "*fp32", "T": "i32", "N": "i32", "K": "i32", "KT": "i32", "E": "i32",
-               "stride_xm": "i32"}  # fmt: skip
+GROUPED_SIG = {"x_ptr": "*bf16", "rows_ptr": "*i64", "c_ptr": "*i32", "s_ptr": "*i32", "g_ptr": "*fp32",
+               "ends_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "scale_ptr": "*bf16", "T": "i32", "N": "i32",
+               "K": "i32", "KT": "i32", "E": "i32", "stride_xm": "i32"}  # fmt: skip
 CASES = [  # (kernel, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, register cap[, sub_k]]): tuning.json's decode
     # configs first (dense M <= 16; grouped at the 1b decode step and at T=1 on E=128), then neighbours
     ("gemm", 16, 32, 256, 1, 4, 3),
@@ -89,7 +89,8 @@ def sass_of(kernel: str, bm: int, bn: int, bk: int, split: int, warps: int, stag
                "grouped": (w4a16._grouped_kernel, GROUPED_SIG)}[kernel]  # fmt: skip
     div = [i for i, (n, t) in enumerate(sig.items()) if t.startswith("*") or n in ("N", "K", "KT", "stride_xm")]
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "EVEN_K": True, "INTERP": False,
-              **({"SUB_K": sub_k or bk} if kernel in ("grouped", "gemm") else {})}  # fmt: skip
+              **({"SUB_K": sub_k or bk} if kernel in ("grouped", "gemm") else {}),
+              **({"GATHER": False, "SCALE": False} if kernel == "grouped" else {})}  # fmt: skip
     src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                     attrs={(i,): [["tt.divisibility", 16]] for i in div})  # fmt: skip
     options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}

@@ -357,6 +357,33 @@ def test_grouped_gemm_matches_reference(t, e, n, k, masked):
         w4a16.grouped_gemm(tokens, p, routes.ends, rows=rows.int())
 
 
+def test_grouped_gemm_row_scale_is_eager_product_bit_for_bit():
+    """``row_scale``: each output row times its scale with eager PyTorch's bits (``y * s[:, None]`` in BF16), in the
+    kernel's epilogue (split-K 1), after the split-K sum, and on the dequant path; the masked rows' zeros are
+    multiplied too (a NaN scale there gives NaN, as eager); a scale of the wrong dtype or length is refused."""
+    t, e, n, k = 7, 4, 48, 128
+    p = w4a16.pack(_weight((e, n, k), experts_amax=True))
+    routes = _routes(t, 2, e, masked=3)
+    x = _x(t * 2, k)
+    g = torch.Generator().manual_seed(3)
+    scale = torch.rand(t * 2, generator=g).to(DEV, torch.bfloat16)
+    valid = int(routes.ends[-1])
+    scale[valid + 1] = float("nan")
+    for kw in (dict(block_m=16, split_k=1), dict(block_k=64, split_k=2), dict(fused_max_rows_per_expert=0)):
+        y = w4a16.grouped_gemm(x, p, routes.ends, **kw)
+        got = w4a16.grouped_gemm(x, p, routes.ends, row_scale=scale, **kw)
+        assert _same_bits(got, y * scale[:, None]), kw
+        assert got[valid + 1].isnan().all() and (got[valid] == 0).all(), kw
+    tokens = _x(t, k)
+    rows = routes.order // 2
+    want = w4a16.grouped_gemm(tokens, p, routes.ends, rows=rows, block_m=16) * scale[:, None]
+    assert _same_bits(w4a16.grouped_gemm(tokens, p, routes.ends, rows=rows, block_m=16, row_scale=scale), want)
+    with pytest.raises(ValueError, match="row_scale must be"):
+        w4a16.grouped_gemm(x, p, routes.ends, row_scale=scale.float())
+    with pytest.raises(ValueError, match="row_scale must be"):
+        w4a16.grouped_gemm(x, p, routes.ends, row_scale=scale[:-1])
+
+
 def test_a_single_weight_is_a_one_expert_stack():
     """``W4A16Weight.as_stack``: views of the single weight's tensors whose grouped GEMM over ``ends = [M]``
     is the dense GEMM (to fp32 summation order) and whose unpacked stack is the canonical weight, byte for byte."""

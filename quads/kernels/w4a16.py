@@ -486,14 +486,25 @@ if HAS_TRITON:
         tl.store(out_ptr + i, cast_out(acc, out_ptr), mask=m)
 
     @triton.jit
+    def _scaled_rows(y, scale_ptr, rm, rmask, out_ptr, SCALE: tl.constexpr):
+        """The output tile ``y`` (fp32) in the output type; ``SCALE``: times ``scale[rm]`` (output type) as eager
+        PyTorch multiplies two tensors of that type (the product of the rounded values, rounded)."""
+        y = cast_out(y, out_ptr)
+        if SCALE:
+            sc = tl.load(scale_ptr + rm, mask=rmask, other=0.0).to(tl.float32)
+            y = cast_out(y.to(tl.float32) * sc[:, None], out_ptr)
+        return y
+
+    @triton.jit
     def _grouped_kernel(
-        x_ptr, rows_ptr, c_ptr, s_ptr, g_ptr, ends_ptr, out_ptr, ws_ptr, T, N, K, KT, E, stride_xm,
+        x_ptr, rows_ptr, c_ptr, s_ptr, g_ptr, ends_ptr, out_ptr, ws_ptr, scale_ptr, T, N, K, KT, E, stride_xm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        EVEN_K: tl.constexpr, INTERP: tl.constexpr, SUB_K: tl.constexpr, GATHER: tl.constexpr,
+        EVEN_K: tl.constexpr, INTERP: tl.constexpr, SUB_K: tl.constexpr, GATHER: tl.constexpr, SCALE: tl.constexpr,
     ):  # fmt: skip
         """Grid (N tiles, E + 1, SPLIT_K): program e < E runs the rows of expert e (split s: a contiguous
         range of the K tiles, into ``ws[s]``, ``_k_tile``), program E writes zeros to the rows past ``ends[E-1]``.
-        ``GATHER``: product row m reads row ``rows[m]`` of ``x`` (else row m)."""
+        ``GATHER``: product row m reads row ``rows[m]`` of ``x`` (else row m). ``SCALE`` (``SPLIT_K`` 1): output row
+        m times ``scale[m]`` (``_scaled_rows``)."""
         pid_n = tl.program_id(0)
         e = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -508,7 +519,11 @@ if HAS_TRITON:
                 rm = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
                 z = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                 om = (rm[:, None] < T) & (rn[None, :] < N)
-                tl.store(dst + rm[:, None] * N + rn[None, :], z.to(dst.dtype.element_ty), mask=om)
+                if SCALE:  # zeros times the scale, as the product of eager PyTorch
+                    tl.store(out_ptr + rm[:, None] * N + rn[None, :], _scaled_rows(z, scale_ptr, rm, rm < T, out_ptr,
+                                                                                   SCALE), mask=om)  # fmt: skip
+                else:
+                    tl.store(dst + rm[:, None] * N + rn[None, :], z.to(dst.dtype.element_ty), mask=om)
         else:
             end = tl.load(ends_ptr + e)
             ce = c_ptr + e.to(tl.int64) * KT * N * 8
@@ -530,7 +545,8 @@ if HAS_TRITON:
                                   BLOCK_K, SUB_K, EVEN_K, INTERP)  # fmt: skip
                 om = (rm[:, None] < end) & (rn[None, :] < N)
                 if SPLIT_K == 1:
-                    tl.store(out_ptr + rm[:, None] * N + rn[None, :], cast_out(acc, out_ptr), mask=om)
+                    tl.store(out_ptr + rm[:, None] * N + rn[None, :],
+                             _scaled_rows(acc, scale_ptr, rm, rm < end, out_ptr, SCALE), mask=om)
                 else:
                     tl.store(dst + rm[:, None] * N + rn[None, :], acc, mask=om)
 
@@ -795,12 +811,15 @@ def grouped_gemm(
     fused_max_rows_per_expert: int | None = None,
     backend: str | None = None,
     rows: torch.Tensor | None = None,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped MoE W4A16 (module docstring): ``x`` ``[T, K]`` BF16 sorted by expert, packed ``w``
     ``[E, N, K]``, ``ends`` ``[E]`` int32 on the device -> ``[T, N]`` BF16. ``rows`` ``[T]`` (int64, optional):
     the sorted rows are ``x[rows]`` (``x`` ``[S, K]``: e.g. a MoE layer's tokens, ``rows`` each slot's token),
     which the Triton kernel reads in place (the product of ``x[rows]``, bit for bit, without writing it); rows
-    past ``ends[E-1]`` are not read.
+    past ``ends[E-1]`` are not read. ``row_scale`` ``[T]`` (``x.dtype``): output row m times ``row_scale[m]``, the
+    bits of eager ``y * row_scale[:, None]`` (e.g. a MoE layer's route weights in sorted order), in the Triton
+    kernel's epilogue without split-K, after the product otherwise.
 
     Above ``fused_max_rows_per_expert`` rows per expert on average (``tuning.json``
     ``w4a16_dispatch.grouped``; prefill) the product is ``torch._grouped_mm`` over the BF16 stack
@@ -830,6 +849,12 @@ def grouped_gemm(
         raise ValueError(f"w4a16.grouped_gemm: ends must be int32 [E={e}] on {x.device} (cumulative rows per "
                          f"expert), got {ends.dtype} {tuple(ends.shape)} on {ends.device}")  # fmt: skip
     x = x.contiguous()
+    if row_scale is not None:
+        t_out = x.shape[0] if rows is None else rows.shape[0]
+        if row_scale.shape != (t_out,) or row_scale.dtype != x.dtype or row_scale.device != x.device:
+            raise ValueError(f"w4a16.grouped_gemm: row_scale must be {x.dtype} [{t_out}] on {x.device}, got "
+                             f"{row_scale.dtype} {tuple(row_scale.shape)} on {row_scale.device}")  # fmt: skip
+        row_scale = row_scale.contiguous()
     if rows is not None:
         if rows.dim() != 1 or rows.dtype != torch.long or rows.device != x.device:
             raise ValueError(f"w4a16.grouped_gemm: rows must be int64 [T] on {x.device}, got {rows.dtype} "
@@ -847,13 +872,14 @@ def grouped_gemm(
     if dequant:
         y = torch._grouped_mm(x, dequantize_bf16(w).transpose(-2, -1), offs=ends)
         written = torch.arange(t, device=x.device) < ends[-1]
-        return torch.where(written[:, None], y, 0.0)  # rows past the last offset are not written
+        y = torch.where(written[:, None], y, 0.0)  # rows past the last offset are not written
+        return y if row_scale is None else y * row_scale[:, None]
     if choice not in ("triton", "cuda"):
         raise ValueError(f"w4a16.grouped_gemm: backend must be triton or cuda, got {choice!r}")
     if choice == "cuda":
         y = _cuda_gemm(x, w, ends, case, required="w4a16.grouped_gemm: backend='cuda'" if backend == "cuda" else None)
         if y is not None:
-            return y
+            return y if row_scale is None else y * row_scale[:, None]
     bk = min(d["block_k"], _padded_k(k))
     bm = d["block_m"] or grouped_block_m(t, e)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
@@ -863,13 +889,15 @@ def grouped_gemm(
     sk = _sub_k(d.get("sub_k"), bk, "w4a16.grouped_gemm")
     split = max(1, min(d["split_k"] or grouped_split_for(t, e, n, k, bn, bk), -(-k // bk)))
     ws = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    fuse = row_scale is not None and split == 1  # the scale in the epilogue (split partials are summed first)
     _grouped_kernel[(triton.cdiv(n, bn), e + 1, split)](
-        x, ends if rows is None else rows, w.codes, w.scales, w.global_scale, ends, out, ws, t, n, k,
-        w.codes.shape[-3], e, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, BLOCK_K=bk, EVEN_K=k % bk == 0,
-        INTERP=interpreted(x), SUB_K=sk, GATHER=rows is not None, num_warps=d["num_warps"],
-        num_stages=d["num_stages"], **_max_registers(d.get("max_registers"), x),
+        x, ends if rows is None else rows, w.codes, w.scales, w.global_scale, ends, out, ws,
+        row_scale if fuse else out, t, n, k, w.codes.shape[-3], e, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split,
+        BLOCK_K=bk, EVEN_K=k % bk == 0, INTERP=interpreted(x), SUB_K=sk, GATHER=rows is not None, SCALE=fuse,
+        num_warps=d["num_warps"], num_stages=d["num_stages"], **_max_registers(d.get("max_registers"), x),
     )  # fmt: skip
-    return _sum_splits(ws, out, split)
+    y = _sum_splits(ws, out, split)
+    return y * row_scale[:, None] if row_scale is not None and not fuse else y
 
 
 def _max_registers(n: int | None, x: torch.Tensor) -> dict:
@@ -914,12 +942,14 @@ def _(x, codes, scales, global_scale, n, k):
 
 @torch.library.custom_op("quads::w4a16_grouped_gemm", mutates_args=())
 def _grouped_gemm_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
-                     ends: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
-    return grouped_gemm(x, W4A16Weight(codes, scales, global_scale, n, k, codes.shape[0]), ends, rows=rows)
+                     ends: torch.Tensor, n: int, k: int, rows: torch.Tensor | None = None,
+                     row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    return grouped_gemm(x, W4A16Weight(codes, scales, global_scale, n, k, codes.shape[0]), ends, rows=rows,
+                        row_scale=row_scale)
 
 
 @_grouped_gemm_op.register_fake
-def _(x, codes, scales, global_scale, ends, n, k, rows=None):
+def _(x, codes, scales, global_scale, ends, n, k, rows=None, row_scale=None):
     return x.new_empty(x.shape[0] if rows is None else rows.shape[0], n)
 
 
@@ -928,7 +958,8 @@ def linear_op(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
     return torch.ops.quads.w4a16_gemm(x, w.codes, w.scales, w.global_scale, w.n, w.k)
 
 
-def grouped_op(x: torch.Tensor, w: W4A16Weight, ends: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``grouped_gemm(x, w, ends, rows=rows)`` with the tuned launch config, as the custom op
+def grouped_op(x: torch.Tensor, w: W4A16Weight, ends: torch.Tensor, rows: torch.Tensor | None = None,
+               row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``grouped_gemm(x, w, ends, rows=rows, row_scale=row_scale)`` with the tuned launch config, as the custom op
     ``quads::w4a16_grouped_gemm``."""
-    return torch.ops.quads.w4a16_grouped_gemm(x, w.codes, w.scales, w.global_scale, ends, w.n, w.k, rows)
+    return torch.ops.quads.w4a16_grouped_gemm(x, w.codes, w.scales, w.global_scale, ends, w.n, w.k, rows, row_scale)

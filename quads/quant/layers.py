@@ -535,9 +535,17 @@ class QuantizedExperts(_QuantizedBase):
             return routes.unpad(y)
 
         gate, up = gemm("gate_up_proj", hidden_states, tokens).chunk(2, dim=-1)  # the tokens' rows sorted by expert
-        ys = gemm("down_proj", self.act_fn(gate) * up)  # [T*k, H] sorted, zero rows at masked slots
+        h = self.act_fn(gate) * up
         w = top_k_weights.reshape(-1)[routes.order]
-        contrib = (ys * w[:, None].to(ys.dtype)).to(hidden_states.dtype)
+        down = self.stores["down_proj"]
+        if self.spec.act == "none" and not amplified and down.use_packed(h):
+            # the route weights applied in the grouped kernel's epilogue: the bits of the product below, no [T*k, H]
+            # pass of its own
+            contrib = w4a16.grouped_op(h, down.get_packed(), routes.ends, row_scale=w.to(h.dtype))
+        else:
+            ys = gemm("down_proj", h)  # [T*k, H] sorted, zero rows at masked slots
+            contrib = ys * w[:, None].to(ys.dtype)
+        contrib = contrib.to(hidden_states.dtype)
         # each token's sorted rows gathered in ascending expert id (no scatter, no sort): Inductor fuses the gather
         # into the sum
         return _sum_parts(contrib[routes.token_slots.reshape(-1)].view(T, k, -1))
