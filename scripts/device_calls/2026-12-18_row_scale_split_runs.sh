@@ -14,7 +14,7 @@ T0=$(date +%s); TOTAL=${TOTAL:-580}; left() { echo $(( TOTAL - ($(date +%s) - T0
 cap() { local l; l=$(left); [ $l -lt 1 ] && l=1; [ $l -lt $1 ] && echo $l || echo $1; }
 E2E="benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 --long-tokens 0 --graphs on --compile on"
 timeout $(cap 150) python3 -m pytest -q tests/test_quant_factored_gpu.py tests/test_kernels_w4a16.py \
-  -k "(rac_sort_equals_count and (1024 or 208)) or row_scale or rollout_layers or gpu_grouped_real_size or in_a_cuda_graph" \
+  -k "(rac_sort_equals_count and (1024 or 208)) or row_scale or rollout_layers or gpu_grouped_real_size or in_a_cuda_graph or graph_matches_no_graph" \
   "tests/test_engine_gpu.py::test_graph_matches_no_graph[w4a16-1.0-True]" > $OUT/gpu_tests.txt 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/gpu_tests.txt
 timeout $(cap 200) python3 $E2E --recipes bf16,w4a16,w4a4+rac50 --json $OUT/e2e.json > $OUT/e2e.log 2>&1
