@@ -542,6 +542,33 @@ def test_sort_units_one_row_per_program(per_token):
     assert (outs[0][0] != 7.0).all()
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+def test_group_scale_takes_the_last_selected_channel():
+    """The residual's group amax is the max over every selected channel, the last one in the order included: a
+    group whose largest |r| sits in the channel ranked exactly n-th (31 channels of norm 36 and |r| 3, then one of
+    norm 34.81 and |r| 5.9, then norm 4) gets S_dec from 5.9 on every sort path (one program; runs merged in it or
+    by a program per run) and on the count path, and the same bytes."""
+    from quads.kernels import rac_select
+
+    k, n, rows = 64, 32, 4
+    r = torch.ones(rows, k)  # unselected channels: norm 4
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(5))
+    r[:, perm[:31]] = 3.0
+    r[:, perm[31]] = torch.tensor([5.9, 0.0, 0.0, 0.0])
+    group = torch.zeros(rows, dtype=torch.long)
+    outs = []
+    for method, run, split in (("count", None, None), ("sort", None, None), ("sort", 16, False), ("sort", 16, True)):
+        out = torch.full_like(r, 7.0)
+        g, s = rac_select.rac_units(r, group, 1, out, n=n, method=method, block_m=1, sort_run=run, split_runs=split)
+        assert int(s[0, n - 1]) == int(perm[31]), (method, run, split)
+        outs.append((out, g, s))
+    for got in outs[1:]:
+        for a, b in zip(outs[0], got):
+            assert torch.equal(a, b)
+    # the amax behind S_dec: 5.9 (S_dec = amax / (6 * 448)), not the 3.0 of the other selected channels
+    assert torch.allclose(outs[0][1], torch.full((rows,), 5.9 / (6 * 448)), rtol=1e-6)
+
+
 def test_rac_method_default_and_errors():
     """sort for experts up to SORT_MAX_K channels (padded to a power of two), count above and for one group;
     an unknown method or a sort too wide for one program is a ValueError naming the fix."""
