@@ -292,6 +292,29 @@ if HAS_TRITON:
         return pos + _before(tl.load(sk_ptr + pos), tl.load(si_ptr + pos), key, idx).to(tl.int32)
 
     @triton.jit
+    def _channel_keys(r_ptr, group_ptr, g, c, cmask, M, K, ONE_GROUP: tl.constexpr, PER_TOKEN: tl.constexpr,
+                      ROWS: tl.constexpr, BLOCK_G: tl.constexpr, C: tl.constexpr):  # fmt: skip
+        """Group g's sort keys of channels ``c`` ``[C]`` (``_sort_key`` of the fp64 norms summed by
+        ``_accumulate_rows``; padded channels -1, after every real one), their |r| maxima (unless ``PER_TOKEN``)
+        and the end of the group's rows."""
+        start, end = _group_rows(group_ptr, g, M, ONE_GROUP, BLOCK_G)
+        acc = tl.zeros((C,), tl.float64)
+        cmax = tl.zeros((C,), tl.float32)
+        for i0 in range(start, end, ROWS):
+            acc, cmax = _accumulate_rows(acc, cmax, r_ptr, i0, end, c, cmask, K, ROWS, not PER_TOKEN)
+        return tl.where(cmask, _sort_key(acc), -1), cmax, end
+
+    @triton.jit
+    def _masked_rows_max(r_ptr, end, M, K, ch, load, sel):
+        """The NaN-ignoring max of |r| over the masked rows [end, M) (group G) and the channels ``ch`` where
+        ``sel`` (loaded where ``load``, a superset of ``sel``)."""
+        mmax = tl.zeros(ch.shape, tl.float32)
+        for i in range(end, M):
+            r = tl.load(r_ptr + i * K + ch, mask=load, other=0.0)
+            mmax = tl.maximum(mmax, tl.where(r != r, 0.0, tl.abs(r)))
+        return tl.max(tl.where(sel, mmax, 0.0), axis=0)
+
+    @triton.jit
     def _rac_select_kernel(
         r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, sk_ptr, si_ptr, M, K, n, G, ONE_GROUP: tl.constexpr,
         PER_TOKEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, LOG_K: tl.constexpr, LOG_W: tl.constexpr,
@@ -306,12 +329,8 @@ if HAS_TRITON:
         g = tl.program_id(0)
         c = tl.arange(0, 1 << LOG_K)
         cmask = c < K
-        start, end = _group_rows(group_ptr, g, M, ONE_GROUP, BLOCK_G)
-        acc = tl.zeros((1 << LOG_K,), tl.float64)
-        cmax = tl.zeros((1 << LOG_K,), tl.float32)
-        for i0 in range(start, end, ROWS):
-            acc, cmax = _accumulate_rows(acc, cmax, r_ptr, i0, end, c, cmask, K, ROWS, not PER_TOKEN)
-        key = tl.where(cmask, _sort_key(acc), -1)  # padded channels after every real one
+        key, cmax, end = _channel_keys(r_ptr, group_ptr, g, c, cmask, M, K, ONE_GROUP, PER_TOKEN, ROWS, BLOCK_G,
+                                       1 << LOG_K)  # fmt: skip
         W: tl.constexpr = 1 << LOG_W
         L: tl.constexpr = (1 << LOG_K) >> LOG_W
         rk, ri = _sort_rows(tl.reshape(key, (W, L)), tl.reshape(c, (W, L)), W, LOG_K - LOG_W, INTERP)
@@ -328,11 +347,7 @@ if HAS_TRITON:
             tl.store(gmax_ptr + g, tl.max(tl.where(sel, cmax, 0.0), axis=0))
             if not ONE_GROUP:
                 if g == G - 1:  # the masked rows [end, M) (group G) take this group's S
-                    mmax = tl.zeros((1 << LOG_K,), tl.float32)
-                    for i in range(end, M):
-                        r = tl.load(r_ptr + i * K + c, mask=cmask, other=0.0)
-                        mmax = tl.maximum(mmax, tl.where(r != r, 0.0, tl.abs(r)))
-                    tl.store(gmax_ptr + G, tl.max(tl.where(sel, mmax, 0.0), axis=0))
+                    tl.store(gmax_ptr + G, _masked_rows_max(r_ptr, end, M, K, c, cmask, sel))
 
     @triton.jit
     def _rac_run_sort_kernel(
@@ -346,12 +361,7 @@ if HAS_TRITON:
         L: tl.constexpr = 1 << LOG_L
         c = tl.program_id(1) * L + tl.arange(0, L)
         cmask = c < K
-        start, end = _group_rows(group_ptr, g, M, ONE_GROUP, BLOCK_G)
-        acc = tl.zeros((L,), tl.float64)
-        cmax = tl.zeros((L,), tl.float32)
-        for i0 in range(start, end, ROWS):
-            acc, cmax = _accumulate_rows(acc, cmax, r_ptr, i0, end, c, cmask, K, ROWS, not PER_TOKEN)
-        key = tl.where(cmask, _sort_key(acc), -1)  # padded channels after every real one
+        key, cmax, _ = _channel_keys(r_ptr, group_ptr, g, c, cmask, M, K, ONE_GROUP, PER_TOKEN, ROWS, BLOCK_G, L)
         rk, ri = _sort_rows(tl.reshape(key, (1, L)), tl.reshape(c, (1, L)), 1, LOG_L, INTERP)
         off = g.to(tl.int64) * (1 << LOG_K) + c
         tl.store(sk_ptr + off, tl.reshape(rk, (L,)))
@@ -388,12 +398,8 @@ if HAS_TRITON:
             tl.store(gmax_ptr + g * W + w, tl.max(tl.where(sel, cmax, 0.0), axis=0))
             if not ONE_GROUP:
                 if g == G - 1:  # the masked rows [end, M) (group G) take this group's S
-                    start, end = _group_rows(group_ptr, g, M, ONE_GROUP, BLOCK_G)
-                    mmax = tl.zeros((L,), tl.float32)
-                    for i in range(end, M):
-                        r = tl.load(r_ptr + i * K + idx, mask=sel, other=0.0)
-                        mmax = tl.maximum(mmax, tl.where(r != r, 0.0, tl.abs(r)))
-                    tl.store(gmax_ptr + G * W + w, tl.max(tl.where(sel, mmax, 0.0), axis=0))
+                    _, end = _group_rows(group_ptr, g, M, ONE_GROUP, BLOCK_G)
+                    tl.store(gmax_ptr + G * W + w, _masked_rows_max(r_ptr, end, M, K, idx, sel, sel))
 
     @triton.jit
     def _rac_units_sel_kernel(
@@ -503,7 +509,7 @@ def rac_units(
         run = tuned["sort_run"] if sort_run is None else sort_run
         warps = tuned["select_warps"] if select_warps is None else select_warps
         rows = tuned["select_rows"] if select_rows is None else select_rows
-        split = bool(tuned.get("split_runs") if split_runs is None else split_runs)
+        split = bool(tuned["split_runs"] if split_runs is None else split_runs)
         bm = (16 if interpreted(r) else 1) if block_m is None else block_m
         log_w = 0 if run is None or run >= kp else (kp // run).bit_length() - 1
         if split and not log_w:
