@@ -855,6 +855,10 @@ def grouped_gemm(
             raise ValueError(f"w4a16.grouped_gemm: row_scale must be {x.dtype} [{t_out}] on {x.device}, got "
                              f"{row_scale.dtype} {tuple(row_scale.shape)} on {row_scale.device}")  # fmt: skip
         row_scale = row_scale.contiguous()
+
+    def scaled(y: torch.Tensor) -> torch.Tensor:  # the row scale after a product that did not apply it
+        return y if row_scale is None else y * row_scale[:, None]
+
     if rows is not None:
         if rows.dim() != 1 or rows.dtype != torch.long or rows.device != x.device:
             raise ValueError(f"w4a16.grouped_gemm: rows must be int64 [T] on {x.device}, got {rows.dtype} "
@@ -872,14 +876,13 @@ def grouped_gemm(
     if dequant:
         y = torch._grouped_mm(x, dequantize_bf16(w).transpose(-2, -1), offs=ends)
         written = torch.arange(t, device=x.device) < ends[-1]
-        y = torch.where(written[:, None], y, 0.0)  # rows past the last offset are not written
-        return y if row_scale is None else y * row_scale[:, None]
+        return scaled(torch.where(written[:, None], y, 0.0))  # rows past the last offset are not written
     if choice not in ("triton", "cuda"):
         raise ValueError(f"w4a16.grouped_gemm: backend must be triton or cuda, got {choice!r}")
     if choice == "cuda":
         y = _cuda_gemm(x, w, ends, case, required="w4a16.grouped_gemm: backend='cuda'" if backend == "cuda" else None)
         if y is not None:
-            return y if row_scale is None else y * row_scale[:, None]
+            return scaled(y)
     bk = min(d["block_k"], _padded_k(k))
     bm = d["block_m"] or grouped_block_m(t, e)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
@@ -897,7 +900,7 @@ def grouped_gemm(
         num_warps=d["num_warps"], num_stages=d["num_stages"], **_max_registers(d.get("max_registers"), x),
     )  # fmt: skip
     y = _sum_splits(ws, out, split)
-    return y * row_scale[:, None] if row_scale is not None and not fuse else y
+    return y if fuse else scaled(y)
 
 
 def _max_registers(n: int | None, x: torch.Tensor) -> dict:
