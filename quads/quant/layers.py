@@ -503,12 +503,22 @@ class QuantizedExperts(_QuantizedBase):
         segs = factored.Segments.of(routes.expert, self.num_experts) if sorted_rows else None
         stacked = grouped.stacked_routes(routes, 2 if self.spec.rac_ratio > 0 else 1) if sorted_rows else None
 
-        def gemm(name: str, a: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-            """The sorted rows ``a`` (``rows`` given: ``a[rows]``) times the expert weights ``name``."""
+        def gemm(name: str, a: torch.Tensor, rows: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+            """The sorted rows ``a`` (``rows`` given: ``a[rows]``) times the expert weights ``name``; ``scale``
+            ``[T*k]``: each output row times it, eager ``y * scale[:, None].to(y.dtype)``'s bits (the grouped W4A16
+            kernel in its epilogue: no ``[T*k, N]`` pass of its own)."""
+            store = self.stores[name]
+            if self.spec.act == "none" and not amplified and store.use_packed(a):  # the kernel gathers the rows itself
+                return w4a16.grouped_op(a, store.get_packed(), routes.ends, rows,
+                                        None if scale is None else scale.to(a.dtype))
+            y = product(name, a, rows)
+            return y if scale is None else y * scale[:, None].to(y.dtype)
+
+        def product(name: str, a: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+            """``gemm`` without the packed W4A16 kernel."""
             store = self.stores[name]
             if self.spec.act == "none" and not amplified:
-                if store.use_packed(a):  # the grouped W4A16 kernel gathers the rows itself
-                    return w4a16.grouped_op(a, store.get_packed(), routes.ends, rows)
                 return moe.grouped_mm(a if rows is None else a[rows], store.get(), routes)
             if rows is not None:
                 a = a[rows]
@@ -535,16 +545,8 @@ class QuantizedExperts(_QuantizedBase):
             return routes.unpad(y)
 
         gate, up = gemm("gate_up_proj", hidden_states, tokens).chunk(2, dim=-1)  # the tokens' rows sorted by expert
-        h = self.act_fn(gate) * up
-        w = top_k_weights.reshape(-1)[routes.order]
-        down = self.stores["down_proj"]
-        if self.spec.act == "none" and not amplified and down.use_packed(h):
-            # the route weights applied in the grouped kernel's epilogue: the bits of the product below, no [T*k, H]
-            # pass of its own
-            contrib = w4a16.grouped_op(h, down.get_packed(), routes.ends, row_scale=w.to(h.dtype))
-        else:
-            ys = gemm("down_proj", h)  # [T*k, H] sorted, zero rows at masked slots
-            contrib = ys * w[:, None].to(ys.dtype)
+        # [T*k, H] sorted, weighted by the routes, zero rows at masked slots
+        contrib = gemm("down_proj", self.act_fn(gate) * up, scale=top_k_weights.reshape(-1)[routes.order])
         contrib = contrib.to(hidden_states.dtype)
         # each token's sorted rows gathered in ascending expert id (no scatter, no sort): Inductor fuses the gather
         # into the sum
