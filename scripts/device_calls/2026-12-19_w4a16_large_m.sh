@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Issue 18, the one row of its table never re-timed since run 5: the W4A16 GEMM at M >= 1024 (target >= 0.9x cuBLAS
+# BF16; run 5: 0.83x / 0.82x with the per-element decode). bench_kernels' w4a16 suite at M = 64, 256, 1024, 4096 on
+# both shapes (cuBLAS BF16, FP8, the launcher's choice = dequantize_bf16 + cuBLAS above fused_max_m, the tiled kernel),
+# after the dense W4A16 GPU tests. One GPU, <= 300 s (TOTAL=<s>).
+# OUT=$OUT bash scripts/device_calls/2026-12-19_w4a16_large_m.sh
+export PYTHONPATH=.; mkdir -p $OUT; git rev-parse HEAD > $OUT/tree.txt 2>&1; git status --short >> $OUT/tree.txt
+T0=$(date +%s); TOTAL=${TOTAL:-300}; left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
+cap() { local l; l=$(left); [ $l -lt 1 ] && l=1; [ $l -lt $1 ] && echo $l || echo $1; }
+timeout $(cap 90) python3 -m pytest -q tests/test_kernels_w4a16.py -k "gpu and not grouped" > $OUT/gpu_tests_w4a16.txt 2>&1
+echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/gpu_tests_w4a16.txt
+timeout $(cap 240) python3 benchmarks/bench_kernels.py --only w4a16 --ms 64,256,1024,4096 --json $OUT/bench_w4a16.json \
+  > $OUT/bench_w4a16.log 2>&1; echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/bench_w4a16.log
+tail -n 2 $OUT/gpu_tests_w4a16.txt; grep -h "rc=" $OUT/*.log
+python3 -c "
+import json
+for r in json.load(open('$OUT/bench_w4a16.json'))['rows']:
+    if r['bench'] == 'W4A16 GEMM':
+        print(r['shape'], 'us', round(r['us'], 1), 'bf16', round(r['bf16_us'], 1), 'x', round(r['x_vs_bf16'], 3),
+              'tiled', round(r['fused_us'], 1), 'fp8', round(r['fp8_us'], 1))
+" 2>&1 | tail -n 40; true
