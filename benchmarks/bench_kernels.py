@@ -230,6 +230,42 @@ def bench_moe(rows: list, quick: bool, copy_bw: float) -> None:
         torch.cuda.empty_cache()
 
 
+# the 1b preset's expert GEMMs at its prefill (128 rows x 16 prompt tokens x top-8 = 16,384 routed rows, ~256 per
+# expert), where the launcher dequantizes the stack to BF16 for torch._grouped_mm (above fused_max_rows_per_expert)
+MOE_PREFILL_SHAPES = [(64, 512, 1024, 2048, 8, "1b gate_up prefill"), (64, 1024, 256, 2048, 8, "1b down prefill")]
+
+
+def bench_moe_prefill(rows: list, copy_bw: float) -> None:
+    """At ``MOE_PREFILL_SHAPES``: the launcher's choice (``us``: dequantize_bf16 + ``torch._grouped_mm`` above
+    ``w4a16_dispatch.grouped.fused_max_rows_per_expert``), the fused tiled kernel with the prefill config
+    (``fused_us``), the dequantize alone (``dequant_us``) and ``torch._grouped_mm`` on the BF16 stacks."""
+    from quads.kernels import nvfp4_quant, w4a16
+
+    for e, n, k, tokens, topk, what in MOE_PREFILL_SHAPES:
+        nsets = max(2, int(1.5 * GB // (e * n * k * 2)))
+        sets = []
+        for _ in range(nsets):
+            w = (torch.randn(e, n, k, device="cuda") * 0.02).bfloat16()
+            amax = w.float().abs().amax(dim=(-2, -1), keepdim=True)
+            sets.append((w, w4a16.pack(nvfp4_quant.nvfp4_quantize(w, amax=amax))))
+        _, ends = _routed(e, tokens, topk)
+        x = torch.randn(tokens * topk, k, device="cuda").bfloat16()
+        t_q = time_graph([lambda p=p: w4a16.grouped_gemm(x, p, ends) for _, p in sets])
+        t_fused = time_graph([lambda p=p: w4a16.grouped_gemm(x, p, ends, fused_max_rows_per_expert=1 << 30)
+                              for _, p in sets])  # fmt: skip
+        t_dq = time_graph([lambda p=p: w4a16.dequantize_bf16(p) for _, p in sets])
+        t_bf = time_graph([lambda w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends) for w, _ in sets])
+        wbytes = e * (n * k // 2 + n * k // 16)
+        row = {"bench": "grouped MoE W4A16 prefill", "shape": f"{what} T={tokens} top{topk} E={e} N={n} K={k}",
+               "us": t_q * 1e6, "fused_us": t_fused * 1e6, "dequant_us": t_dq * 1e6, "bf16_us": t_bf * 1e6,
+               "x_vs_bf16": t_bf / t_q, "fused_x_vs_bf16": t_bf / t_fused,
+               "dequant_frac_copy": (wbytes + e * n * k * 2) / t_dq / copy_bw}  # fmt: skip
+        rows.append(row)
+        print("row", json.dumps(row), flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
 def _bench_cuda_rows(rows, x, sets, ends, n, k, shape, t_triton, t_bf, wbytes, copy_bw,
                     bench="grouped MoE W4A16 cuda") -> None:
     """The CUDA grouped decode kernel (``w4a16_cuda``, each compiled config that takes the shape) on the same
@@ -834,7 +870,7 @@ def _fmt(v) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
-    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,rac,attention,prologue", help="comma list of suites (and: rac_select, routes, tune)")
+    ap.add_argument("--only", default="quantize,w4a16,moe,w4a4,rac,attention,prologue", help="comma list of suites (and: rac_select, routes, moe_prefill, tune)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--ms", default="", help="comma list of W4A16 token counts (default: all)")
     ap.add_argument(
@@ -861,7 +897,8 @@ def main(argv: list[str] | None = None) -> int:
     suites = args.only.split(",")
     runners = {"quantize": lambda: bench_quantize(rows, copy_bw, args.quick),
                "w4a16": lambda: bench_w4a16(rows, copy_bw, args.quick),
-               "moe": lambda: bench_moe(rows, args.quick, copy_bw), "w4a4": lambda: bench_w4a4(rows),
+               "moe": lambda: bench_moe(rows, args.quick, copy_bw),
+               "moe_prefill": lambda: bench_moe_prefill(rows, copy_bw), "w4a4": lambda: bench_w4a4(rows),
                "rac": lambda: bench_rac(rows), "rac_select": lambda: bench_rac_select(rows), "attention": lambda: bench_attention(rows, copy_bw),
                "prologue": lambda: bench_prologue(rows), "routes": lambda: bench_routes(rows),
                "tune": lambda: bench_tune(rows, args.workers, args.tuning_out, args.tune_kinds,
