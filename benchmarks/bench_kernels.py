@@ -233,12 +233,17 @@ def bench_moe(rows: list, quick: bool, copy_bw: float) -> None:
 # the 1b preset's expert GEMMs at its prefill (128 rows x 16 prompt tokens x top-8 = 16,384 routed rows, ~256 per
 # expert), where the launcher dequantizes the stack to BF16 for torch._grouped_mm (above fused_max_rows_per_expert)
 MOE_PREFILL_SHAPES = [(64, 512, 1024, 2048, 8, "1b gate_up prefill"), (64, 1024, 256, 2048, 8, "1b down prefill")]
+# the fused kernel's launch configs timed there beside the table's (block_m, block_n, block_k, num_warps, num_stages):
+# an expert's ~256 rows in fewer M tiles (each M tile decodes its K tiles again), wider N tiles
+MOE_PREFILL_CONFIGS = [(128, 64, 128, 4, 3), (128, 64, 128, 8, 3), (256, 64, 128, 8, 3), (128, 128, 128, 8, 3),
+                       (64, 128, 128, 4, 3), (128, 64, 64, 4, 4)]
 
 
 def bench_moe_prefill(rows: list, copy_bw: float) -> None:
     """At ``MOE_PREFILL_SHAPES``: the launcher's choice (``us``: dequantize_bf16 + ``torch._grouped_mm`` above
     ``w4a16_dispatch.grouped.fused_max_rows_per_expert``), the fused tiled kernel with the prefill config
-    (``fused_us``), the dequantize alone (``dequant_us``) and ``torch._grouped_mm`` on the BF16 stacks."""
+    (``fused_us``), the dequantize alone (``dequant_us``) and ``torch._grouped_mm`` on the BF16 stacks; then a row per
+    fused-kernel config in ``MOE_PREFILL_CONFIGS`` (bits checked equal to the table config's)."""
     from quads.kernels import nvfp4_quant, w4a16
 
     for e, n, k, tokens, topk, what in MOE_PREFILL_SHAPES:
@@ -262,6 +267,20 @@ def bench_moe_prefill(rows: list, copy_bw: float) -> None:
                "dequant_frac_copy": (wbytes + e * n * k * 2) / t_dq / copy_bw}  # fmt: skip
         rows.append(row)
         print("row", json.dumps(row), flush=True)
+        want = w4a16.grouped_gemm(x, sets[0][1], ends, fused_max_rows_per_expert=1 << 30)
+        for bm, bn, bk, warps, stages in MOE_PREFILL_CONFIGS:
+            cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=1,
+                       fused_max_rows_per_expert=1 << 30)
+            row = {"bench": "grouped MoE W4A16 prefill config", "shape": f"{what} T={tokens} top{topk} E={e} N={n} "
+                   f"K={k}", "cfg": [bm, bn, bk, warps, stages], "table_fused_us": t_fused * 1e6}  # fmt: skip
+            try:
+                row["same_bits"] = bool(torch.equal(w4a16.grouped_gemm(x, sets[0][1], ends, **cfg), want))
+                t = time_graph([lambda p=p: w4a16.grouped_gemm(x, p, ends, **cfg) for _, p in sets])
+                row.update(us=t * 1e6, x_vs_bf16=t_bf / t, x_vs_table=t_fused / t)
+            except Exception as err:  # noqa: BLE001 - recorded, the other configs still run
+                row["error"] = f"{type(err).__name__}: {str(err)[-500:]}"
+            rows.append(row)
+            print("row", json.dumps(row), flush=True)
         del sets
         torch.cuda.empty_cache()
 
