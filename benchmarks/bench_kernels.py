@@ -202,18 +202,25 @@ def _routed(e: int, tokens: int, topk: int, dev: str = "cuda", seed: int = 0) ->
     return counts, torch.cumsum(counts, 0).to(torch.int32)
 
 
+def _expert_stacks(e: int, n: int, k: int) -> list[tuple[torch.Tensor, object]]:
+    """(BF16 stack [E, N, K], its packed NVFP4 ``W4A16Weight``) pairs, >= 1.5 GB of BF16 in all (cold in the L2)."""
+    from quads.kernels import nvfp4_quant, w4a16
+
+    sets = []
+    for _ in range(max(2, int(1.5 * GB // (e * n * k * 2)))):
+        w = (torch.randn(e, n, k, device="cuda") * 0.02).bfloat16()
+        amax = w.float().abs().amax(dim=(-2, -1), keepdim=True)
+        sets.append((w, w4a16.pack(nvfp4_quant.nvfp4_quantize(w, amax=amax))))
+    return sets
+
+
 def bench_moe(rows: list, quick: bool, copy_bw: float) -> None:
     """``quads.kernels.w4a16.grouped_gemm`` (packed expert stacks, device offsets) against
     ``torch._grouped_mm`` over the BF16 stacks, at ``MOE_SHAPES``."""
-    from quads.kernels import nvfp4_quant, w4a16
+    from quads.kernels import w4a16
 
     for e, n, k, tokens, topk, what in MOE_SHAPES[::2] if quick else MOE_SHAPES:
-        nsets = max(2, int(1.5 * GB // (e * n * k * 2)))  # >= 1.5 GB of BF16 stacks: cold in the L2
-        sets = []
-        for _ in range(nsets):
-            w = (torch.randn(e, n, k, device="cuda") * 0.02).bfloat16()
-            amax = w.float().abs().amax(dim=(-2, -1), keepdim=True)
-            sets.append((w, w4a16.pack(nvfp4_quant.nvfp4_quantize(w, amax=amax))))
+        sets = _expert_stacks(e, n, k)
         counts, ends = _routed(e, tokens, topk)
         x = torch.randn(tokens * topk, k, device="cuda").bfloat16()
         t_q = time_graph([lambda p=p: w4a16.grouped_gemm(x, p, ends) for _, p in sets])
@@ -240,29 +247,27 @@ MOE_PREFILL_CONFIGS = [(128, 64, 128, 4, 3), (128, 64, 128, 8, 3), (256, 64, 128
 
 
 def bench_moe_prefill(rows: list, copy_bw: float) -> None:
-    """At ``MOE_PREFILL_SHAPES``: the launcher's choice (``us``: dequantize_bf16 + ``torch._grouped_mm`` above
-    ``w4a16_dispatch.grouped.fused_max_rows_per_expert``), the fused tiled kernel with the prefill config
-    (``fused_us``), the dequantize alone (``dequant_us``) and ``torch._grouped_mm`` on the BF16 stacks; then a row per
+    """At ``MOE_PREFILL_SHAPES``: the launcher's choice (``us``; ``w4a16_dispatch.grouped.fused_max_rows_per_expert``
+    picks), the fused tiled kernel with the prefill config (``fused_us``), the dequant path (``dequant_path_us``:
+    dequantize_bf16 + ``torch._grouped_mm`` + the zeroed rows past the last offset), the dequantize alone
+    (``dequant_us``) and ``torch._grouped_mm`` on the BF16 stacks; then a row per
     fused-kernel config in ``MOE_PREFILL_CONFIGS`` (bits checked equal to the table config's)."""
-    from quads.kernels import nvfp4_quant, w4a16
+    from quads.kernels import w4a16
 
     for e, n, k, tokens, topk, what in MOE_PREFILL_SHAPES:
-        nsets = max(2, int(1.5 * GB // (e * n * k * 2)))
-        sets = []
-        for _ in range(nsets):
-            w = (torch.randn(e, n, k, device="cuda") * 0.02).bfloat16()
-            amax = w.float().abs().amax(dim=(-2, -1), keepdim=True)
-            sets.append((w, w4a16.pack(nvfp4_quant.nvfp4_quantize(w, amax=amax))))
+        sets = _expert_stacks(e, n, k)
         _, ends = _routed(e, tokens, topk)
         x = torch.randn(tokens * topk, k, device="cuda").bfloat16()
         t_q = time_graph([lambda p=p: w4a16.grouped_gemm(x, p, ends) for _, p in sets])
         t_fused = time_graph([lambda p=p: w4a16.grouped_gemm(x, p, ends, fused_max_rows_per_expert=1 << 30)
                               for _, p in sets])  # fmt: skip
+        t_dqp = time_graph([lambda p=p: w4a16.grouped_gemm(x, p, ends, fused_max_rows_per_expert=0) for _, p in sets])
         t_dq = time_graph([lambda p=p: w4a16.dequantize_bf16(p) for _, p in sets])
         t_bf = time_graph([lambda w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends) for w, _ in sets])
         wbytes = e * (n * k // 2 + n * k // 16)
         row = {"bench": "grouped MoE W4A16 prefill", "shape": f"{what} T={tokens} top{topk} E={e} N={n} K={k}",
-               "us": t_q * 1e6, "fused_us": t_fused * 1e6, "dequant_us": t_dq * 1e6, "bf16_us": t_bf * 1e6,
+               "us": t_q * 1e6, "fused_us": t_fused * 1e6, "dequant_path_us": t_dqp * 1e6, "dequant_us": t_dq * 1e6,
+               "bf16_us": t_bf * 1e6,
                "x_vs_bf16": t_bf / t_q, "fused_x_vs_bf16": t_bf / t_fused,
                "dequant_frac_copy": (wbytes + e * n * k * 2) / t_dq / copy_bw}  # fmt: skip
         rows.append(row)
