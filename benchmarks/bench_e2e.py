@@ -253,7 +253,7 @@ def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, n
     sp = SamplingParams(n=args.n, max_new_tokens=new_tokens, ignore_eos=True, seed=0, record_routing=True)
     try:
         eng = RolloutEngine(model, tok, device=args.device, decode=decode, cuda_graphs=graphs, compile=comp,
-                            decode_attention=attention)  # fmt: skip
+                            compile_prefill=args.compile_prefill == "on", decode_attention=attention)  # fmt: skip
         first = eng.generate(prompts, sp)  # warm-up on the timed batch shape: kernels, allocator, graph capture
         if graphs:
             eng.generate(prompts, sp)  # the prompt block's second sight captures its prefill graph
@@ -769,6 +769,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graphs", default="on,off", help="static decode on CUDA: CUDA graphs on, off or on,off "
                     "(profile suite: on = the compiled step(s) in graphs, off = the eager step)")
     ap.add_argument("--compile", default="on", help="static decode on CUDA: torch.compile of the step: on, off or on,off")
+    ap.add_argument("--compile-prefill", default="off", choices=["on", "off"],
+                    help="rollout suite, static decode on CUDA: torch.compile of the prefill too (RolloutEngine "
+                         "compile_prefill; the row's decode_path says +compiled-prefill)")
     ap.add_argument("--decode-attention", default="auto",
                     help="rollout: the static step's attention, auto (the engine's default: triton on CUDA), sdpa, "
                          "triton, or a comma list such as sdpa,triton (RolloutEngine.decode_attention)")

@@ -77,6 +77,27 @@ def test_graph_matches_no_graph(recipe, temperature, compile):
     assert torch.equal(res.logprobs, third.logprobs) and torch.equal(res.routing, third.routing)
 
 
+@pytest.mark.parametrize("recipe", list(SPECS))
+def test_compiled_prefill_graph_matches_no_graph_and_rescores(recipe):
+    """``compile_prefill`` (Inductor, the prompt width dynamic): its graph replay = its no-graph run, every prompt
+    block width served by the same compiled graph (two widths here, one compile per padding case), and rescoring
+    replays it bit for bit; the batch records it."""
+    model = model_for(recipe)
+    params = stopping_params(model, 1.0)
+    off = RolloutEngine(model, TOK, cuda_graphs=False, compile_prefill=True).generate(PROMPTS, params)
+    eng = RolloutEngine(model, TOK, cuda_graphs=True, done_check_interval=4, compile_prefill=True)
+    runs = [eng.generate(PROMPTS, params) for _ in range(3)]  # the second captures the prefill graph, the third replays
+    for b in runs:
+        assert b.compiled_prefill and "+compiled-prefill" in b.stats.decode_path
+        assert b.response_ids == off.response_ids and torch.equal(b.logprobs, off.logprobs)
+        assert torch.equal(b.routing, off.routing)
+    res = score_rollout(model, runs[-1])
+    assert torch.equal(res.logprobs, runs[-1].logprobs) and torch.equal(res.routing, runs[-1].routing)
+    other = eng.generate(PROMPTS[:2] + ["a much longer prompt than the others:"], params)  # another width
+    res = score_rollout(model, other)
+    assert torch.equal(res.logprobs, other.logprobs) and torch.equal(res.routing, other.routing)
+
+
 @pytest.mark.parametrize("recipe", ["bf16", "w4a4+rac50"])
 def test_prefill_graph_matches_eager_prefill(recipe):
     """The prefill replayed from its graph = the eager prefill, with and without padding in the prompt block

@@ -337,3 +337,61 @@ def test_expert_rank_is_the_stable_argsorts_inverse():
     for j in range(8):
         want = want + parts[:, j]
     assert torch.equal(_sum_in_expert_order(per_slot, ids).view(torch.int16), want.view(torch.int16))
+
+
+@pytest.fixture
+def counted_prefill_compile(monkeypatch):
+    """The compiled prefill on Dynamo with a counting backend that runs the captured ATen ops as they are (the
+    plain prefill's ops in the same order: equal bits), from a fresh cache of compiled functions."""
+    from torch._dynamo.testing import CompileCounter
+
+    from quads.rollout import decode
+
+    counter = CompileCounter()
+    monkeypatch.setattr(decode, "PREFILL_COMPILE_BACKEND", counter)
+    monkeypatch.setattr(decode, "_COMPILED_PREFILL", {})
+    torch._dynamo.reset()
+    yield counter
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "w4a16"])
+def test_compiled_prefill_is_one_graph_for_every_prompt_width(counted_prefill_compile, recipe):
+    """``compile_prefill``: Dynamo traces the prefill (device dispatch) with the prompt width dynamic, so one graph
+    per padding case serves widths 4, 7 and 12; logits, expert ids and the cache it writes equal the plain
+    prefill's bit for bit; the expert ids are computed in the graph either way and returned when asked for."""
+    from quads.rollout.decode import StaticDecoder
+
+    model = tiny(SPECS[recipe], dtype="bfloat16").eval()
+    g = torch.Generator().manual_seed(1)
+    for P, padded in ((4, False), (7, False), (12, False), (9, True), (5, True)):
+        ids = torch.randint(0, SMALL["vocab_size"], (3, P), generator=g)
+        mask = torch.ones(3, P, dtype=torch.bool)
+        mask[0, :2] = not padded
+        outs = []
+        for compiled in (False, True):
+            dec = StaticDecoder(model, 3, 32, device_dispatch=True, cuda_graphs=False, compile_prefill=compiled)
+            dec.begin()
+            with torch.no_grad():
+                logits, routing = dec.prefill(ids, mask, return_routing=True)
+                assert dec.prefill(ids, mask, return_routing=False)[1] is None
+            outs.append((logits, routing, dec.cache.k[1].clone(), dec.cache.length, dec.cache.row_pos.clone()))
+        for a, b in zip(*outs):
+            assert (a == b) if isinstance(a, int) else torch.equal(a, b), (P, padded)
+    assert counted_prefill_compile.frame_count == 2  # one graph without padding, one with
+
+
+def test_score_replays_the_compiled_prefill(counted_prefill_compile):
+    """A batch recorded with ``compiled_prefill`` is rescored through the compiled prefill (here the counting
+    backend, whose bits are the plain prefill's, so the log-probs and routing still equal the batch's); on the CPU
+    the engine never compiles, so its batches say ``compiled_prefill=False``."""
+    model = tiny(SPECS["w4a16"], dtype="bfloat16")
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=5, ignore_eos=True, record_routing=True)
+    batch = RolloutEngine(model, TOK, decode="static", moe_dispatch="device", compile_prefill=True
+                          ).generate(PROMPTS, params)
+    assert not batch.compiled_prefill and "compiled-prefill" not in batch.stats.decode_path
+    assert counted_prefill_compile.frame_count == 0
+    batch.compiled_prefill = True
+    res = score_rollout(model, batch)
+    assert counted_prefill_compile.frame_count == 1
+    assert torch.equal(res.logprobs, batch.logprobs) and torch.equal(res.routing, batch.routing)

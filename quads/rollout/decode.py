@@ -34,6 +34,15 @@ the plain step. Inductor computes fused BF16 pointwise chains in fp32 and rounds
 step is a *different* rollout computation from the plain one (within rounding); the batch records
 it (``RolloutBatch.compiled``) and rescoring replays the same compiled step, so the engine's log-probs
 are still those of the computation that sampled each token.
+
+With ``compile_prefill``, the prefill is ``torch.compile(prefill_forward)`` (shared by every model and
+decoder) with the prompt width marked dynamic (``torch._dynamo.maybe_mark_dynamic``), so one graph per
+(model, padding) case serves every width, as the trainer's compiled forward does (``quads.rl.compiled``:
+static shapes would compile once per width; padding to width buckets would put extra pad tokens into the
+activation-quantized GEMMs and change the numbers). The expert ids are always computed inside it, so the
+graph, and with it the rounding, does not depend on whether the caller records them. A width of 1 is
+specialised by Dynamo (one more graph). Replayed from a CUDA graph like the plain prefill; recorded in
+the batch (``RolloutBatch.compiled_prefill``) and replayed by rescoring, as the compiled step is.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ PREFILL_GRAPHS = 8  # prefill graphs kept per decoder (prompt block shapes), the
 # larger prompt blocks (B x P tokens) always prefill eagerly: their GPU work hides the launches, and a graph
 # would keep their activations' memory for good
 PREFILL_GRAPH_TOKENS = 32768
+PREFILL_COMPILE_BACKEND = "inductor"  # torch.compile backend of the compiled prefill (tests: "eager", the same ATen ops)
 
 
 def cache_length(needed: int) -> int:
@@ -104,11 +114,46 @@ def _compiled_step(model: torch.nn.Module):
     return fn
 
 
+def prefill_forward(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor | None, cache: StaticKVCache,
+                    device_dispatch: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill of ``input_ids`` [B, P] (``mask`` [B, P] or None: no padding) into the empty ``cache`` ->
+    (logits of the last column [B, V], expert ids [n_layers, B, P, k]); the region ``compile_prefill`` compiles
+    (no argument fixes the width: the logits slice is the last column, not ``P - 1``)."""
+    out = model(input_ids, attention_mask=mask, cache=cache, return_routing=True, logits_slice=slice(-1, None),
+                device_dispatch=device_dispatch)
+    return out.logits[:, -1], out.routing
+
+
+_COMPILED_PREFILL: dict[str, object] = {}  # backend -> torch.compile(prefill_forward)
+
+
+def _compiled_prefill(backend: str):
+    """``torch.compile(prefill_forward)`` for ``backend`` (one per process: Dynamo keeps a graph per model and
+    padding case), called with the width of ``input_ids`` / ``mask`` marked dynamic, under a recompile limit of
+    ``COMPILED_SHAPES``."""
+    fn = _COMPILED_PREFILL.get(backend)
+    if fn is None:
+        gemm.mark_compile_constants()
+        compiled = torch.compile(prefill_forward, backend=backend, dynamic=None, fullgraph=False)
+
+        def fn(model, input_ids, mask, cache, device_dispatch):
+            for t in (input_ids, mask):
+                if t is not None:
+                    torch._dynamo.maybe_mark_dynamic(t, 1)
+            with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES,
+                                            accumulated_recompile_limit=max(COMPILED_SHAPES, 256)):
+                return compiled(model, input_ids, mask, cache, device_dispatch)
+
+        _COMPILED_PREFILL[backend] = fn
+    return fn
+
+
 class StaticDecoder:
     """Fixed-slot decode of ``batch`` rows over a cache of ``max_len`` columns (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, *, device_dispatch: bool,
-                 cuda_graphs: bool, compile: bool = False, attention: str = "sdpa") -> None:
+                 cuda_graphs: bool, compile: bool = False, compile_prefill: bool = False,
+                 attention: str = "sdpa") -> None:
         cfg, dev = model.config, model.device
         self.model = model
         self.batch, self.max_len = batch, max_len
@@ -122,6 +167,8 @@ class StaticDecoder:
             raise ValueError("CUDA graphs need the capturable expert path (device_dispatch=True)")
         self.compiled = compile
         self._step_fn = _compiled_step(model) if compile else model.decode_step
+        self.compiled_prefill = compile_prefill
+        self._prefill_fn = _compiled_prefill(PREFILL_COMPILE_BACKEND) if compile_prefill else prefill_forward
         self.graph: torch.cuda.CUDAGraph | None = None
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
         self._key: tuple | None = None  # weights_key when the graphs (step and prefills) were captured
@@ -142,10 +189,8 @@ class StaticDecoder:
     def _prefill_run(self, ids: torch.Tensor, mask: torch.Tensor | None, routing: bool):
         """The prefill forward into the (empty) cache; idempotent: it writes columns ``0..P-1`` again."""
         self.cache.length, self.cache.decoding = 0, False
-        P = ids.shape[1]
-        out = self.model(ids, attention_mask=mask, cache=self.cache, return_routing=routing,
-                         logits_slice=slice(P - 1, P), device_dispatch=self.device_dispatch)
-        return out.logits[:, -1], out.routing
+        logits, ids_out = self._prefill_fn(self.model, ids, mask, self.cache, self.device_dispatch)
+        return logits, ids_out if routing else None
 
     def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, *, return_routing: bool
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

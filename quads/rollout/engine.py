@@ -92,7 +92,8 @@ class RolloutEngine:
                  device: torch.device | str | None = None, max_batch_tokens: int | None = None,
                  decode: Literal["auto", "static", "eager"] = "auto", cuda_graphs: bool = True,
                  moe_dispatch: Literal["auto", "device", "host"] = "auto", done_check_interval: int = 16,
-                 compile: bool = True, decode_attention: Literal["auto", "sdpa", "triton"] = "auto") -> None:
+                 compile: bool = True, compile_prefill: bool = False,
+                 decode_attention: Literal["auto", "sdpa", "triton"] = "auto") -> None:
         """``recipe`` is stored for reporting only; ``max_batch_tokens`` caps samples per prefill/decode
         batch at max_batch_tokens // (P + max_new_tokens) (chunks run one after another, so results
         with sampling depend on it through the generator's draw order; greedy results do not).
@@ -107,6 +108,9 @@ class RolloutEngine:
         fused pointwise kernels, 2.2x faster on an H200, a different rounding from the plain step,
         recorded in the batch; False for debugging). The CPU never compiles (Inductor's CPU compile of
         the step takes minutes).
+        ``compile_prefill``: on CUDA, also run the static path's prefill under ``torch.compile``, one graph
+        serving every prompt width (``quads.rollout.decode``; its own rounding, recorded in the batch and
+        replayed by rescoring); off by default until measured on the GPU.
         ``decode_attention``: how the static decode step attends (``StaticKVCache.attention``): "sdpa" over
         the whole cache, the unwritten columns masked, or "triton", ``quads.kernels.decode_attention``,
         which reads only the columns written so far (CUDA; on the CPU only under Triton's interpreter, for
@@ -134,7 +138,7 @@ class RolloutEngine:
         self.recipe = recipe
         self.decode, self.cuda_graphs, self.moe_dispatch = decode, cuda_graphs, moe_dispatch
         self.done_check_interval = done_check_interval
-        self.compile = compile
+        self.compile, self.compile_prefill = compile, compile_prefill
         if decode_attention == "auto":
             decode_attention = ("triton" if self.device.type == "cuda" and HAS_TRITON
                                 and activation_dtype(model) in (torch.bfloat16, torch.float16) else "sdpa")
@@ -167,14 +171,19 @@ class RolloutEngine:
         """Whether the static decode step runs compiled (``compile``, on CUDA only)."""
         return self.compile and self.device.type == "cuda"
 
+    def _compiled_prefill(self) -> bool:
+        """Whether the static path's prefill runs compiled (``compile_prefill``, on CUDA only)."""
+        return self.compile_prefill and self.device.type == "cuda"
+
     def _decoder(self, batch: int, max_len: int, dispatch: str, graphs: bool) -> StaticDecoder:
-        compiled = self._compiled()
-        key = (batch, max_len, dispatch, graphs, compiled, self.decode_attention)
+        compiled, compiled_prefill = self._compiled(), self._compiled_prefill()
+        key = (batch, max_len, dispatch, graphs, compiled, compiled_prefill, self.decode_attention)
         if key not in self._decoders:
             while len(self._decoders) >= 2:  # bound the memory of caches and graphs kept warm
                 self._decoders.pop(next(iter(self._decoders)))
             self._decoders[key] = StaticDecoder(self.model, batch, max_len, device_dispatch=dispatch == "device",
-                                                cuda_graphs=graphs, compile=compiled, attention=self.decode_attention)
+                                                cuda_graphs=graphs, compile=compiled, compile_prefill=compiled_prefill,
+                                                attention=self.decode_attention)  # fmt: skip
         return self._decoders[key]
 
     def score(self, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
@@ -226,9 +235,12 @@ class RolloutEngine:
         batch.decode, batch.moe_dispatch = path, dispatch
         batch.cache_len = cache_length(P + params.max_new_tokens) if path == "static" else 0
         batch.compiled = path == "static" and self._compiled()
+        batch.compiled_prefill = path == "static" and self._compiled_prefill()
         batch.decode_attention = self.decode_attention if path == "static" else "sdpa"
         attn = "+triton-attention" if batch.decode_attention == "triton" else ""
-        batch.stats.decode_path = f"{path}{'+compile' if batch.compiled else ''}{'+graph' if graphs else ''}{attn}/{dispatch}"
+        pre = "+compiled-prefill" if batch.compiled_prefill else ""
+        batch.stats.decode_path = (f"{path}{'+compile' if batch.compiled else ''}{pre}{'+graph' if graphs else ''}{attn}"
+                                   f"/{dispatch}")
         return batch
 
     def _sync(self) -> None:

@@ -110,7 +110,7 @@ def _score_static(model: torch.nn.Module, batch: RolloutBatch, temperature: floa
     device_dispatch = batch.moe_dispatch == "device"
     dec = StaticDecoder(model, B, batch.cache_len or cache_length(S), device_dispatch=device_dispatch,
                         cuda_graphs=cuda_graphs and device_dispatch, compile=batch.compiled,
-                        attention=batch.decode_attention)
+                        compile_prefill=batch.compiled_prefill, attention=batch.decode_attention)
     was_training = model.training
     model.eval()
     try:

@@ -76,6 +76,7 @@ class RolloutBatch:
     moe_dispatch: str = "host"  # the expert dispatch of that path ("device" or "host")
     cache_len: int = 0  # static decode: the KV cache length it attended over (rescoring uses the same)
     compiled: bool = False  # static decode: the step ran under torch.compile (rescoring replays the same)
+    compiled_prefill: bool = False  # static decode: the prefill ran under torch.compile (rescoring the same)
     decode_attention: str = "sdpa"  # static decode: how the step attended (StaticKVCache.attention; rescoring the same)
 
     @property
