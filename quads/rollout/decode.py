@@ -96,6 +96,12 @@ def weights_key(model: torch.nn.Module) -> tuple:
     return tuple(key)
 
 
+def _recompile_limit():
+    """Dynamo's recompile limits raised to ``COMPILED_SHAPES`` while a compiled region of the decoder runs."""
+    return torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES,
+                                      accumulated_recompile_limit=max(COMPILED_SHAPES, 256))
+
+
 def _compiled_step(model: torch.nn.Module):
     """``torch.compile`` of ``model.decode_step``, one per model (every decoder of a model shares its
     compiled code; a new batch size or cache length is a new static shape, compiled once), called under a
@@ -106,8 +112,7 @@ def _compiled_step(model: torch.nn.Module):
         compiled = torch.compile(model.decode_step, dynamic=False, fullgraph=False)
 
         def fn(*args, **kwargs):
-            with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES,
-                                            accumulated_recompile_limit=max(COMPILED_SHAPES, 256)):
+            with _recompile_limit():
                 return compiled(*args, **kwargs)
 
         object.__setattr__(model, "_quads_compiled_decode_step", fn)  # not an nn.Module attribute
@@ -140,8 +145,7 @@ def _compiled_prefill(backend: str):
             for t in (input_ids, mask):
                 if t is not None:
                     torch._dynamo.maybe_mark_dynamic(t, 1)
-            with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES,
-                                            accumulated_recompile_limit=max(COMPILED_SHAPES, 256)):
+            with _recompile_limit():
                 return compiled(model, input_ids, mask, cache, device_dispatch)
 
         _COMPILED_PREFILL[backend] = fn
