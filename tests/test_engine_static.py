@@ -228,27 +228,36 @@ def _packed_w4a4_model(kernels: str, spec: LinearSpec):
     return model
 
 
+def _short_triton_backend(monkeypatch) -> None:
+    """Skip without Triton (or with kernels imported before its interpreter was switched on); else quantize weights
+    on the reference backend (the weight quantizer's Triton twin is checked in test_kernels.py; the same bits),
+    which keeps the interpreter's runs short."""
+    pytest.importorskip("triton")
+    from quads.kernels import dispatch
+    from quads.kernels._common import interpreter_on
+    from quads.quant import ops
+
+    if not torch.cuda.is_available() and not interpreter_on():
+        pytest.skip("the kernels were imported before TRITON_INTERPRET=1 was set")
+    quantize = ops.nvfp4_quantize
+
+    def reference_quantize(x, **opts):
+        with dispatch.kernels("reference"):
+            return quantize(x, **opts)
+
+    monkeypatch.setattr(ops, "nvfp4_quantize", reference_quantize)
+
+
 def test_w4a4_rollout_reads_packed_weights_on_the_triton_backend(monkeypatch):
     """W4A4+RAC on the Triton backend (the interpreter here): experts and dense projections keep only the
     packed NVFP4 weight, and the static decode matches the reference backend's (BF16 tensor operand,
     fp32 GEMM): same tokens; log-probs within the BF16 rounding of the GEMM outputs (the kernel writes
     BF16, the CPU's tensor path fp32: one BF16 ulp per layer output, tests/test_quant_factored.py). Static
     RAC selection: its calibration priors read the dense QDQ(W), decoded from the packed bytes."""
-    pytest.importorskip("triton")
     from quads.kernels import dispatch
-    from quads.kernels._common import interpreter_on
-    from quads.quant import ops
     from quads.quant.layers import QuantizedLinear
 
-    if not torch.cuda.is_available() and not interpreter_on():
-        pytest.skip("the kernels were imported before TRITON_INTERPRET=1 was set")
-    quantize = ops.nvfp4_quantize  # the weight quantizer's Triton twin is checked in test_kernels.py; its
-
-    def reference_quantize(x, **opts):  # reference keeps the interpreter run short (same bits)
-        with dispatch.kernels("reference"):
-            return quantize(x, **opts)
-
-    monkeypatch.setattr(ops, "nvfp4_quantize", reference_quantize)
+    _short_triton_backend(monkeypatch)
     spec = LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5, rac_selection="static")
     packed, ref = _packed_w4a4_model("triton", spec), _packed_w4a4_model("reference", spec)
     layers = [m for m in packed.modules() if isinstance(m, QuantizedExperts | QuantizedLinear)]
@@ -395,3 +404,26 @@ def test_score_replays_the_compiled_prefill(counted_prefill_compile):
     res = score_rollout(model, batch)
     assert counted_prefill_compile.frame_count == 1
     assert torch.equal(res.logprobs, batch.logprobs) and torch.equal(res.routing, batch.routing)
+
+
+def test_compiled_prefill_traces_the_packed_w4a4_rac_path(counted_prefill_compile, monkeypatch):
+    """The compiled prefill through the packed W4A4 + RAC 50% rollout path on the Triton backend (its custom ops;
+    Triton's interpreter here): one graph for widths 4 and 7 (the custom ops' shapes follow a dynamic width),
+    logits and expert ids bit for bit the plain prefill's."""
+    from quads.kernels import dispatch
+    from quads.rollout.decode import StaticDecoder
+
+    _short_triton_backend(monkeypatch)
+    model = _packed_w4a4_model("triton", LinearSpec.of(weight="nvfp4", act="nvfp4", rac_ratio=0.5)).eval()
+    g = torch.Generator().manual_seed(1)
+    with dispatch.kernels("triton"), torch.no_grad():
+        for P in (4, 7):
+            ids = torch.randint(0, SMALL["vocab_size"], (3, P), generator=g)
+            mask = torch.ones(3, P, dtype=torch.bool)
+            outs = []
+            for compiled in (False, True):
+                dec = StaticDecoder(model, 3, 32, device_dispatch=True, cuda_graphs=False, compile_prefill=compiled)
+                dec.begin()
+                outs.append(dec.prefill(ids, mask, return_routing=True))
+            assert all(torch.equal(a, b) for a, b in zip(*outs)), P
+    assert counted_prefill_compile.frame_count == 1
