@@ -61,7 +61,9 @@ PREFILL_GRAPHS = 8  # prefill graphs kept per decoder (prompt block shapes), the
 # larger prompt blocks (B x P tokens) always prefill eagerly: their GPU work hides the launches, and a graph
 # would keep their activations' memory for good
 PREFILL_GRAPH_TOKENS = 32768
-PREFILL_COMPILE_BACKEND = "inductor"  # torch.compile backend of the compiled prefill (tests: "eager", the same ATen ops)
+# torch.compile backend of the compiled prefill, a name or a callable (tests: a counting backend that runs the captured
+# ATen ops as they are)
+PREFILL_COMPILE_BACKEND: object = "inductor"
 
 
 def cache_length(needed: int) -> int:
@@ -129,10 +131,10 @@ def prefill_forward(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch
     return out.logits[:, -1], out.routing
 
 
-_COMPILED_PREFILL: dict[str, object] = {}  # backend -> torch.compile(prefill_forward)
+_COMPILED_PREFILL: dict[object, object] = {}  # backend -> torch.compile(prefill_forward)
 
 
-def _compiled_prefill(backend: str):
+def _compiled_prefill(backend: object):
     """``torch.compile(prefill_forward)`` for ``backend`` (one per process: Dynamo keeps a graph per model and
     padding case), called with the width of ``input_ids`` / ``mask`` marked dynamic, under a recompile limit of
     ``COMPILED_SHAPES``."""
