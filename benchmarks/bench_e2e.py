@@ -254,7 +254,9 @@ def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, n
     try:
         eng = RolloutEngine(model, tok, device=args.device, decode=decode, cuda_graphs=graphs, compile=comp,
                             compile_prefill=args.compile_prefill == "on", decode_attention=attention)  # fmt: skip
+        t0 = time.perf_counter()
         first = eng.generate(prompts, sp)  # warm-up on the timed batch shape: kernels, allocator, graph capture
+        row["first_generate_s"] = time.perf_counter() - t0  # compiles included (cold or cached)
         if graphs:
             eng.generate(prompts, sp)  # the prompt block's second sight captures its prefill graph
         row["decode_attention"] = first.decode_attention  # what "auto" resolved to on this device and path
