@@ -243,7 +243,7 @@ MOE_PREFILL_SHAPES = [(64, 512, 1024, 2048, 8, "1b gate_up prefill"), (64, 1024,
 # the fused kernel's launch configs timed there beside the table's (block_m, block_n, block_k, num_warps, num_stages):
 # an expert's ~256 rows in fewer M tiles (each M tile decodes its K tiles again), wider N tiles
 MOE_PREFILL_CONFIGS = [(128, 64, 128, 4, 3), (128, 64, 128, 8, 3), (256, 64, 128, 8, 3), (128, 128, 128, 8, 3),
-                       (64, 128, 128, 4, 3), (128, 64, 64, 4, 4)]
+                       (64, 128, 128, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 4, 4), (64, 64, 128, 4, 4)]
 
 
 def bench_moe_prefill(rows: list, copy_bw: float) -> None:

@@ -195,6 +195,7 @@ class StaticDecoder:
     def _prefill_run(self, ids: torch.Tensor, mask: torch.Tensor | None, routing: bool):
         """The prefill forward into the (empty) cache; idempotent: it writes columns ``0..P-1`` again."""
         self.cache.length, self.cache.decoding = 0, False
+        ids, mask = ids.contiguous(), None if mask is None else mask.contiguous()  # one compiled layout (strides)
         logits, ids_out = self._prefill_fn(self.model, ids, mask, self.cache, self.device_dispatch)
         return logits, ids_out if routing else None
 
