@@ -771,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graphs", default="on,off", help="static decode on CUDA: CUDA graphs on, off or on,off "
                     "(profile suite: on = the compiled step(s) in graphs, off = the eager step)")
     ap.add_argument("--compile", default="on", help="static decode on CUDA: torch.compile of the step: on, off or on,off")
-    ap.add_argument("--compile-prefill", default="off", choices=["on", "off"],
+    ap.add_argument("--compile-prefill", default="on", choices=["on", "off"],
                     help="rollout suite, static decode on CUDA: torch.compile of the prefill too (RolloutEngine "
                          "compile_prefill; the row's decode_path says +compiled-prefill)")
     ap.add_argument("--decode-attention", default="auto",

@@ -54,20 +54,20 @@ def stopping_params(model, temperature):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("recipe", list(SPECS))
 def test_graph_matches_no_graph(recipe, temperature, compile):
-    """Also with the compiled step (the engine's default on CUDA): its graph = its no-graph run, and
-    rescoring replays the compiled step (its rounding, not the plain step's)."""
+    """Also with the compiled step and prefill (the engine's default on CUDA): its graph = its no-graph run, and
+    rescoring replays the compiled step and prefill (their rounding, not the plain ones')."""
     model = model_for(recipe)
     params = stopping_params(model, temperature)
-    off = RolloutEngine(model, TOK, cuda_graphs=False, compile=compile).generate(PROMPTS, params)
-    eng = RolloutEngine(model, TOK, cuda_graphs=True, done_check_interval=4, compile=compile)
+    off = RolloutEngine(model, TOK, cuda_graphs=False, compile=compile, compile_prefill=compile).generate(PROMPTS, params)
+    eng = RolloutEngine(model, TOK, cuda_graphs=True, done_check_interval=4, compile=compile, compile_prefill=compile)
     on = eng.generate(PROMPTS, params)
     again = eng.generate(PROMPTS, params)  # the prompt block's second sight: its prefill graph is captured
     third = eng.generate(PROMPTS, params)  # and replayed
     assert [d.n_prefill_captures for d in eng._decoders.values()] == [1]
-    c = "+compile" if compile else ""
+    c = "+compile+compiled-prefill" if compile else ""
     a = "+triton-attention" if eng.decode_attention == "triton" else ""  # "auto": Triton attention on CUDA
     assert on.stats.decode_path == f"static{c}+graph{a}/device" and off.stats.decode_path == f"static{c}{a}/device"
-    assert on.compiled == off.compiled == compile
+    assert on.compiled == off.compiled == on.compiled_prefill == off.compiled_prefill == compile
     assert on.stats.graph_captures == 1 and again.stats.graph_captures == 0
     assert len({len(r) for r in on.response_ids}) > 1
     for b in (on, again, third):
@@ -160,7 +160,7 @@ def test_static_tokens_match_eager_reference_greedy(recipe):
     model = model_for(recipe)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=16, ignore_eos=True)
     ref = RolloutEngine(model, TOK, decode="eager").generate(PROMPTS, params)
-    got = RolloutEngine(model, TOK).generate(PROMPTS, params)
+    got = RolloutEngine(model, TOK, compile_prefill=False).generate(PROMPTS, params)  # the plain prefill's bits
     same = sum(a == b for a, b in zip(ref.response_ids, got.response_ids))
     # BF16 GEMMs of different batch shapes round differently, so long greedy runs may part; most must not
     assert [r[0] for r in got.response_ids] == [r[0] for r in ref.response_ids]  # same prefill
@@ -227,7 +227,7 @@ def test_triton_decode_attention_graph_compiled_and_rescored(recipe):
     off = RolloutEngine(model, TOK, cuda_graphs=False, decode_attention="triton").generate(PROMPTS, params)
     on = RolloutEngine(model, TOK, decode_attention="triton").generate(PROMPTS, params)
     assert RolloutEngine(model, TOK).decode_attention == "triton"  # auto, the default, on CUDA
-    assert on.stats.decode_path == "static+compile+graph+triton-attention/device"
+    assert on.stats.decode_path == "static+compile+compiled-prefill+graph+triton-attention/device"
     assert on.response_ids == off.response_ids and on.finish_reasons == off.finish_reasons
     assert torch.equal(on.logprobs, off.logprobs) and torch.equal(on.routing, off.routing)
     res = score_rollout(model, on)
@@ -285,7 +285,8 @@ def test_w4a4_layers_read_only_packed_weights(recipe):
     params = stopping_params(model, 1.0)
     off = RolloutEngine(model, TOK, cuda_graphs=False, compile=True).generate(PROMPTS, params)
     on = RolloutEngine(model, TOK, cuda_graphs=True, done_check_interval=4, compile=True).generate(PROMPTS, params)
-    assert on.stats.decode_path == "static+compile+graph+triton-attention/device" and on.stats.graph_captures == 1
+    assert on.stats.decode_path == "static+compile+compiled-prefill+graph+triton-attention/device"
+    assert on.stats.graph_captures == 1
     assert on.response_ids == off.response_ids and on.finish_reasons == off.finish_reasons
     assert torch.equal(on.logprobs, off.logprobs) and torch.equal(on.routing, off.routing)
     assert packed_only()

@@ -390,6 +390,37 @@ def test_compiled_prefill_is_one_graph_for_every_prompt_width(counted_prefill_co
     assert counted_prefill_compile.frame_count == 2  # one graph without padding, one with
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "w4a16"])
+def test_compiled_prefill_reads_synced_weights_without_recompiling(counted_prefill_compile, recipe):
+    """The compiled prefill reads the model's weight tensors as graph inputs, not constants: after a weight sync
+    into the same storages (``sync_weights``; BF16: an in-place copy) the same graph gives the plain prefill's
+    result on the new weights, with no recompile."""
+    from quads.rollout.decode import StaticDecoder
+
+    model = tiny(SPECS[recipe], dtype="bfloat16").eval()
+    ids = torch.randint(0, SMALL["vocab_size"], (3, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 6, dtype=torch.bool)
+
+    def prefill(compiled):
+        dec = StaticDecoder(model, 3, 32, device_dispatch=True, cuda_graphs=False, compile_prefill=compiled)
+        dec.begin()
+        with torch.no_grad():
+            return dec.prefill(ids, mask, return_routing=True)
+
+    before = prefill(True)
+    trainer = tiny(seed=3, dtype="bfloat16")
+    if recipe == "bf16":
+        with torch.no_grad():
+            for dst, src in zip(model.parameters(), trainer.parameters(), strict=True):
+                dst.copy_(src)
+    else:
+        sync_weights(trainer, model)
+    after, plain = prefill(True), prefill(False)
+    assert all(torch.equal(a, b) for a, b in zip(after, plain))
+    assert not torch.equal(after[0], before[0])
+    assert counted_prefill_compile.frame_count == 1
+
+
 def test_score_replays_the_compiled_prefill(counted_prefill_compile):
     """A batch recorded with ``compiled_prefill`` is rescored through the compiled prefill (here the counting
     backend, whose bits are the plain prefill's, so the log-probs and routing still equal the batch's); on the CPU
