@@ -390,7 +390,8 @@ def profile_decode(args, rows: list) -> None:
             for graphs, comp in _profile_modes(args.graphs, args.compile, cuda):
                 row = {"suite": "profile", "preset": preset, "recipe": name, "graphs": graphs, "compile": comp}
                 try:
-                    eng = RolloutEngine(model, tok, device=args.device, cuda_graphs=graphs, compile=comp)
+                    eng = RolloutEngine(model, tok, device=args.device, cuda_graphs=graphs, compile=comp,
+                                        compile_prefill=args.compile_prefill == "on")
                     for _ in range(2 if graphs else 1):  # warm-up (the cache bucket serves both lengths;
                         eng.generate(prompts, long)  # the second captures the prefill graph)
                     c16, b16, o16, h16 = _trace_counts(eng, prompts, short, args.device)
@@ -772,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
                     "(profile suite: on = the compiled step(s) in graphs, off = the eager step)")
     ap.add_argument("--compile", default="on", help="static decode on CUDA: torch.compile of the step: on, off or on,off")
     ap.add_argument("--compile-prefill", default="on", choices=["on", "off"],
-                    help="rollout suite, static decode on CUDA: torch.compile of the prefill too (RolloutEngine "
+                    help="rollout and profile suites, static decode on CUDA: torch.compile of the prefill too (RolloutEngine "
                          "compile_prefill; the row's decode_path says +compiled-prefill)")
     ap.add_argument("--decode-attention", default="auto",
                     help="rollout: the static step's attention, auto (the engine's default: triton on CUDA), sdpa, "
