@@ -476,9 +476,13 @@ def test_tuning_table_has_the_w4a16_cases():
         assert tuning.config("w4a16_grouped_gemm", case)["backend"] in ("triton", "cuda")
     for case in tuning.table()["w4a16_grouped_cuda"]:
         assert set(tuning.config("w4a16_grouped_cuda", case)) == {"ng", "nt", "warps", "ksplit"}
-    # the shape entries: Qwen3-30B-A3B's gate_up (run 30: the CUDA kernel at split-K 4), the 1b's shapes the default
+    # the shape entries: Qwen3-30B-A3B's gate_up decode (run 30: the CUDA kernel at split-K 4), the 1b's prefill
+    # shapes (run 58: 128x128x64 tiles); other shapes and cases fall back to the defaults
     assert w4a16.grouped_case(64, 128, 1536, 2048) == "n1536_k2048_decode"
-    assert w4a16.grouped_case(1024, 64, 512, 1024) == "decode" and w4a16.grouped_case(1025 * 16, 64, 512, 1024) == "prefill"
+    assert w4a16.grouped_case(1024, 64, 512, 1024) == "decode"
+    assert w4a16.grouped_case(1025 * 16, 64, 512, 1024) == "n512_k1024_prefill"
+    assert w4a16.grouped_case(1025 * 16, 64, 1024, 256) == "n1024_k256_prefill"
+    assert w4a16.grouped_case(1025 * 16, 64, 768, 512) == "prefill"
     assert w4a16.grouped_case(128 * 17, 128, 1536, 2048) == "prefill"
     assert set(tuning.config("w4a16_gemv", "small")) == {"block_n", "block_k", "split_k", "num_warps", "num_stages"}
     for case in tuning.table()["w4a16_dispatch"]:
