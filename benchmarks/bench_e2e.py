@@ -253,7 +253,8 @@ def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, n
     sp = SamplingParams(n=args.n, max_new_tokens=new_tokens, ignore_eos=True, seed=0, record_routing=True)
     try:
         eng = RolloutEngine(model, tok, device=args.device, decode=decode, cuda_graphs=graphs, compile=comp,
-                            compile_prefill=args.compile_prefill == "on", decode_attention=attention)  # fmt: skip
+                            compile_prefill=args.compile_prefill == "on", share_prefill=args.share_prefill == "on",
+                            decode_attention=attention)  # fmt: skip
         t0 = time.perf_counter()
         first = eng.generate(prompts, sp)  # warm-up on the timed batch shape: kernels, allocator, graph capture
         row["first_generate_s"] = time.perf_counter() - t0  # compiles included (cold or cached)
@@ -275,7 +276,8 @@ def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, n
     floor_ms = (wb + kvb) / bw * 1e3
     ms = statistics.median(dec)
     row.update(tokens_per_s=statistics.median(tps), decode_ms_per_step=ms, prefill_ms=statistics.median(pre),
-               decode_path=b.stats.decode_path, graph_captures_warm=b.stats.graph_captures,
+               decode_path=b.stats.decode_path, prefill_rows=b.stats.prefill_rows,
+               graph_captures_warm=b.stats.graph_captures,
                graph_captures_first=first.stats.graph_captures, weight_bytes=wb, operand_bytes=operand_bytes(model),
                kv_bytes=kvb,
                cache_len=cache_len, copy_gbps=bw / 1e9, floor_ms=floor_ms, x_floor=ms / floor_ms)
@@ -310,7 +312,8 @@ def _rollout_line(r: dict) -> str:
     if "error" in r:
         return f"{head}: ERROR {r['error']}"
     return (f"{head}: {r['tokens_per_s']:9.0f} tok/s  {r['decode_ms_per_step']:7.2f} ms/step  "
-            f"floor {r['floor_ms']:.3f} ms ({r['x_floor']:.1f}x)  operands {r['operand_bytes'] / 2**20:.1f} MiB  "
+            f"floor {r['floor_ms']:.3f} ms ({r['x_floor']:.1f}x)  prefill {r['prefill_ms']:.1f} ms "
+            f"({r['prefill_rows']} rows)  operands {r['operand_bytes'] / 2**20:.1f} MiB  "
             f"[{r['decode_path']}]")
 
 
@@ -391,7 +394,8 @@ def profile_decode(args, rows: list) -> None:
                 row = {"suite": "profile", "preset": preset, "recipe": name, "graphs": graphs, "compile": comp}
                 try:
                     eng = RolloutEngine(model, tok, device=args.device, cuda_graphs=graphs, compile=comp,
-                                        compile_prefill=args.compile_prefill == "on")
+                                        compile_prefill=args.compile_prefill == "on",
+                                        share_prefill=args.share_prefill == "on")
                     for _ in range(2 if graphs else 1):  # warm-up (the cache bucket serves both lengths;
                         eng.generate(prompts, long)  # the second captures the prefill graph)
                     c16, b16, o16, h16 = _trace_counts(eng, prompts, short, args.device)
@@ -775,6 +779,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-prefill", default="on", choices=["on", "off"],
                     help="rollout and profile suites, static decode on CUDA: torch.compile of the prefill too (RolloutEngine "
                          "compile_prefill; the row's decode_path says +compiled-prefill)")
+    ap.add_argument("--share-prefill", default="on", choices=["on", "off"],
+                    help="rollout and profile suites, static decode: prefill each prompt once for its --n samples "
+                         "(RolloutEngine share_prefill; the row's prefill_rows says how many rows the prefill ran)")
     ap.add_argument("--decode-attention", default="auto",
                     help="rollout: the static step's attention, auto (the engine's default: triton on CUDA), sdpa, "
                          "triton, or a comma list such as sdpa,triton (RolloutEngine.decode_attention)")

@@ -14,8 +14,9 @@ from quads.quant import quantize_model
 from quads.quant.recipe import LinearSpec, Recipe
 from quads.quant.sync import sync_weights
 from quads.rollout import RolloutEngine, SamplingParams, policy_engine
-from quads.rollout.decode import StaticDecoder
+from quads.rollout.decode import StaticDecoder, device_groups
 from quads.rollout.score import score_rollout
+from quads.rollout.types import prompt_groups
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
 
@@ -101,8 +102,9 @@ def test_compiled_prefill_graph_matches_no_graph_and_rescores(recipe):
 @pytest.mark.parametrize("recipe", ["bf16", "w4a4+rac50"])
 def test_prefill_graph_matches_eager_prefill(recipe):
     """The prefill replayed from its graph = the eager prefill, with and without padding in the prompt block
-    (no padding: plain causal attention; padding: the mask, which the graph takes without a host read), and
-    the routing recorded or not; a new prompt width runs eagerly first; a replaced weight drops the graphs."""
+    (no padding: plain causal attention; padding: the mask, which the graph takes without a host read), the
+    routing recorded or not, the prefill shared by each prompt's rows or not; a new prompt width runs eagerly
+    first; a replaced weight drops the graphs."""
     model = model_for(recipe)
     B = 8
     for prompts in (["1+2=", "3*4=", "9-8=", "7+7="], PROMPTS):  # equal widths, then left padding
@@ -114,21 +116,23 @@ def test_prefill_graph_matches_eager_prefill(recipe):
         for i in range(B):
             t = TOK.encode(prompts[i % len(prompts)])
             ids[i, P - len(t):], mask[i, P - len(t):] = torch.tensor(t), True
-        for routing in (True, False):
+        shared = device_groups(prompt_groups([TOK.encode(prompts[i % len(prompts)]) for i in range(B)]), "cuda")
+        assert shared[0].numel() == len(prompts)
+        for routing, groups in ((True, None), (False, None), (True, shared), (False, shared)):
             ref.begin()
-            want = ref.prefill(ids, mask, return_routing=routing)
+            want = ref.prefill(ids, mask, return_routing=routing, groups=groups)
             want_k = [k[:, :, :P].clone() for k in ref.cache.k]
             base = dec.n_prefill_captures
             for sight in range(3):  # eager, captured (and replayed), replayed
                 dec.begin()
-                logits, rt = dec.prefill(ids, mask, return_routing=routing)
+                logits, rt = dec.prefill(ids, mask, return_routing=routing, groups=groups)
                 assert dec.n_prefill_captures == base + (sight >= 1)
                 assert torch.equal(logits, want[0]) and (rt is None) == (not routing)
                 if routing:
                     assert torch.equal(rt, want[1])
                 assert dec.cache.length == P and int(dec.cache.pos) == P
                 assert all(torch.equal(k[:, :, :P], w) for k, w in zip(dec.cache.k, want_k))
-        assert dec.n_prefill_captures == 2  # one graph per (width, padding, routing) seen twice
+        assert dec.n_prefill_captures == 4  # one graph per (width, padding, routing, shared rows) seen twice
     with torch.no_grad():  # a replaced tensor: the next generation captures again
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())
     dec.begin()
@@ -160,7 +164,7 @@ def test_static_tokens_match_eager_reference_greedy(recipe):
     model = model_for(recipe)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=16, ignore_eos=True)
     ref = RolloutEngine(model, TOK, decode="eager").generate(PROMPTS, params)
-    got = RolloutEngine(model, TOK, compile_prefill=False).generate(PROMPTS, params)  # the plain prefill's bits
+    got = RolloutEngine(model, TOK, compile_prefill=False, share_prefill=False).generate(PROMPTS, params)  # its bits
     same = sum(a == b for a, b in zip(ref.response_ids, got.response_ids))
     # BF16 GEMMs of different batch shapes round differently, so long greedy runs may part; most must not
     assert [r[0] for r in got.response_ids] == [r[0] for r in ref.response_ids]  # same prefill

@@ -17,6 +17,7 @@ from quads.quant.sync import sync_weights
 from quads.rollout import RolloutEngine, SamplingParams, sample_tokens
 from quads.rollout.decode import weights_key
 from quads.rollout.score import score_rollout
+from quads.rollout.types import prompt_block, prompt_groups
 
 TOK = CharTokenizer()
 SMALL = dict(vocab_size=128, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4,
@@ -71,6 +72,63 @@ def test_score_reproduces_static_batch_bit_for_bit(dispatch):
     batch = RolloutEngine(model, TOK, decode="static", moe_dispatch=dispatch).generate(PROMPTS, params)
     res = score_rollout(model, batch)
     assert torch.equal(res.logprobs, batch.logprobs) and torch.equal(res.routing, batch.routing)
+
+
+def test_prompt_groups():
+    assert prompt_groups([[1, 2], [1, 2], [3], [3]]) == ([0, 2], [0, 0, 1, 1])
+    assert prompt_groups([[3], [1, 2], [3]]) == ([0, 1], [0, 1, 0])  # the same prompt given twice, apart
+    assert prompt_groups([[1], [2]]) is None and prompt_groups([[1, 2], [2, 1]]) is None
+
+
+@pytest.mark.parametrize("recipe", list(SPECS))
+def test_shared_prefill_matches_the_full_prefill_and_rescores(recipe):
+    """``share_prefill`` (the default): each prompt's n samples prefilled once (3 rows for 6 samples, prompts of
+    three widths: padding), its cache rows copied to the group: the tokens, routing and finish reasons of the
+    full prefill, log-probs to fp64 rounding (batches of 3 and 6 rows sum in other orders); rescoring replays the
+    shared prefill bit for bit."""
+    model = tiny(SPECS[recipe])
+    params = finishing_params(model, 1.0)
+    for dispatch in ("host", "device"):
+        full = RolloutEngine(model, TOK, decode="static", moe_dispatch=dispatch, share_prefill=False
+                             ).generate(PROMPTS, params)
+        shared = RolloutEngine(model, TOK, decode="static", moe_dispatch=dispatch).generate(PROMPTS, params)
+        assert (full.stats.prefill_rows, shared.stats.prefill_rows) == (6, 3)
+        assert shared.shared_prefill and not full.shared_prefill
+        assert shared.response_ids == full.response_ids and shared.finish_reasons == full.finish_reasons
+        assert len({len(r) for r in shared.response_ids}) > 1
+        assert torch.equal(shared.routing, full.routing) and torch.equal(shared.input_ids, full.input_ids)
+        tol = 1e-7 if dispatch == "device" and recipe != "bf16" else 1e-12
+        torch.testing.assert_close(shared.logprobs, full.logprobs, atol=tol, rtol=0)
+        res = score_rollout(model, shared)
+        assert torch.equal(res.logprobs, shared.logprobs) and torch.equal(res.routing, shared.routing)
+    eager = RolloutEngine(model, TOK, decode="eager").generate(PROMPTS, params)
+    assert not eager.shared_prefill and eager.stats.prefill_rows == 6  # the reference path prefills every row
+
+
+def test_shared_prefill_writes_the_full_prefills_cache():
+    """``StaticDecoder.prefill(groups=...)``: the distinct prompts' forward into the cache's leading rows, then
+    every row copies its prompt's keys and values (columns 0..P-1; the rest stays empty), logits and expert ids:
+    the full prefill's to fp64 rounding, the key mask and positions exactly."""
+    from quads.rollout.decode import StaticDecoder, device_groups
+
+    model = tiny().eval()
+    samples = [[5, 6, 7], [9], [5, 6, 7], [9], [5, 6, 7], [11, 12]]
+    groups = prompt_groups(samples)
+    assert groups == ([0, 1, 5], [0, 1, 0, 1, 0, 2])
+    ids, mask = prompt_block(samples, 3, TOK.pad_id)
+    outs = []
+    for g in (None, device_groups(groups, torch.device("cpu"))):
+        dec = StaticDecoder(model, 6, 16, device_dispatch=True, cuda_graphs=False)
+        dec.begin()
+        with torch.no_grad():
+            logits, routing = dec.prefill(ids, mask, return_routing=True, groups=g)
+        c = dec.cache
+        outs.append((logits, routing, c.k[1], c.v[0], c.key_mask, c.row_pos, c.length))
+    (l0, r0, k0, v0, m0, p0, n0), (l1, r1, k1, v1, m1, p1, n1) = outs
+    assert torch.equal(r0, r1) and torch.equal(m0, m1) and torch.equal(p0, p1) and n0 == n1 == 3
+    for a, b in ((l0, l1), (k0, k1), (v0, v1)):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=0)
+    assert torch.equal(k1[2], k1[0]) and torch.equal(k1[4], k1[0]) and not k1[:, :, 3:].any()
 
 
 def test_triton_decode_attention_matches_sdpa_and_rescores_bit_for_bit(monkeypatch):
@@ -435,6 +493,28 @@ def test_score_replays_the_compiled_prefill(counted_prefill_compile):
     res = score_rollout(model, batch)
     assert counted_prefill_compile.frame_count == 1
     assert torch.equal(res.logprobs, batch.logprobs) and torch.equal(res.routing, batch.routing)
+
+
+def test_compiled_prefill_shares_the_prefill_in_one_graph(counted_prefill_compile):
+    """The compiled prefill with ``groups`` (the shared prefill): the distinct prompts' forward is one graph for
+    widths 5 and 8, its outputs and the spread cache bit for bit the plain shared prefill's."""
+    from quads.rollout.decode import StaticDecoder
+
+    model = tiny(SPECS["w4a16"], dtype="bfloat16").eval()
+    g = torch.Generator().manual_seed(4)
+    groups = (torch.tensor([0, 2]), torch.tensor([0, 0, 1, 1]))
+    for P in (5, 8):
+        ids = torch.randint(0, SMALL["vocab_size"], (2, P), generator=g).repeat_interleave(2, 0)
+        mask = torch.ones(4, P, dtype=torch.bool)
+        outs = []
+        for compiled in (False, True):
+            dec = StaticDecoder(model, 4, 32, device_dispatch=True, cuda_graphs=False, compile_prefill=compiled)
+            dec.begin()
+            with torch.no_grad():
+                logits, routing = dec.prefill(ids, mask, return_routing=True, groups=groups)
+            outs.append((logits, routing, dec.cache.k[1].clone(), dec.cache.v[0].clone()))
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), P
+    assert counted_prefill_compile.frame_count == 1
 
 
 def test_compiled_prefill_traces_the_packed_w4a4_rac_path(counted_prefill_compile, monkeypatch):

@@ -32,6 +32,7 @@ def _pair(recipe="quads"):
 def _cfg(backend, attention="triton"):
     return SimpleNamespace(rollout_backend=backend, device="cpu", rollout=SimpleNamespace(cuda_graphs=False, compile=True,
                                                                                      compile_prefill=False,
+                                                                                     share_prefill=False,
                                                                                      decode_attention=attention))
 
 
@@ -42,6 +43,7 @@ def test_make_backend_picks_quads_engine_and_refuses_unknown(tmp_path):
     assert engine.model is rollout and engine.recipe == "quads"
     assert engine.decode_attention == "triton"  # rollout.decode_attention reaches the engine
     assert engine.compile and not engine.compile_prefill and RolloutSection().compile_prefill  # the flags reach it
+    assert not engine.share_prefill and RolloutSection().share_prefill
     assert make_backend(_cfg("quads", "auto"), rollout, tok, get_recipe("quads"), tmp_path).decode_attention == "sdpa"
     assert RolloutSection().decode_attention == "auto"
     with pytest.raises(ValueError, match="rollout.decode_attention must be auto, sdpa or triton"):

@@ -102,6 +102,22 @@ class KVCache:
     def advance(self, n: int) -> None:
         self.length += n
 
+    def leading_rows(self, n: int) -> KVCache:
+        """An empty ``KVCache`` over the first ``n`` rows of this one's buffers (views: what a forward writes
+        into it lands here); the shared prefill writes each distinct prompt's keys and values through it."""
+        if not 1 <= n <= self.batch:
+            raise ValueError(f"leading_rows: n must be in [1, {self.batch}], got {n}")
+        view = object.__new__(KVCache)
+        view.max_len, view.length = self.max_len, 0
+        view.k, view.v = [t[:n] for t in self.k], [t[:n] for t in self.v]
+        return view
+
+    def spread_rows(self, source: torch.Tensor, columns: int) -> None:
+        """Row ``i`` of every layer's keys and values, columns ``0..columns-1``, becomes row ``source[i]``'s
+        (``source`` [B] long device tensor; gathered first, so rows may read rows that are written)."""
+        for t in (*self.k, *self.v):
+            t[:, :, :columns] = t[:, :, :columns].index_select(0, source)
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (a long index tensor) of every layer's cache, in that order."""
         self.k = [t.index_select(0, rows) for t in self.k]

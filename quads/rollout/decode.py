@@ -17,7 +17,7 @@ It owns:
 
 The prefill of the prompt block (``prefill``) runs the experts on the decoder's dispatch too (the capturable
 path with ``device_dispatch``), so with ``cuda_graphs`` it is replayed from a graph as well: one per prompt
-block shape ``(P, padded, routing recorded)``, captured the *second* time a shape is prefilled (the first
+block shape ``(P, padded, routing recorded, distinct prompts)``, captured the *second* time a shape is prefilled (the first
 runs it eagerly: a prompt width seen once, as with prompts of varying length, costs no capture) and kept for
 ``PREFILL_GRAPHS`` shapes of at most ``PREFILL_GRAPH_TOKENS`` tokens. Replayed or not it is the same kernels on the same operands, so the two give the same
 bits; the eager prefill of a batch with padding needs one host read of the mask (``build_attn_mask``), which the
@@ -34,6 +34,14 @@ the plain step. Inductor computes fused BF16 pointwise chains in fp32 and rounds
 step is a *different* rollout computation from the plain one (within rounding); the batch records
 it (``RolloutBatch.compiled``) and rescoring replays the same compiled step, so the engine's log-probs
 are still those of the computation that sampled each token.
+
+With ``groups`` (the shared prefill, ``quads.rollout.types.prompt_groups``), a prompt that several rows
+share (a GRPO group's n samples) is prefilled once: the forward runs the U distinct prompts into the
+cache's leading rows (``KVCache.leading_rows``), then every row copies its prompt's keys and values
+(``KVCache.spread_rows``), logits and expert ids, all inside the same graph. The decode steps that follow
+are unchanged. It is 1/n of the prefill's tokens; since a batch of U rows is not the batch of B rows, the
+quantized activations (per-tensor scales, RAC's channel choice) may round differently from the full
+prefill, so the batch records it (``RolloutBatch.shared_prefill``) and rescoring replays the same.
 
 With ``compile_prefill``, the prefill is ``torch.compile(prefill_forward)`` (shared by every model and
 decoder) with the prompt width marked dynamic (``torch._dynamo.maybe_mark_dynamic``), so one graph per
@@ -154,6 +162,17 @@ def _compiled_prefill(backend: object):
     return fn
 
 
+def device_groups(groups: tuple[list[int], list[int]] | None, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``prompt_groups``' host lists (first, source) as ``StaticDecoder.prefill``'s long tensors on ``device``
+    (one host-to-device copy)."""
+    if groups is None:
+        return None
+    first, source = groups
+    both = torch.tensor(first + source, dtype=torch.long).to(device)
+    return both[:len(first)], both[len(first):]
+
+
 class StaticDecoder:
     """Fixed-slot decode of ``batch`` rows over a cache of ``max_len`` columns (module docstring)."""
 
@@ -192,48 +211,68 @@ class StaticDecoder:
         self.cache.reset()
         return self.cache
 
-    def _prefill_run(self, ids: torch.Tensor, mask: torch.Tensor | None, routing: bool):
-        """The prefill forward into the (empty) cache; idempotent: it writes columns ``0..P-1`` again."""
+    def _prefill_run(self, ids: torch.Tensor, mask: torch.Tensor | None, routing: bool,
+                     groups: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The prefill forward into the (empty) cache; idempotent: it writes columns ``0..P-1`` again. With
+        ``groups`` = (first, source), the shared prefill: the rows ``first`` are prefilled into the cache's
+        leading rows, then every row ``i`` takes row ``source[i]``'s keys, values, logits and expert ids."""
         self.cache.length, self.cache.decoding = 0, False
+        cache = self.cache
+        if groups is not None:
+            first, source = groups
+            ids, mask = ids.index_select(0, first), None if mask is None else mask.index_select(0, first)
+            cache = self.cache.leading_rows(first.shape[0])
         ids, mask = ids.contiguous(), None if mask is None else mask.contiguous()  # one compiled layout (strides)
-        logits, ids_out = self._prefill_fn(self.model, ids, mask, self.cache, self.device_dispatch)
+        logits, ids_out = self._prefill_fn(self.model, ids, mask, cache, self.device_dispatch)
+        if groups is not None:
+            self.cache.length = cache.length
+            self.cache.spread_rows(source, cache.length)
+            logits, ids_out = logits.index_select(0, source), ids_out.index_select(1, source)
         return logits, ids_out if routing else None
 
-    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, *, return_routing: bool
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, *, return_routing: bool,
+                groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prefill the prompt block ``input_ids`` [B, P] (``mask`` [B, P] bool, left padding) into the cache
         from ``begin`` -> (logits of the last column [B, V], expert ids [n_layers, B, P, k] or None); then
-        ``cache.start_decode(mask)``. From a graph where one was captured (module docstring): the outputs are
-        then the graph's buffers, valid until the next prefill of that shape."""
+        ``cache.start_decode(mask)``. ``groups``: the shared prefill (``quads.rollout.types.prompt_groups`` as
+        long device tensors ``first`` [U] and ``source`` [B]): only the U distinct prompts run the forward, a
+        GRPO group's rows copy their prompt's cache rows (a different batch from the full prefill, so
+        quantized activations may round differently: the batch records it). From a graph where one was
+        captured (module docstring): the outputs are then the graph's buffers, valid until the next prefill
+        of that shape."""
         P = input_ids.shape[1]
         padded = not bool(mask.all())  # the one host read; no padding: plain causal attention, as the model's test
-        key = (P, padded, return_routing)
+        key = (P, padded, return_routing, None if groups is None else groups[0].shape[0])
         use_graph = self.cuda_graphs and self.device_dispatch and input_ids.numel() <= PREFILL_GRAPH_TOKENS
         if use_graph and key not in self._prefills:
             self._prefill_seen[key] = self._prefill_seen.get(key, 0) + 1
             if self._prefill_seen[key] >= 2:
-                self._capture_prefill(key, input_ids, mask)
+                self._capture_prefill(key, input_ids, mask, groups)
         if use_graph and key in self._prefills:
-            graph, ids_buf, mask_buf, out = self._prefills.pop(key)
-            self._prefills[key] = (graph, ids_buf, mask_buf, out)  # most recently used last
-            ids_buf.copy_(input_ids)
-            mask_buf.copy_(mask)
+            graph, bufs, out = self._prefills.pop(key)
+            self._prefills[key] = (graph, bufs, out)  # most recently used last
+            for buf, t in zip(bufs, (input_ids, mask, *(groups or ()))):
+                buf.copy_(t)
             graph.replay()
             self.cache.length = P  # the host-side offset the captured forward advanced once
             logits, routing = out
         else:
-            logits, routing = self._prefill_run(input_ids, mask if padded else None, return_routing)
+            logits, routing = self._prefill_run(input_ids, mask if padded else None, return_routing, groups)
         self.cache.start_decode(mask)
         return logits, routing
 
-    def _capture_prefill(self, key: tuple, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
-        P, padded, routing = key
+    def _capture_prefill(self, key: tuple, input_ids: torch.Tensor, mask: torch.Tensor,
+                         groups: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        P, padded, routing, _ = key
         while len(self._prefills) >= PREFILL_GRAPHS:
             self._prefills.pop(next(iter(self._prefills)))
-        ids_buf, mask_buf = input_ids.clone(), mask.clone()
+        bufs = tuple(t.clone() for t in (input_ids, mask, *(groups or ())))  # ids, mask (, first, source)
+        ids_buf, mask_buf = bufs[:2]
+        group_bufs = None if groups is None else bufs[2:]
         # one warm-up fills the allocator (the shape's first sight, eager, compiled the kernels)
-        graph, out = self._graph_of(lambda: self._prefill_run(ids_buf, mask_buf if padded else None, routing), 1)
-        self._prefills[key] = (graph, ids_buf, mask_buf, out)
+        graph, out = self._graph_of(
+            lambda: self._prefill_run(ids_buf, mask_buf if padded else None, routing, group_bufs), 1)
+        self._prefills[key] = (graph, bufs, out)
         self.n_prefill_captures += 1
 
     def _run(self) -> tuple[torch.Tensor, torch.Tensor]:

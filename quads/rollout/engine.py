@@ -42,8 +42,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from quads.kernels._common import HAS_TRITON, interpreter_on
 from quads.model.attention import DECODE_ATTENTION, KVCache, activation_dtype
 from quads.model.tokenizer import Tokenizer
-from quads.rollout.decode import StaticDecoder, cache_length, supports_device_dispatch
-from quads.rollout.types import RolloutBatch, RolloutStats, SamplingParams, encode_prompt, prompt_block
+from quads.rollout.decode import StaticDecoder, cache_length, device_groups, supports_device_dispatch
+from quads.rollout.types import (
+    RolloutBatch,
+    RolloutStats,
+    SamplingParams,
+    encode_prompt,
+    prompt_block,
+    prompt_groups,
+)
 
 # cuDNN attention builds a plan for every new key length (one per decode step, ~tens of ms each on an
 # H200 the first time); the memory-efficient kernel takes the boolean mask with no such cost.
@@ -92,7 +99,7 @@ class RolloutEngine:
                  device: torch.device | str | None = None, max_batch_tokens: int | None = None,
                  decode: Literal["auto", "static", "eager"] = "auto", cuda_graphs: bool = True,
                  moe_dispatch: Literal["auto", "device", "host"] = "auto", done_check_interval: int = 16,
-                 compile: bool = True, compile_prefill: bool = True,
+                 compile: bool = True, compile_prefill: bool = True, share_prefill: bool = True,
                  decode_attention: Literal["auto", "sdpa", "triton"] = "auto") -> None:
         """``recipe`` is stored for reporting only; ``max_batch_tokens`` caps samples per prefill/decode
         batch at max_batch_tokens // (P + max_new_tokens) (chunks run one after another, so results
@@ -112,6 +119,10 @@ class RolloutEngine:
         serving every prompt width (``quads.rollout.decode``; its own rounding, recorded in the batch and
         replayed by rescoring): the 1b prefill 18.1 -> 8.5 ms in BF16 on an H100 (docs/PERF.md run 56), for
         a second cold compile per model; False for debugging or short-lived processes.
+        ``share_prefill``: on the static path, prefill a prompt that several samples share (``SamplingParams.n
+        > 1``, or the same prompt given twice) once and copy its cache rows to every sample
+        (``quads.rollout.decode``): 1/n of the prefill's tokens; a different batch for the quantized
+        activations from the full prefill, recorded in the batch and replayed by rescoring.
         ``decode_attention``: how the static decode step attends (``StaticKVCache.attention``): "sdpa" over
         the whole cache, the unwritten columns masked, or "triton", ``quads.kernels.decode_attention``,
         which reads only the columns written so far (CUDA; on the CPU only under Triton's interpreter, for
@@ -140,6 +151,7 @@ class RolloutEngine:
         self.decode, self.cuda_graphs, self.moe_dispatch = decode, cuda_graphs, moe_dispatch
         self.done_check_interval = done_check_interval
         self.compile, self.compile_prefill = compile, compile_prefill
+        self.share_prefill = share_prefill
         if decode_attention == "auto":
             decode_attention = ("triton" if self.device.type == "cuda" and HAS_TRITON
                                 and activation_dtype(model) in (torch.bfloat16, torch.float16) else "sdpa")
@@ -238,6 +250,7 @@ class RolloutEngine:
         batch.compiled = path == "static" and self._compiled()
         batch.compiled_prefill = path == "static" and self._compiled_prefill()
         batch.decode_attention = self.decode_attention if path == "static" else "sdpa"
+        batch.shared_prefill = path == "static" and self.share_prefill
         attn = "+triton-attention" if batch.decode_attention == "triton" else ""
         pre = "+compiled-prefill" if batch.compiled_prefill else ""
         batch.stats.decode_path = (f"{path}{'+compile' if batch.compiled else ''}{pre}{'+graph' if graphs else ''}{attn}"
@@ -322,7 +335,7 @@ class RolloutEngine:
         prompt_ids = [list(p) for p in samples]
         response_ids = [input_ids[i, P:][resp_mask[i]].tolist() for i in range(B)]
         stats = RolloutStats(prefill_s=t1 - t0, decode_s=t2 - t1, n_prompt_tokens=sum(map(len, samples)),
-                             n_response_tokens=int(resp_mask.sum()), decode_steps=steps)
+                             n_response_tokens=int(resp_mask.sum()), decode_steps=steps, prefill_rows=B)
         return RolloutBatch(input_ids=input_ids, attention_mask=mask, prompt_len=P, response_mask=resp_mask,
                             logprobs=logprobs, routing=routing, finish_reasons=finish,
                             group_index=torch.zeros(B, dtype=torch.long), prompt_ids=prompt_ids,
@@ -342,7 +355,9 @@ class RolloutEngine:
         captures = dec.n_captures
         dec.begin()
 
-        logits, pre_routing = dec.prefill(input_ids[:, :P], mask[:, :P], return_routing=params.record_routing)
+        groups = prompt_groups(samples) if self.share_prefill else None
+        logits, pre_routing = dec.prefill(input_ids[:, :P], mask[:, :P], return_routing=params.record_routing,
+                                          groups=device_groups(groups, dev))
         if routing is not None:
             routing[:, :, :P] = pre_routing.masked_fill(~mask[None, :, :P, None], -1)
         self._sync()
@@ -381,7 +396,8 @@ class RolloutEngine:
         finish = ["stop" if s else "length" for s in stopped.tolist()]
         stats = RolloutStats(prefill_s=t1 - t0, decode_s=t2 - t1, n_prompt_tokens=sum(map(len, samples)),
                              n_response_tokens=int(resp_mask.sum()), decode_steps=steps,
-                             graph_captures=dec.n_captures - captures)
+                             graph_captures=dec.n_captures - captures,
+                             prefill_rows=B if groups is None else len(groups[0]))
         return RolloutBatch(input_ids=input_ids, attention_mask=mask, prompt_len=P, response_mask=resp_mask,
                             logprobs=logprobs, routing=routing, finish_reasons=finish,
                             group_index=torch.zeros(B, dtype=torch.long), prompt_ids=prompt_ids,
@@ -412,7 +428,8 @@ def _concat(parts: list[RolloutBatch], P: int, pad_id: int) -> RolloutBatch:
         n_prompt_tokens=sum(p.stats.n_prompt_tokens for p in parts),
         n_response_tokens=sum(p.stats.n_response_tokens for p in parts),
         decode_steps=sum(p.stats.decode_steps for p in parts),
-        graph_captures=sum(p.stats.graph_captures for p in parts))
+        graph_captures=sum(p.stats.graph_captures for p in parts),
+        prefill_rows=sum(p.stats.prefill_rows for p in parts))
     return RolloutBatch(input_ids=input_ids, attention_mask=mask, prompt_len=P,
                         response_mask=mask[:, P:], logprobs=cat("logprobs")[:, :R], routing=routing,
                         finish_reasons=[r for p in parts for r in p.finish_reasons],

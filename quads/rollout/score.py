@@ -11,7 +11,8 @@ variant changes exactly one thing: the numerics of the rollout forward.
 
 A batch from the engine's static decode path (``batch.decode == "static"``) is replayed on that path:
 the same fixed slots, cache length, expert dispatch and compiled-or-plain step, a row fed while its sample continues (the
-same rule), a CUDA graph when ``cuda_graphs`` and the dispatch allow it.
+same rule), a CUDA graph when ``cuda_graphs`` and the dispatch allow it, and the shared prefill of repeated prompts
+when the batch says so (``batch.shared_prefill``: the groups from ``batch.prompt_ids``, as the engine made them).
 
 This is the rollout side only: it never calls the trainer's full forward (``quads.rl.logprobs``);
 the disagreement between the two paths is the engine-drift floor of DESIGN.md section 2.
@@ -27,9 +28,9 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from quads.model.attention import KVCache, activation_dtype
-from quads.rollout.decode import StaticDecoder, cache_length
+from quads.rollout.decode import StaticDecoder, cache_length, device_groups
 from quads.rollout.engine import _DECODE_BACKENDS
-from quads.rollout.types import RolloutBatch
+from quads.rollout.types import RolloutBatch, prompt_groups
 
 
 @dataclass
@@ -116,7 +117,8 @@ def _score_static(model: torch.nn.Module, batch: RolloutBatch, temperature: floa
     try:
         with sdpa_kernel(_DECODE_BACKENDS):
             dec.begin()
-            logits, pre_routing = dec.prefill(ids[:, :P], full_mask[:, :P], return_routing=True)
+            groups = device_groups(prompt_groups(batch.prompt_ids), dev) if batch.shared_prefill else None
+            logits, pre_routing = dec.prefill(ids[:, :P], full_mask[:, :P], return_routing=True, groups=groups)
             routing[:, :, :P] = pre_routing.masked_fill(~full_mask[None, :, :P, None], -1)
             for t in range(R):
                 tok = ids[:, P + t]

@@ -46,6 +46,7 @@ class RolloutStats:
     decode_steps: int = 0
     decode_path: str = ""  # "static+graph", "static" or "eager" (and the expert dispatch: "/device", "/host")
     graph_captures: int = 0  # CUDA graphs captured during this call (0 once warm)
+    prefill_rows: int = 0  # prompt rows the prefill ran: the distinct prompts with a shared prefill, else every sample
 
     @property
     def total_s(self) -> float:
@@ -78,6 +79,7 @@ class RolloutBatch:
     compiled: bool = False  # static decode: the step ran under torch.compile (rescoring replays the same)
     compiled_prefill: bool = False  # static decode: the prefill ran under torch.compile (rescoring the same)
     decode_attention: str = "sdpa"  # static decode: how the step attended (StaticKVCache.attention; rescoring the same)
+    shared_prefill: bool = False  # static decode: a prompt repeated in the batch was prefilled once (prompt_groups; rescoring the same)
 
     @property
     def response_tokens(self) -> torch.Tensor:
@@ -113,3 +115,20 @@ def prompt_block(samples: list[list[int]], P: int, pad_id: int) -> tuple[torch.T
     ids = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in samples], dtype=torch.long).reshape(len(samples), P)
     lengths = torch.tensor([len(p) for p in samples], dtype=torch.long)
     return ids, torch.arange(P)[None, :] >= P - lengths[:, None]
+
+
+def prompt_groups(samples: list[list[int]]) -> tuple[list[int], list[int]] | None:
+    """The shared prefill's plan for ``samples`` (one prompt per row, a GRPO group's rows repeating it):
+    ``(first, source)``, ``first`` the row of each distinct prompt's first occurrence (in row order) and
+    ``source[i]`` the position in ``first`` of row ``i``'s prompt; None when no prompt repeats. The engine
+    and rescoring compute it from the same prompt lists, so they prefill the same rows in the same order."""
+    seen: dict[tuple[int, ...], int] = {}
+    first: list[int] = []
+    source: list[int] = []
+    for i, p in enumerate(samples):
+        key = tuple(p)
+        if key not in seen:
+            seen[key] = len(first)
+            first.append(i)
+        source.append(seen[key])
+    return (first, source) if len(first) < len(samples) else None
