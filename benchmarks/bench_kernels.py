@@ -13,7 +13,9 @@ its launcher as explicit arguments; ``--tuning-out FILE`` writes the fastest con
 the form of ``quads/kernels/tuning.json`` (the launch configs the launchers read; copy the file over
 it to adopt them, then rerun the other suites). Run it as a script: its configs are compiled by
 ``--workers`` spawned processes first. ``--tune-kinds moe`` sweeps the grouped MoE kernel alone
-(Qwen3-30B-A3B's gate_up at T = 1, 16, 64 and the 1b preset's decode GEMMs).
+(Qwen3-30B-A3B's gate_up at T = 1, 16, 64 and the 1b preset's decode GEMMs); the table's shared "decode"
+entry comes from a sweep of every shape, and each 1b shape gets its own ``n{N}_k{K}_decode`` entry where its
+fastest config differs (``--tune-moe-shapes 1b``: those entries alone).
 """
 
 # ruff: noqa: B023  (closures in loops are captured into a CUDA graph at once, before the loop moves on)
@@ -752,12 +754,26 @@ def tuning_from_rows(rows: list) -> dict:
                     gemm_t[key] = dict(zip(("block_n", "block_k", "split_k", "num_warps", "num_stages", "sub_k"), cs))
                 elif c is not None:
                     gemm_t.pop(key, None)
-    # every timed shape has <= 16 routed rows per expert: the launcher's "decode" case (prefill is not timed)
-    for case, shapes in (("decode", ["T=1", "T=16", "T=64", "1b gate_up T=128", "1b down T=128"]),):
-        c = best("tune moe", shapes)
-        if c is not None:
-            table["w4a16_grouped_gemm"][case].update(
-                zip(("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers", "sub_k"), c))
+    # every timed shape has <= 16 routed rows per expert: the launcher's "decode" case (prefill is not timed). The
+    # shared entry only from a sweep of every shape (a sweep of the 1b alone must not move Qwen3's); then each 1b
+    # shape's own entry (n{N}_k{K}_decode, the Triton kernel) where its fastest config is not the shared one
+    names = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers", "sub_k")
+    grouped = table["w4a16_grouped_gemm"]
+    moe_timed = {r["shape"] for r in rows if r["bench"] == "tune moe"}
+    every = [f"{label}T={t}" for _, _, _, tokens, label in TUNE_MOE_SETS for t in tokens]
+    c = best("tune moe", every) if moe_timed >= set(every) else None
+    if c is not None:
+        grouped["decode"].update(zip(names, c))
+    for group, (_, n, k, _), _, tokens, label in TUNE_MOE_SETS:
+        shapes = [f"{label}T={t}" for t in tokens]
+        cs = best("tune moe", shapes) if group == "1b" and moe_timed >= set(shapes) else None
+        if cs is None:
+            continue
+        shared = grouped["decode"]
+        if grouped["decode"]["backend"] == "triton" and cs == tuple(shared[x] for x in names):
+            grouped.pop(f"n{n}_k{k}_decode", None)
+        else:
+            grouped[f"n{n}_k{k}_decode"] = {**shared, **dict(zip(names, cs)), "backend": "triton"}
     for kind, case in (("tune quant_row", "per_token"), ("tune quant_amax_tile", "amax_known"),
                        ("tune row_amax", "row_amax")):  # fmt: skip
         c = best(kind)

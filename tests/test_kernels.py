@@ -563,5 +563,16 @@ def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
     assert table["w4a16_grouped_gemm"]["decode"] == {**dict(zip(
         ("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers", "sub_k"), moe_fast)),
         "backend": tuning.config("w4a16_grouped_gemm", "decode")["backend"]}  # the backend is the table's, kept
+    assert not any(key in table["w4a16_grouped_gemm"] for key in ("n512_k1024_decode", "n1024_k256_decode"))
     assert table["nvfp4_quantize"] == tuning.table()["nvfp4_quantize"]  # not timed: kept
+    # a sweep of the 1b shapes alone: the shared decode entry stays the file's, each 1b shape gets its own
+    rows_1b = [{"bench": "tune moe", "shape": sh, "cfg": list(c), "us": us}
+               for sh, fast_cfg in (("1b gate_up T=128", moe_fast), ("1b down T=128", moe_slow))
+               for c, us in ((fast_cfg, 5.0), (moe_slow if fast_cfg == moe_fast else moe_fast, 6.0))]
+    grouped = bench.tuning_from_rows(rows_1b)["w4a16_grouped_gemm"]
+    names = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers", "sub_k")
+    assert grouped["decode"] == tuning.config("w4a16_grouped_gemm", "decode")
+    assert grouped["n512_k1024_decode"] == {**dict(zip(names, moe_fast)), "backend": "triton"}
+    assert grouped["n1024_k256_decode"] == {**dict(zip(names, moe_slow)), "backend": "triton"}
+    assert grouped["n1536_k2048_decode"] == tuning.config("w4a16_grouped_gemm", "n1536_k2048_decode")  # Qwen3's kept
     assert json.dumps(tuning.table(), sort_keys=True) == before
