@@ -12,7 +12,8 @@ Two decode paths (``RolloutEngine(decode=...)``; the batch records which one ran
   mask, the write column and the positions are preallocated device tensors, the experts dispatch on
   the device (``moe_dispatch="device"``), and nothing is read back to the host inside a step, so one
   ``MoEForCausalLM.decode_step`` is captured in a CUDA graph and replayed (``quads.rollout.decode``; the
-  prompt block's prefill too, per block shape seen before: ``StaticDecoder.prefill``);
+  prompt block's prefill too, per block shape seen before: ``StaticDecoder.prefill``; with ``share_prefill``,
+  the default, each distinct prompt is prefilled once and its KV cache rows copied to its group's rows);
   "all rows done" is read back every ``done_check_interval`` steps (stop strings: every step).
 - ``eager`` (default on the CPU, and the reference): one forward per step over the unfinished rows
   only (finished rows dropped from the cache), with a key mask that grows by one column per step.
