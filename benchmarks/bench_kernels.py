@@ -764,13 +764,13 @@ def tuning_from_rows(rows: list) -> dict:
     c = best("tune moe", every) if moe_timed >= set(every) else None
     if c is not None:
         grouped["decode"].update(zip(names, c))
+    shared = grouped["decode"]
     for group, (_, n, k, _), _, tokens, label in TUNE_MOE_SETS:
         shapes = [f"{label}T={t}" for t in tokens]
         cs = best("tune moe", shapes) if group == "1b" and moe_timed >= set(shapes) else None
         if cs is None:
             continue
-        shared = grouped["decode"]
-        if grouped["decode"]["backend"] == "triton" and cs == tuple(shared[x] for x in names):
+        if shared["backend"] == "triton" and cs == tuple(shared[x] for x in names):
             grouped.pop(f"n{n}_k{k}_decode", None)
         else:
             grouped[f"n{n}_k{k}_decode"] = {**shared, **dict(zip(names, cs)), "backend": "triton"}

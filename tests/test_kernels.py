@@ -560,17 +560,16 @@ def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
     assert all(table["w4a16_gemm"][f"m{b}"] == want for b in (1, 4, 16, 32, 64))
     assert not any(key.startswith("n") for key in table["w4a16_gemm"])  # one winner for both shapes
     assert table["rac_quantize"]["pass4"] == {"block_m": 2, "block_s": 512, "num_warps": 4}
-    assert table["w4a16_grouped_gemm"]["decode"] == {**dict(zip(
-        ("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers", "sub_k"), moe_fast)),
+    names = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers", "sub_k")
+    assert table["w4a16_grouped_gemm"]["decode"] == {**dict(zip(names, moe_fast)),
         "backend": tuning.config("w4a16_grouped_gemm", "decode")["backend"]}  # the backend is the table's, kept
     assert not any(key in table["w4a16_grouped_gemm"] for key in ("n512_k1024_decode", "n1024_k256_decode"))
     assert table["nvfp4_quantize"] == tuning.table()["nvfp4_quantize"]  # not timed: kept
     # a sweep of the 1b shapes alone: the shared decode entry stays the file's, each 1b shape gets its own
-    rows_1b = [{"bench": "tune moe", "shape": sh, "cfg": list(c), "us": us}
-               for sh, fast_cfg in (("1b gate_up T=128", moe_fast), ("1b down T=128", moe_slow))
-               for c, us in ((fast_cfg, 5.0), (moe_slow if fast_cfg == moe_fast else moe_fast, 6.0))]
+    times = {("1b gate_up T=128", moe_fast): 5.0, ("1b gate_up T=128", moe_slow): 6.0,
+             ("1b down T=128", moe_fast): 6.0, ("1b down T=128", moe_slow): 5.0}
+    rows_1b = [{"bench": "tune moe", "shape": sh, "cfg": list(c), "us": us} for (sh, c), us in times.items()]
     grouped = bench.tuning_from_rows(rows_1b)["w4a16_grouped_gemm"]
-    names = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers", "sub_k")
     assert grouped["decode"] == tuning.config("w4a16_grouped_gemm", "decode")
     assert grouped["n512_k1024_decode"] == {**dict(zip(names, moe_fast)), "backend": "triton"}
     assert grouped["n1024_k256_decode"] == {**dict(zip(names, moe_slow)), "backend": "triton"}
