@@ -176,6 +176,25 @@ def test_done_check_interval_and_chunks_do_not_change_results():
     assert b.stats.decode_steps >= a.stats.decode_steps
 
 
+def test_joined_batches_sum_their_stats():
+    """Chunks joined by the engine and per-prompt batches joined by ``concat_rollouts`` (the distributed
+    equivalence path) keep every count: the prefill's rows, steps, tokens, captures; the first's decode path."""
+    from quads.rl.distributed import concat_rollouts
+
+    model = tiny()
+    params = SamplingParams(n=2, max_new_tokens=5, seed=0, ignore_eos=True)
+    whole = RolloutEngine(model, TOK, decode="static").generate(PROMPTS, params)
+    chunked = RolloutEngine(model, TOK, decode="static", max_batch_tokens=60).generate(PROMPTS, params)
+    parts = [RolloutEngine(model, TOK, decode="static").generate([p], params) for p in PROMPTS]
+    joined = concat_rollouts(parts, TOK.pad_id)
+    assert whole.stats.prefill_rows == joined.stats.prefill_rows == chunked.stats.prefill_rows == 3
+    assert joined.stats.decode_steps == sum(p.stats.decode_steps for p in parts) == 3 * whole.stats.decode_steps
+    assert joined.stats.n_response_tokens == whole.stats.n_response_tokens == chunked.stats.n_response_tokens == 30
+    assert joined.stats.n_prompt_tokens == whole.stats.n_prompt_tokens
+    assert joined.stats.decode_path == chunked.stats.decode_path == whole.stats.decode_path
+    assert joined.stats.prefill_s == pytest.approx(sum(p.stats.prefill_s for p in parts))
+
+
 def test_stop_strings_on_static_path():
     model = tiny()
     base = RolloutEngine(model, TOK, decode="eager").generate(

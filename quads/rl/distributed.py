@@ -463,8 +463,7 @@ def concat_rollouts(parts: list, pad_id: int):
             routing.append(pad(b.routing, p, r, -1, 2))
     attn = torch.cat(mask)
     offsets = torch.tensor([0] + [int(b.group_index.max()) + 1 for b in parts[:-1]]).cumsum(0)
-    stats = RolloutStats(*(sum(getattr(b.stats, f) for b in parts) for f in
-                           ("prefill_s", "decode_s", "n_prompt_tokens", "n_response_tokens", "decode_steps")))
+    stats = RolloutStats.combine([b.stats for b in parts])
     return RolloutBatch(
         input_ids=torch.cat(ids), attention_mask=attn, prompt_len=P, response_mask=attn[:, P:],
         logprobs=torch.cat(logp), routing=torch.cat(routing, dim=1) if routing else None,

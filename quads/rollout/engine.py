@@ -424,13 +424,7 @@ def _concat(parts: list[RolloutBatch], P: int, pad_id: int) -> RolloutBatch:
 
     input_ids, mask = cat("input_ids")[:, :P + R], cat("attention_mask")[:, :P + R]
     routing = cat("routing", dim=1)[:, :, :P + R] if first.routing is not None else None
-    stats = RolloutStats(
-        prefill_s=sum(p.stats.prefill_s for p in parts), decode_s=sum(p.stats.decode_s for p in parts),
-        n_prompt_tokens=sum(p.stats.n_prompt_tokens for p in parts),
-        n_response_tokens=sum(p.stats.n_response_tokens for p in parts),
-        decode_steps=sum(p.stats.decode_steps for p in parts),
-        graph_captures=sum(p.stats.graph_captures for p in parts),
-        prefill_rows=sum(p.stats.prefill_rows for p in parts))
+    stats = RolloutStats.combine([p.stats for p in parts])
     return RolloutBatch(input_ids=input_ids, attention_mask=mask, prompt_len=P,
                         response_mask=mask[:, P:], logprobs=cat("logprobs")[:, :R], routing=routing,
                         finish_reasons=[r for p in parts for r in p.finish_reasons],

@@ -4,7 +4,7 @@ layout in ``quads.rollout.engine``'s docstring), ``RolloutStats`` (timings), ``e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -47,6 +47,13 @@ class RolloutStats:
     decode_path: str = ""  # "static+graph", "static" or "eager" (and the expert dispatch: "/device", "/host")
     graph_captures: int = 0  # CUDA graphs captured during this call (0 once warm)
     prefill_rows: int = 0  # prompt rows the prefill ran: the distinct prompts with a shared prefill, else every sample
+
+    @classmethod
+    def combine(cls, parts: list[RolloutStats]) -> RolloutStats:
+        """The stats of batches joined into one: every count and time summed, the first one's decode path."""
+        first = parts[0]
+        return cls(**{f.name: first.decode_path if f.name == "decode_path" else sum(getattr(p, f.name) for p in parts)
+                      for f in fields(cls)})
 
     @property
     def total_s(self) -> float:
