@@ -7,11 +7,7 @@
 # prefill on, then off (one process per setting; the Inductor and Triton caches under cache/, which stay on a warm
 # machine, so the second process and the next call reuse the compiled decode step). One GPU, <= 580 s (TOTAL=<s>).
 # OUT=$OUT bash scripts/device_calls/2026-12-23_shared_prefill.sh
-export PYTHONPATH=.; mkdir -p $OUT
-export TORCHINDUCTOR_CACHE_DIR=$PWD/cache/inductor TRITON_CACHE_DIR=$PWD/cache/triton
-T0=$(date +%s); TOTAL=${TOTAL:-580}; left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
-cap() { local l; l=$(left); [ $l -lt 1 ] && l=1; [ $l -lt $1 ] && echo $l || echo $1; }
-nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/gpu.txt 2>&1
+. scripts/device_calls/lib.sh
 G=tests/test_engine_gpu.py
 timeout $(cap 170) python3 -m pytest -q "$G::test_prefill_graph_matches_eager_prefill" \
   "$G::test_static_tokens_match_eager_reference_greedy" \

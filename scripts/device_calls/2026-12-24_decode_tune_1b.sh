@@ -8,11 +8,7 @@
 # table adopted in the device's copy, the bf16 / w4a16 rows again, then bf16 / w4a4+rac50 with the shared prefill.
 # One GPU, <= 580 s (TOTAL=<s>). BEFORE=1 also runs the bf16 / w4a16 rows first (a cold machine).
 # OUT=$OUT bash scripts/device_calls/2026-12-24_decode_tune_1b.sh
-export PYTHONPATH=.; mkdir -p $OUT
-export TORCHINDUCTOR_CACHE_DIR=$PWD/cache/inductor TRITON_CACHE_DIR=$PWD/cache/triton
-T0=$(date +%s); TOTAL=${TOTAL:-580}; left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
-cap() { local l; l=$(left); [ $l -lt 1 ] && l=1; [ $l -lt $1 ] && echo $l || echo $1; }
-nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/gpu.txt 2>&1
+. scripts/device_calls/lib.sh
 E2E="benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 --long-tokens 0 --graphs on --compile on"
 if [ -n "$BEFORE" ]; then
   timeout $(cap 230) python3 -u $E2E --recipes bf16,w4a16 --json $OUT/e2e_before.json > $OUT/e2e_before.log 2>&1

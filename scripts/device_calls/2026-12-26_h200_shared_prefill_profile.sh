@@ -7,11 +7,7 @@
 # that the expert GEMMs are ~35 us a layer), then, with the time left, bf16 / w4a4+rac50 rows. The Inductor and Triton
 # caches under cache/ carry the compiles from one process to the next. One GPU, <= 580 s (TOTAL=<s>).
 # OUT=$OUT bash scripts/device_calls/2026-12-26_h200_shared_prefill_profile.sh
-export PYTHONPATH=.; mkdir -p $OUT
-export TORCHINDUCTOR_CACHE_DIR=$PWD/cache/inductor TRITON_CACHE_DIR=$PWD/cache/triton
-T0=$(date +%s); TOTAL=${TOTAL:-580}; left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
-cap() { local l; l=$(left); [ $l -lt 1 ] && l=1; [ $l -lt $1 ] && echo $l || echo $1; }
-nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/gpu.txt 2>&1
+. scripts/device_calls/lib.sh
 E2E="benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 --long-tokens 0 --graphs on --compile on"
 timeout $(cap 260) python3 -u $E2E --recipes bf16,w4a16 --json $OUT/e2e.json > $OUT/e2e.log 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e.log
