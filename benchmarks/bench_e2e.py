@@ -254,7 +254,7 @@ def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, n
     try:
         eng = RolloutEngine(model, tok, device=args.device, decode=decode, cuda_graphs=graphs, compile=comp,
                             compile_prefill=args.compile_prefill == "on", share_prefill=args.share_prefill == "on",
-                            decode_attention=attention)  # fmt: skip
+                            fuse_qkv=args.fuse_qkv == "on", decode_attention=attention)  # fmt: skip
         t0 = time.perf_counter()
         first = eng.generate(prompts, sp)  # warm-up on the timed batch shape: kernels, allocator, graph capture
         row["first_generate_s"] = time.perf_counter() - t0  # compiles included (cold or cached)
@@ -395,7 +395,7 @@ def profile_decode(args, rows: list) -> None:
                 try:
                     eng = RolloutEngine(model, tok, device=args.device, cuda_graphs=graphs, compile=comp,
                                         compile_prefill=args.compile_prefill == "on",
-                                        share_prefill=args.share_prefill == "on")
+                                        share_prefill=args.share_prefill == "on", fuse_qkv=args.fuse_qkv == "on")
                     for _ in range(2 if graphs else 1):  # warm-up (the cache bucket serves both lengths;
                         eng.generate(prompts, long)  # the second captures the prefill graph)
                     c16, b16, o16, h16 = _trace_counts(eng, prompts, short, args.device)
@@ -782,6 +782,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--share-prefill", default="on", choices=["on", "off"],
                     help="rollout and profile suites, static decode: prefill each prompt once for its --n samples "
                          "(RolloutEngine share_prefill; the row's prefill_rows says how many rows the prefill ran)")
+    ap.add_argument("--fuse-qkv", default="off", choices=["on", "off"],
+                    help="rollout and profile suites, static decode: one GEMM by the stacked q/k/v weights instead of "
+                         "three (RolloutEngine fuse_qkv; the row's decode_path says +fused-qkv)")
     ap.add_argument("--decode-attention", default="auto",
                     help="rollout: the static step's attention, auto (the engine's default: triton on CUDA), sdpa, "
                          "triton, or a comma list such as sdpa,triton (RolloutEngine.decode_attention)")

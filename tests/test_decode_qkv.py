@@ -55,6 +55,23 @@ def test_decode_qkv_matches_the_eager_operations(b, nh, nkv, d, s, p, dtype):
     assert not torch.equal(a["k_cache"][:, :, p], _case(b, nh, nkv, d, s, dtype)["k_cache"][:, :, p])  # written
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_decode_qkv_reads_the_column_slices_of_one_fused_projection(dtype):
+    """q, k, v as the column slices of one ``[B, (nh + 2 nkv) D]`` output (a fused q/k/v projection): the same
+    bits as from contiguous copies, q_out and both caches."""
+    b, nh, nkv, d, s, p = 3, 4, 2, 32, 7, 5
+    a = _case(b, nh, nkv, d, s, dtype)
+    fused = torch.cat([a["q"], a["k"], a["v"]], dim=1)
+    sl = dict(zip("qkv", fused.split([nh * d, nkv * d, nkv * d], dim=1)))
+    assert not sl["k"].is_contiguous() and dq.rows_contiguous(sl["k"])
+    c = {n: (t.clone() if torch.is_tensor(t) else t) for n, t in a.items()}
+    pos = torch.tensor([p], device=DEV)
+    got = dq.decode_qkv(**{**a, **sl}, pos=pos)
+    want = dq.decode_qkv(**c, pos=pos)
+    assert torch.equal(got, want)
+    assert torch.equal(a["k_cache"], c["k_cache"]) and torch.equal(a["v_cache"], c["v_cache"])
+
+
 def test_decode_qkv_refuses_bad_operands():
     a = _case(2, 4, 2, 32, 6, torch.bfloat16)
     pos = torch.tensor([1], device=DEV)

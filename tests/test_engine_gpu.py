@@ -99,6 +99,31 @@ def test_compiled_prefill_graph_matches_no_graph_and_rescores(recipe):
     assert torch.equal(res.logprobs, other.logprobs) and torch.equal(res.routing, other.routing)
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "w4a16", "w4a4+rac50"])
+def test_fused_qkv_graph_matches_no_graph_and_rescores(recipe):
+    """``fuse_qkv`` on the default path (compiled step and prefill, Triton attention reading the product's column
+    slices): its graph replay = its no-graph run, rescoring bit for bit, and an in-place weight update reaches the
+    stacked weights the captured graphs read."""
+    model = model_for(recipe)
+    params = stopping_params(model, 1.0)
+    off = RolloutEngine(model, TOK, cuda_graphs=False, fuse_qkv=True).generate(PROMPTS, params)
+    eng = RolloutEngine(model, TOK, cuda_graphs=True, done_check_interval=4, fuse_qkv=True)
+    runs = [eng.generate(PROMPTS, params) for _ in range(3)]  # the second captures the prefill graph, the third replays
+    for b in runs:
+        assert b.fused_qkv and "+fused-qkv" in b.stats.decode_path
+        assert b.response_ids == off.response_ids and torch.equal(b.logprobs, off.logprobs)
+        assert torch.equal(b.routing, off.routing)
+    res = score_rollout(model, runs[-1])
+    assert torch.equal(res.logprobs, runs[-1].logprobs) and torch.equal(res.routing, runs[-1].routing)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(0.5)
+    after = eng.generate(PROMPTS, params)
+    want = RolloutEngine(model, TOK, cuda_graphs=False, fuse_qkv=True).generate(PROMPTS, params)
+    assert after.response_ids == want.response_ids and torch.equal(after.logprobs, want.logprobs)
+    assert after.stats.graph_captures == 0  # the same graphs, the new weights
+
+
 @pytest.mark.parametrize("recipe", ["bf16", "w4a4+rac50"])
 def test_prefill_graph_matches_eager_prefill(recipe):
     """The prefill replayed from its graph = the eager prefill, with and without padding in the prompt block

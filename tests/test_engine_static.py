@@ -105,6 +105,58 @@ def test_shared_prefill_matches_the_full_prefill_and_rescores(recipe):
     assert not eager.shared_prefill and eager.stats.prefill_rows == 6  # the reference path prefills every row
 
 
+@pytest.mark.parametrize("recipe", list(SPECS))
+def test_fused_qkv_matches_the_three_products_and_rescores(recipe):
+    """``fuse_qkv``: one product by the stacked q/k/v weights, split into column slices, in the prefill and every
+    decode step: the tokens, routing and finish reasons of the three products, log-probs to fp64 rounding; the
+    batch and its decode path record it and rescoring replays it bit for bit."""
+    model = tiny(SPECS[recipe])
+    params = finishing_params(model, 1.0)
+    for dispatch in ("host", "device"):
+        three = RolloutEngine(model, TOK, decode="static", moe_dispatch=dispatch).generate(PROMPTS, params)
+        one = RolloutEngine(model, TOK, decode="static", moe_dispatch=dispatch, fuse_qkv=True).generate(PROMPTS, params)
+        assert one.fused_qkv and not three.fused_qkv
+        assert one.stats.decode_path == f"static+fused-qkv/{dispatch}" and three.stats.decode_path == f"static/{dispatch}"
+        assert one.response_ids == three.response_ids and one.finish_reasons == three.finish_reasons
+        assert len({len(r) for r in one.response_ids}) > 1
+        assert torch.equal(one.routing, three.routing)
+        torch.testing.assert_close(one.logprobs, three.logprobs, atol=1e-12, rtol=0)
+        res = score_rollout(model, one)
+        assert torch.equal(res.logprobs, one.logprobs) and torch.equal(res.routing, one.routing)
+
+
+def test_fused_qkv_reads_updated_weights_and_skips_quantized_projections():
+    """The stacked weights are copied from the parameters at each generation's start (an in-place update, as
+    weight sync makes, is seen without a new decoder); a layer whose q projection is quantized keeps its three
+    products."""
+    from quads.rollout.decode import FusedQKV
+
+    model = tiny()
+    params = finishing_params(model, 0.0)
+    eng = RolloutEngine(model, TOK, decode="static", fuse_qkv=True)
+    eng.generate(PROMPTS, params)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(1.5)
+    after = eng.generate(PROMPTS, params)
+    want = RolloutEngine(model, TOK, decode="static").generate(PROMPTS, params)
+    assert after.response_ids == want.response_ids
+    torch.testing.assert_close(after.logprobs, want.logprobs, atol=1e-12, rtol=0)
+    (dec,) = eng._decoders.values()
+    a = model.model.layers[0].self_attn
+    assert torch.equal(dec.fused_qkv.weights[0], torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+
+    q = tiny()
+    quantize_model(q, Recipe("t", rollout=LinearSpec.of(weight="nvfp4"), targets=("model.layers.0.self_attn.q_proj",)),
+                   side="rollout", verbose=False)
+    fused = FusedQKV(q)
+    assert fused.weights[0] is None and fused.weights[1] is not None
+    got = RolloutEngine(q, TOK, decode="static", fuse_qkv=True).generate(PROMPTS, params)
+    ref = RolloutEngine(q, TOK, decode="static").generate(PROMPTS, params)
+    assert got.response_ids == ref.response_ids
+    torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-12, rtol=0)
+
+
 def test_shared_prefill_writes_the_full_prefills_cache():
     """``StaticDecoder.prefill(groups=...)``: the distinct prompts' forward into the cache's leading rows, then
     every row copies its prompt's keys and values (columns 0..P-1; the rest stays empty), logits and expert ids:
@@ -155,6 +207,15 @@ def test_triton_decode_attention_matches_sdpa_and_rescores_bit_for_bit(monkeypat
     assert not torch.equal(got.logprobs, ref.logprobs)  # another kernel ran, not SDPA again
     res = score_rollout(model, got)
     assert torch.equal(res.logprobs, got.logprobs) and torch.equal(res.routing, got.routing)
+    calls.clear()  # the fused q/k/v product's column slices go into the same kernel (its row strides)
+    fused = RolloutEngine(model, TOK, decode="static", moe_dispatch="device", decode_attention="triton",
+                          fuse_qkv=True).generate(PROMPTS, params)
+    assert len(calls) == model.config.n_layers * fused.stats.decode_steps
+    assert fused.stats.decode_path == "static+triton-attention+fused-qkv/device"
+    assert fused.response_ids == got.response_ids and torch.equal(fused.routing, got.routing)
+    torch.testing.assert_close(fused.logprobs, got.logprobs, atol=1e-5, rtol=0)
+    res = score_rollout(model, fused)
+    assert torch.equal(res.logprobs, fused.logprobs)
     with pytest.raises(ValueError, match="decode_attention must be auto or one of"):
         RolloutEngine(model, TOK, decode_attention="flash")
     assert RolloutEngine(model, TOK).decode_attention == "sdpa"  # auto: Triton attention on CUDA only

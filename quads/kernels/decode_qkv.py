@@ -48,6 +48,11 @@ def decode_qkv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_we
     return q_out[:, :, 0]
 
 
+def rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether a 2-D ``t`` holds each row's elements next to each other (its rows may be any stride apart)."""
+    return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] == 1) and (t.stride(0) >= t.shape[1] or t.shape[0] <= 1)
+
+
 def _check(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, pos) -> None:
     B, D = cos.shape
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != D:
@@ -77,15 +82,16 @@ if HAS_TRITON:
     from quads.kernels._common import cast_out
 
     @triton.jit
-    def _norm_rope(x_ptr, w_ptr, cos, sin, row, H: tl.constexpr, D: tl.constexpr, eps, out_ptr):
-        """The H heads of one row of ``x`` ``[*, H * D]``: RMSNorm (weight ``w``), RoPE; returned in
-        ``out_ptr``'s dtype as fp32 values (every step rounded as the eager module rounds)."""
+    def _norm_rope(x_ptr, stride_x, w_ptr, cos, sin, row, H: tl.constexpr, D: tl.constexpr, eps, out_ptr):
+        """The H heads of one row of ``x`` ``[*, H * D]`` (rows ``stride_x`` elements apart): RMSNorm (weight
+        ``w``), RoPE; returned in ``out_ptr``'s dtype as fp32 values (every step rounded as the eager module
+        rounds)."""
         h = tl.arange(0, H)[:, None]
         d = tl.arange(0, D)[None, :]
         half: tl.constexpr = D // 2
         rot = (d + half) % D  # rotate_half's source: x[d + D/2] (negated) for d < D/2, x[d - D/2] after
-        x = tl.load(x_ptr + row * (H * D) + h * D + d).to(tl.float32)
-        xr = tl.load(x_ptr + row * (H * D) + h * D + rot).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + h * D + d).to(tl.float32)
+        xr = tl.load(x_ptr + row * stride_x + h * D + rot).to(tl.float32)
         ms = tl.sum(x * x, axis=1) * (1.0 / D)  # [H]; mean = sum * (1 / D), exact for D a power of two
         inv = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))[:, None]
         w = tl.load(w_ptr + d).to(tl.float32)
@@ -99,34 +105,40 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_qkv_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, qo_ptr,
-                           eps, S, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr):  # fmt: skip
+                           stride_q, stride_k, stride_v, eps, S, NH: tl.constexpr, NKV: tl.constexpr,
+                           D: tl.constexpr):  # fmt: skip
         """Row b: its NH query heads normed and rotated into ``qo``; its NKV key heads normed, rotated and
         stored in the key cache at column ``pos``, its value heads copied to the value cache there."""
         b = tl.program_id(0)
         d = tl.arange(0, D)[None, :]
         cos = tl.load(cos_ptr + b * D + d).to(tl.float32)
         sin = tl.load(sin_ptr + b * D + d).to(tl.float32)
-        qo = _norm_rope(q_ptr, qw_ptr, cos, sin, b, NH, D, eps, qo_ptr)
+        qo = _norm_rope(q_ptr, stride_q, qw_ptr, cos, sin, b, NH, D, eps, qo_ptr)
         h = tl.arange(0, NH)[:, None]
         tl.store(qo_ptr + b * (NH * D) + h * D + d, qo)
-        ko = _norm_rope(k_ptr, kw_ptr, cos, sin, b, NKV, D, eps, kc_ptr)
+        ko = _norm_rope(k_ptr, stride_k, kw_ptr, cos, sin, b, NKV, D, eps, kc_ptr)
         p = tl.load(pos_ptr).to(tl.int64)
         hk = tl.arange(0, NKV)[:, None]
         col = ((b * NKV + hk) * S + p) * D + d  # cache [B, NKV, S, D], contiguous
         tl.store(kc_ptr + col, ko)
-        tl.store(vc_ptr + col, tl.load(v_ptr + b * (NKV * D) + hk * D + d))
+        tl.store(vc_ptr + col, tl.load(v_ptr + b * stride_v + hk * D + d))
 
 
 def decode_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                pos: torch.Tensor, *, num_warps: int = 4) -> torch.Tensor:
-    """The prologue (module docstring) in one launch; ``q``, ``k``, ``v``, ``cos``, ``sin`` and the caches
-    contiguous. Returns ``q_out`` ``[B, nh, D]``."""
+    """The prologue (module docstring) in one launch; ``cos``, ``sin`` and the caches contiguous, ``q``, ``k``,
+    ``v`` rows of contiguous elements (any row stride: the column slices of one fused projection's output too).
+    Returns ``q_out`` ``[B, nh, D]``."""
     _check(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, pos)
-    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
-                    ("v_cache", v_cache), ("q_weight", q_weight), ("k_weight", k_weight)):
+    for name, t in (("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache), ("q_weight", q_weight),
+                    ("k_weight", k_weight)):
         if not t.is_contiguous():
             raise ValueError(f"decode_qkv: {name} must be contiguous")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not rows_contiguous(t):
+            raise ValueError(f"decode_qkv: {name}'s rows must be contiguous (stride 1 along the row), got strides "
+                             f"{t.stride()}")
     B, D = cos.shape
     nkv, S = k_cache.shape[1], k_cache.shape[2]
     nh = q.shape[1] // D
@@ -135,8 +147,9 @@ def decode_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torc
     out = torch.empty(B, nh, D, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    _decode_qkv_kernel[(B,)](q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, pos, out, float(eps), S,
-                             NH=nh, NKV=nkv, D=D, num_warps=num_warps, **EXACT)  # fmt: skip
+    _decode_qkv_kernel[(B,)](q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, pos, out, q.stride(0),
+                             k.stride(0), v.stride(0), float(eps), S, NH=nh, NKV=nkv, D=D, num_warps=num_warps,
+                             **EXACT)  # fmt: skip
     return out
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from quads.kernels.decode_attention import decode_attention_op
 from quads.kernels.decode_qkv import decode_qkv_op
 from quads.model.config import ModelConfig
-from quads.model.gemm import Linear
+from quads.model.gemm import Linear, linear
 
 
 class RMSNorm(nn.Module):
@@ -75,6 +75,9 @@ class KVCache:
     """
 
     attention = "sdpa"  # how a decode step attends over it (StaticKVCache may say "triton")
+    # per layer, the q/k/v projections' weights as one [(nh + 2 nkv) D, H] tensor (or None: that layer's three
+    # products): the rollout engine's fused projection (quads.rollout.decode.FusedQKV), one GEMM instead of three
+    qkv: list[torch.Tensor | None] | None = None
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int | None = None, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
@@ -110,6 +113,7 @@ class KVCache:
         view = object.__new__(KVCache)
         view.max_len, view.length = self.max_len, 0
         view.k, view.v = [t[:n] for t in self.k], [t[:n] for t in self.v]
+        view.qkv = self.qkv
         return view
 
     def spread_rows(self, source: torch.Tensor, columns: int) -> None:
@@ -252,14 +256,19 @@ class Attention(nn.Module):
             return False
         dt = cache.k[self.layer_idx].dtype
         same = all(t.dtype == dt for t in (q, k, v, cos, self.q_norm.weight, self.k_norm.weight))
-        return same and all(t.is_contiguous() for t in (q, k, v, cos))
+        # q, k, v: rows of contiguous elements (the column slices of the fused projection's output qualify)
+        return same and cos.is_contiguous() and all(t.stride(-1) == 1 for t in (q, k, v))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``rows`` [B] bool (fixed-slot decode): rows that are False get a zero attention output, so
         they feed zeros, not garbage, into ``o_proj`` (whose activation scale may span the batch)."""
         B, L, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, L, nh*D], [B, L, nkv*D] x2
+        fused = None if cache is None or cache.qkv is None else cache.qkv[self.layer_idx]
+        if fused is not None:  # one product, split into column slices (quads.rollout.decode.FusedQKV)
+            q, k, v = linear(x, fused).split((self.n_heads * self.head_dim, *(2 * [self.n_kv * self.head_dim])), -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, L, nh*D], [B, L, nkv*D] x2
         if self._fused_decode(q, k, v, cos, cache, rows):
             # the fixed-shape decode step with Triton attention: q/k norm, RoPE and the cache write in one kernel
             # (quads.kernels.decode_qkv; the same operations as below, one launch), then the attention

@@ -83,6 +83,7 @@ def make_backend(cfg, rollout_model: nn.Module, tokenizer: Tokenizer, recipe: Re
         return RolloutEngine(rollout_model, tokenizer, device=cfg.device, recipe=recipe.name,
                              cuda_graphs=cfg.rollout.cuda_graphs, compile=cfg.rollout.compile,
                              compile_prefill=cfg.rollout.compile_prefill, share_prefill=cfg.rollout.share_prefill,
+                             fuse_qkv=cfg.rollout.fuse_qkv,
                              decode_attention=cfg.rollout.decode_attention)
     if cfg.rollout.decode_attention == "triton":
         raise ValueError(f"rollout.decode_attention=triton is the quads engine's; the {name} backend attends its "

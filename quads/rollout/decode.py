@@ -51,6 +51,15 @@ activation-quantized GEMMs and change the numbers). The expert ids are always co
 graph, and with it the rounding, does not depend on whether the caller records them. A width of 1 is
 specialised by Dynamo (one more graph). Replayed from a CUDA graph like the plain prefill; recorded in
 the batch (``RolloutBatch.compiled_prefill``) and replayed by rescoring, as the compiled step is.
+
+With ``fuse_qkv``, each attention layer whose q, k and v projections are plain ``Linear`` layers (BF16 in every
+recipe that quantizes only the experts) multiplies once by the three weights stacked (``FusedQKV``, read through
+``KVCache.qkv``) and splits the product into q, k and v column slices: one GEMM instead of three in the decode
+step and the prefill. Every output column is the dot product of its own weight row, but the one GEMM's kernel may
+sum in another order than the three's, so the batch records it (``RolloutBatch.fused_qkv``) and rescoring replays
+it. The stacked weights are a copy (the layer's q/k/v weights once more in memory), refreshed from the parameters
+at every generation's start (``begin``), in place, so weight sync reaches them and a captured graph keeps reading
+the same storage.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ import torch
 
 from quads.model import gemm
 from quads.model.attention import StaticKVCache, activation_dtype
+from quads.model.gemm import Linear
 
 CACHE_BUCKET = 128  # cache lengths are multiples of this (a graph per bucket, not per prompt width)
 # Dynamo's recompile limit while a compiled step runs: every (model, batch size, cache length) is one static-shape
@@ -162,6 +172,35 @@ def _compiled_prefill(backend: object):
     return fn
 
 
+class FusedQKV:
+    """The stacked q/k/v weights of ``model``'s attention layers (module docstring, ``fuse_qkv``): ``weights[i]`` =
+    ``[q; k; v]`` ``[(nh + 2 nkv) D, H]`` for layer i, or None where its projections are not three plain ``Linear``
+    layers without bias in one dtype and on one device (a quantized projection keeps its own product)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._layers: list[tuple[tuple[torch.nn.Module, ...], torch.Tensor] | None] = []
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+            plain = all(type(p) is Linear and p.bias is None and type(p.weight) is torch.nn.Parameter for p in projs)
+            if not plain or len({(p.weight.dtype, p.weight.device, p.weight.shape[1]) for p in projs}) != 1:
+                self._layers.append(None)
+                continue
+            w = projs[0].weight
+            rows = sum(p.weight.shape[0] for p in projs)
+            self._layers.append((projs, torch.empty(rows, w.shape[1], dtype=w.dtype, device=w.device)))
+        self.weights: list[torch.Tensor | None] = [None if e is None else e[1] for e in self._layers]
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the projections' current weights into the stacked ones (same storage as before)."""
+        for entry in self._layers:
+            if entry is not None:
+                projs, out = entry
+                torch.cat([p.weight for p in projs], out=out)
+
+
 def device_groups(groups: tuple[list[int], list[int]] | None, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``prompt_groups``' host lists (first, source) as ``StaticDecoder.prefill``'s long tensors on ``device``
@@ -178,12 +217,15 @@ class StaticDecoder:
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, *, device_dispatch: bool,
                  cuda_graphs: bool, compile: bool = False, compile_prefill: bool = False,
-                 attention: str = "sdpa") -> None:
+                 attention: str = "sdpa", fuse_qkv: bool = False) -> None:
         cfg, dev = model.config, model.device
         self.model = model
         self.batch, self.max_len = batch, max_len
         self.cache = StaticKVCache(cfg, batch, max_len, dtype=activation_dtype(model), device=dev,
                                    attention=attention)  # fmt: skip
+        self.fused_qkv = FusedQKV(model) if fuse_qkv else None
+        if self.fused_qkv is not None:
+            self.cache.qkv = self.fused_qkv.weights
         self.tokens = torch.zeros(batch, dtype=torch.long, device=dev)
         self.rows = torch.zeros(batch, dtype=torch.bool, device=dev)
         self.device_dispatch = device_dispatch
@@ -204,10 +246,13 @@ class StaticDecoder:
         self.n_prefill_captures = 0
 
     def begin(self) -> StaticKVCache:
-        """Start a generation: empty cache; drop the graphs if a weight tensor was replaced."""
+        """Start a generation: empty cache; drop the graphs if a weight tensor was replaced; the stacked q/k/v
+        weights (``fuse_qkv``) copied from the parameters again."""
         if (self.graph is not None or self._prefills) and weights_key(self.model) != self._key:
             self.graph, self._out = None, None
             self._prefills.clear()
+        if self.fused_qkv is not None:
+            self.fused_qkv.refresh()
         self.cache.reset()
         return self.cache
 

@@ -101,7 +101,7 @@ class RolloutEngine:
                  decode: Literal["auto", "static", "eager"] = "auto", cuda_graphs: bool = True,
                  moe_dispatch: Literal["auto", "device", "host"] = "auto", done_check_interval: int = 16,
                  compile: bool = True, compile_prefill: bool = True, share_prefill: bool = True,
-                 decode_attention: Literal["auto", "sdpa", "triton"] = "auto") -> None:
+                 fuse_qkv: bool = False, decode_attention: Literal["auto", "sdpa", "triton"] = "auto") -> None:
         """``recipe`` is stored for reporting only; ``max_batch_tokens`` caps samples per prefill/decode
         batch at max_batch_tokens // (P + max_new_tokens) (chunks run one after another, so results
         with sampling depend on it through the generator's draw order; greedy results do not).
@@ -124,6 +124,10 @@ class RolloutEngine:
         > 1``, or the same prompt given twice) once and copy its cache rows to every sample
         (``quads.rollout.decode``): 1/n of the prefill's tokens; a different batch for the quantized
         activations from the full prefill, recorded in the batch and replayed by rescoring.
+        ``fuse_qkv``: on the static path, one product by the stacked q/k/v weights instead of three, split into
+        column slices (``quads.rollout.decode.FusedQKV``; attention layers with plain BF16 projections, a copy of
+        their weights refreshed at each generation's start); the one GEMM may sum in another order, recorded in
+        the batch and replayed by rescoring. Off by default until timed on a GPU (docs/PERF.md).
         ``decode_attention``: how the static decode step attends (``StaticKVCache.attention``): "sdpa" over
         the whole cache, the unwritten columns masked, or "triton", ``quads.kernels.decode_attention``,
         which reads only the columns written so far (CUDA; on the CPU only under Triton's interpreter, for
@@ -152,7 +156,7 @@ class RolloutEngine:
         self.decode, self.cuda_graphs, self.moe_dispatch = decode, cuda_graphs, moe_dispatch
         self.done_check_interval = done_check_interval
         self.compile, self.compile_prefill = compile, compile_prefill
-        self.share_prefill = share_prefill
+        self.share_prefill, self.fuse_qkv = share_prefill, fuse_qkv
         if decode_attention == "auto":
             decode_attention = ("triton" if self.device.type == "cuda" and HAS_TRITON
                                 and activation_dtype(model) in (torch.bfloat16, torch.float16) else "sdpa")
@@ -191,13 +195,13 @@ class RolloutEngine:
 
     def _decoder(self, batch: int, max_len: int, dispatch: str, graphs: bool) -> StaticDecoder:
         compiled, compiled_prefill = self._compiled(), self._compiled_prefill()
-        key = (batch, max_len, dispatch, graphs, compiled, compiled_prefill, self.decode_attention)
+        key = (batch, max_len, dispatch, graphs, compiled, compiled_prefill, self.decode_attention, self.fuse_qkv)
         if key not in self._decoders:
             while len(self._decoders) >= 2:  # bound the memory of caches and graphs kept warm
                 self._decoders.pop(next(iter(self._decoders)))
             self._decoders[key] = StaticDecoder(self.model, batch, max_len, device_dispatch=dispatch == "device",
                                                 cuda_graphs=graphs, compile=compiled, compile_prefill=compiled_prefill,
-                                                attention=self.decode_attention)  # fmt: skip
+                                                attention=self.decode_attention, fuse_qkv=self.fuse_qkv)  # fmt: skip
         return self._decoders[key]
 
     def score(self, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
@@ -252,10 +256,12 @@ class RolloutEngine:
         batch.compiled_prefill = path == "static" and self._compiled_prefill()
         batch.decode_attention = self.decode_attention if path == "static" else "sdpa"
         batch.shared_prefill = path == "static" and self.share_prefill
+        batch.fused_qkv = path == "static" and self.fuse_qkv
         attn = "+triton-attention" if batch.decode_attention == "triton" else ""
         pre = "+compiled-prefill" if batch.compiled_prefill else ""
+        qkv = "+fused-qkv" if batch.fused_qkv else ""
         batch.stats.decode_path = (f"{path}{'+compile' if batch.compiled else ''}{pre}{'+graph' if graphs else ''}{attn}"
-                                   f"/{dispatch}")
+                                   f"{qkv}/{dispatch}")
         return batch
 
     def _sync(self) -> None:

@@ -12,7 +12,8 @@ variant changes exactly one thing: the numerics of the rollout forward.
 A batch from the engine's static decode path (``batch.decode == "static"``) is replayed on that path:
 the same fixed slots, cache length, expert dispatch and compiled-or-plain step, a row fed while its sample continues (the
 same rule), a CUDA graph when ``cuda_graphs`` and the dispatch allow it, and the shared prefill of repeated prompts
-when the batch says so (``batch.shared_prefill``: the groups from ``batch.prompt_ids``, as the engine made them).
+when the batch says so (``batch.shared_prefill``: the groups from ``batch.prompt_ids``, as the engine made them), and
+the fused q/k/v product when it was used (``batch.fused_qkv``).
 
 This is the rollout side only: it never calls the trainer's full forward (``quads.rl.logprobs``);
 the disagreement between the two paths is the engine-drift floor of DESIGN.md section 2.
@@ -111,7 +112,8 @@ def _score_static(model: torch.nn.Module, batch: RolloutBatch, temperature: floa
     device_dispatch = batch.moe_dispatch == "device"
     dec = StaticDecoder(model, B, batch.cache_len or cache_length(S), device_dispatch=device_dispatch,
                         cuda_graphs=cuda_graphs and device_dispatch, compile=batch.compiled,
-                        compile_prefill=batch.compiled_prefill, attention=batch.decode_attention)
+                        compile_prefill=batch.compiled_prefill, attention=batch.decode_attention,
+                        fuse_qkv=batch.fused_qkv)
     was_training = model.training
     model.eval()
     try:

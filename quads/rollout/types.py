@@ -87,6 +87,7 @@ class RolloutBatch:
     compiled_prefill: bool = False  # static decode: the prefill ran under torch.compile (rescoring the same)
     decode_attention: str = "sdpa"  # static decode: how the step attended (StaticKVCache.attention; rescoring the same)
     shared_prefill: bool = False  # static decode: a prompt repeated in the batch was prefilled once (prompt_groups; rescoring the same)
+    fused_qkv: bool = False  # static decode: one product by the stacked q/k/v weights (decode.FusedQKV; rescoring the same)
 
     @property
     def response_tokens(self) -> torch.Tensor:
