@@ -147,11 +147,17 @@ def test_fused_qkv_reads_updated_weights_and_skips_quantized_projections():
     assert torch.equal(dec.fused_qkv.weights[0], torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
 
     q = tiny()
+    eng = RolloutEngine(q, TOK, decode="static", fuse_qkv=True)
+    eng.generate(PROMPTS, params)
+    before = FusedQKV.of(q)
+    assert FusedQKV.of(q) is before and all(w is not None for w in before.weights)  # one copy per model
     quantize_model(q, Recipe("t", rollout=LinearSpec.of(weight="nvfp4"), targets=("model.layers.0.self_attn.q_proj",)),
                    side="rollout", verbose=False)
-    fused = FusedQKV(q)
-    assert fused.weights[0] is None and fused.weights[1] is not None
-    got = RolloutEngine(q, TOK, decode="static", fuse_qkv=True).generate(PROMPTS, params)
+    fused = FusedQKV.of(q)  # the layout changed: made again
+    assert fused is not before and fused.weights[0] is None and fused.weights[1] is not None
+    got = eng.generate(PROMPTS, params)  # the same decoder takes the new one
+    (dec,) = eng._decoders.values()
+    assert dec.fused_qkv is fused and dec.cache.qkv is fused.weights
     ref = RolloutEngine(q, TOK, decode="static").generate(PROMPTS, params)
     assert got.response_ids == ref.response_ids
     torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-12, rtol=0)

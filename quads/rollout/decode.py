@@ -57,7 +57,8 @@ recipe that quantizes only the experts) multiplies once by the three weights sta
 ``KVCache.qkv``) and splits the product into q, k and v column slices: one GEMM instead of three in the decode
 step and the prefill. Every output column is the dot product of its own weight row, but the one GEMM's kernel may
 sum in another order than the three's, so the batch records it (``RolloutBatch.fused_qkv``) and rescoring replays
-it. The stacked weights are a copy (the layer's q/k/v weights once more in memory), refreshed from the parameters
+it. The stacked weights are a copy (the layer's q/k/v weights once more in memory, one copy per model shared by its
+decoders and rescoring: ``FusedQKV.of``), refreshed from the parameters
 at every generation's start (``begin``), in place, so weight sync reaches them and a captured graph keeps reading
 the same storage.
 """
@@ -175,15 +176,16 @@ def _compiled_prefill(backend: object):
 class FusedQKV:
     """The stacked q/k/v weights of ``model``'s attention layers (module docstring, ``fuse_qkv``): ``weights[i]`` =
     ``[q; k; v]`` ``[(nh + 2 nkv) D, H]`` for layer i, or None where its projections are not three plain ``Linear``
-    layers without bias in one dtype and on one device (a quantized projection keeps its own product)."""
+    layers without bias in one dtype and on one device (a quantized projection keeps its own product). One per model
+    (``of``): every decoder of a model and its rescoring share the copy."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        self.layout = self._layout(model)
         self._layers: list[tuple[tuple[torch.nn.Module, ...], torch.Tensor] | None] = []
-        for layer in model.model.layers:
+        for layer, plain in zip(model.model.layers, self.layout):
             attn = layer.self_attn
             projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-            plain = all(type(p) is Linear and p.bias is None and type(p.weight) is torch.nn.Parameter for p in projs)
-            if not plain or len({(p.weight.dtype, p.weight.device, p.weight.shape[1]) for p in projs}) != 1:
+            if plain is None:
                 self._layers.append(None)
                 continue
             w = projs[0].weight
@@ -191,6 +193,29 @@ class FusedQKV:
             self._layers.append((projs, torch.empty(rows, w.shape[1], dtype=w.dtype, device=w.device)))
         self.weights: list[torch.Tensor | None] = [None if e is None else e[1] for e in self._layers]
         self.refresh()
+
+    @staticmethod
+    def _layout(model: torch.nn.Module) -> tuple:
+        """Per layer: None (not fused) or the projections' identities, dtype, device and shapes."""
+        out = []
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+            plain = all(type(p) is Linear and p.bias is None and type(p.weight) is torch.nn.Parameter for p in projs)
+            same = plain and len({(p.weight.dtype, p.weight.device, p.weight.shape[1]) for p in projs}) == 1
+            out.append((tuple(map(id, projs)), projs[0].weight.dtype, projs[0].weight.device,
+                        tuple(tuple(p.weight.shape) for p in projs)) if same else None)
+        return tuple(out)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> FusedQKV:
+        """``model``'s one ``FusedQKV``, made again when a projection's layout changed (another device or dtype, a
+        replaced or quantized projection): the caller then holds new storages."""
+        have = getattr(model, "_quads_fused_qkv", None)
+        if have is None or have.layout != cls._layout(model):
+            have = cls(model)
+            object.__setattr__(model, "_quads_fused_qkv", have)  # not an nn.Module attribute
+        return have
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -223,9 +248,8 @@ class StaticDecoder:
         self.batch, self.max_len = batch, max_len
         self.cache = StaticKVCache(cfg, batch, max_len, dtype=activation_dtype(model), device=dev,
                                    attention=attention)  # fmt: skip
-        self.fused_qkv = FusedQKV(model) if fuse_qkv else None
-        if self.fused_qkv is not None:
-            self.cache.qkv = self.fused_qkv.weights
+        self.fuse_qkv = fuse_qkv
+        self.fused_qkv: FusedQKV | None = None  # FusedQKV.of(model), taken at each begin
         self.tokens = torch.zeros(batch, dtype=torch.long, device=dev)
         self.rows = torch.zeros(batch, dtype=torch.bool, device=dev)
         self.device_dispatch = device_dispatch
@@ -248,11 +272,14 @@ class StaticDecoder:
     def begin(self) -> StaticKVCache:
         """Start a generation: empty cache; drop the graphs if a weight tensor was replaced; the stacked q/k/v
         weights (``fuse_qkv``) copied from the parameters again."""
-        if (self.graph is not None or self._prefills) and weights_key(self.model) != self._key:
+        fused = FusedQKV.of(self.model) if self.fuse_qkv else None
+        if (self.graph is not None or self._prefills) and (weights_key(self.model) != self._key
+                                                            or fused is not self.fused_qkv):
             self.graph, self._out = None, None
             self._prefills.clear()
-        if self.fused_qkv is not None:
-            self.fused_qkv.refresh()
+        if fused is not None:
+            self.fused_qkv, self.cache.qkv = fused, fused.weights
+            fused.refresh()
         self.cache.reset()
         return self.cache
 
