@@ -51,6 +51,20 @@ def stopping_params(model, temperature):
                           stop_token_ids=(base.response_ids[2][5],))
 
 
+def graph_runs_match_no_graph(model, params, **engine_kw):
+    """Three generations of an engine with CUDA graphs (the second captures the prefill graph, the third replays
+    it) = one without, bit for bit, and rescoring replays the last: -> (the engine, the three batches)."""
+    off = RolloutEngine(model, TOK, cuda_graphs=False, **engine_kw).generate(PROMPTS, params)
+    eng = RolloutEngine(model, TOK, cuda_graphs=True, done_check_interval=4, **engine_kw)
+    runs = [eng.generate(PROMPTS, params) for _ in range(3)]
+    for b in runs:
+        assert b.response_ids == off.response_ids and torch.equal(b.logprobs, off.logprobs)
+        assert torch.equal(b.routing, off.routing)
+    res = score_rollout(model, runs[-1])
+    assert torch.equal(res.logprobs, runs[-1].logprobs) and torch.equal(res.routing, runs[-1].routing)
+    return eng, runs
+
+
 @pytest.mark.parametrize("compile", [True, False])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("recipe", list(SPECS))
@@ -85,15 +99,8 @@ def test_compiled_prefill_graph_matches_no_graph_and_rescores(recipe):
     replays it bit for bit; the batch records it."""
     model = model_for(recipe)
     params = stopping_params(model, 1.0)
-    off = RolloutEngine(model, TOK, cuda_graphs=False, compile_prefill=True).generate(PROMPTS, params)
-    eng = RolloutEngine(model, TOK, cuda_graphs=True, done_check_interval=4, compile_prefill=True)
-    runs = [eng.generate(PROMPTS, params) for _ in range(3)]  # the second captures the prefill graph, the third replays
-    for b in runs:
-        assert b.compiled_prefill and "+compiled-prefill" in b.stats.decode_path
-        assert b.response_ids == off.response_ids and torch.equal(b.logprobs, off.logprobs)
-        assert torch.equal(b.routing, off.routing)
-    res = score_rollout(model, runs[-1])
-    assert torch.equal(res.logprobs, runs[-1].logprobs) and torch.equal(res.routing, runs[-1].routing)
+    eng, runs = graph_runs_match_no_graph(model, params, compile_prefill=True)
+    assert all(b.compiled_prefill and "+compiled-prefill" in b.stats.decode_path for b in runs)
     other = eng.generate(PROMPTS[:2] + ["a much longer prompt than the others:"], params)  # another width
     res = score_rollout(model, other)
     assert torch.equal(res.logprobs, other.logprobs) and torch.equal(res.routing, other.routing)
@@ -106,15 +113,8 @@ def test_fused_qkv_graph_matches_no_graph_and_rescores(recipe):
     stacked weights the captured graphs read."""
     model = model_for(recipe)
     params = stopping_params(model, 1.0)
-    off = RolloutEngine(model, TOK, cuda_graphs=False, fuse_qkv=True).generate(PROMPTS, params)
-    eng = RolloutEngine(model, TOK, cuda_graphs=True, done_check_interval=4, fuse_qkv=True)
-    runs = [eng.generate(PROMPTS, params) for _ in range(3)]  # the second captures the prefill graph, the third replays
-    for b in runs:
-        assert b.fused_qkv and "+fused-qkv" in b.stats.decode_path
-        assert b.response_ids == off.response_ids and torch.equal(b.logprobs, off.logprobs)
-        assert torch.equal(b.routing, off.routing)
-    res = score_rollout(model, runs[-1])
-    assert torch.equal(res.logprobs, runs[-1].logprobs) and torch.equal(res.routing, runs[-1].routing)
+    eng, runs = graph_runs_match_no_graph(model, params, fuse_qkv=True)
+    assert all(b.fused_qkv and "+fused-qkv" in b.stats.decode_path for b in runs)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.v_proj.weight.mul_(0.5)
