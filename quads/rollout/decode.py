@@ -182,10 +182,8 @@ class FusedQKV:
     def __init__(self, model: torch.nn.Module) -> None:
         self.layout = self._layout(model)
         self._layers: list[tuple[tuple[torch.nn.Module, ...], torch.Tensor] | None] = []
-        for layer, plain in zip(model.model.layers, self.layout):
-            attn = layer.self_attn
-            projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-            if plain is None:
+        for projs, plain in zip(self._projections(model), self.layout):
+            if plain is None:  # a quantized projection may hold no plain weight
                 self._layers.append(None)
                 continue
             w = projs[0].weight
@@ -195,12 +193,15 @@ class FusedQKV:
         self.refresh()
 
     @staticmethod
-    def _layout(model: torch.nn.Module) -> tuple:
+    def _projections(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]]:
+        """Per layer, its attention's (q_proj, k_proj, v_proj)."""
+        return [(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in model.model.layers]
+
+    @classmethod
+    def _layout(cls, model: torch.nn.Module) -> tuple:
         """Per layer: None (not fused) or the projections' identities, dtype, device and shapes."""
         out = []
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        for projs in cls._projections(model):
             plain = all(type(p) is Linear and p.bias is None and type(p.weight) is torch.nn.Parameter for p in projs)
             same = plain and len({(p.weight.dtype, p.weight.device, p.weight.shape[1]) for p in projs}) == 1
             out.append((tuple(map(id, projs)), projs[0].weight.dtype, projs[0].weight.device,
