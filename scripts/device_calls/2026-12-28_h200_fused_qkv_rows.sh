@@ -4,12 +4,12 @@
 # rows with the fused q/k/v projection (--fuse-qkv on, each in its own process: a new compile of each model), then,
 # with the time left, the fused path's GPU test (graph = no graph, rescoring, weight updates reaching the captured
 # graphs). The Inductor and Triton caches under cache/ carry the compiles from one process to the next. One GPU,
-# <= 580 s (TOTAL=<s>); ON=<recipes> narrows the fused rows (e.g. ON=w4a16 on a short budget: one cold compile less).
+# <= 580 s (TOTAL=<s>); OFF / ON=<recipes> narrow the rows of each (e.g. ON=w4a16 on a short budget: one cold compile less).
 # OUT=$OUT bash scripts/device_calls/2026-12-28_h200_fused_qkv_rows.sh
 . scripts/device_calls/lib.sh
 E2E="benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 --long-tokens 0 --graphs on --compile on"
 for f in off on; do
-  r=bf16,w4a16; [ $f = on ] && r=${ON:-$r}
+  r=${OFF:-bf16,w4a16}; [ $f = on ] && r=${ON:-bf16,w4a16}
   timeout $(cap 250) python3 -u $E2E --fuse-qkv $f --recipes $r --json $OUT/e2e_fuse_$f.json > $OUT/e2e_fuse_$f.log 2>&1
   echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e_fuse_$f.log
 done
