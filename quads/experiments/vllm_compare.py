@@ -86,7 +86,7 @@ def replay_layer_inputs(model: nn.Module, records: dict[str, list[tuple[torch.Te
                 rid, rw = rec[1][p:p + m].to(ids.dtype), rec[2][p:p + m].to(w.dtype)
                 if not torch.equal(ids[:m], rid):
                     raise AssertionError(f"{name}: vLLM's router chose other experts than quads' rows {p}..{p + m}")
-                if not float((w[:m] - rw).abs().max()) <= rtol:
+                if not float((w[:m].detach() - rw).abs().max()) <= rtol:
                     raise AssertionError(f"{name}: vLLM's routing weights differ from quads' by more than {rtol}")
                 new += [torch.cat([rid, ids[m:]]), torch.cat([rw, w[m:]])]
             used[name] = p + m
