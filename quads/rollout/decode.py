@@ -58,9 +58,8 @@ recipe that quantizes only the experts) multiplies once by the three weights sta
 step and the prefill. Every output column is the dot product of its own weight row, but the one GEMM's kernel may
 sum in another order than the three's, so the batch records it (``RolloutBatch.fused_qkv``) and rescoring replays
 it. The stacked weights are a copy (the layer's q/k/v weights once more in memory, one copy per model shared by its
-decoders and rescoring: ``FusedQKV.of``), refreshed from the parameters
-at every generation's start (``begin``), in place, so weight sync reaches them and a captured graph keeps reading
-the same storage.
+decoders and rescoring: ``FusedQKV.of``), refreshed from the parameters at every generation's start (``begin``), in
+place, so weight sync reaches them and a captured graph keeps reading the same storage.
 """
 
 from __future__ import annotations
@@ -69,7 +68,6 @@ import torch
 
 from quads.model import gemm
 from quads.model.attention import StaticKVCache, activation_dtype
-from quads.model.gemm import Linear
 
 CACHE_BUCKET = 128  # cache lengths are multiples of this (a graph per bucket, not per prompt width)
 # Dynamo's recompile limit while a compiled step runs: every (model, batch size, cache length) is one static-shape
@@ -202,7 +200,7 @@ class FusedQKV:
         """Per layer: None (not fused) or the projections' identities, dtype, device and shapes."""
         out = []
         for projs in cls._projections(model):
-            plain = all(type(p) is Linear and p.bias is None and type(p.weight) is torch.nn.Parameter for p in projs)
+            plain = all(type(p) is gemm.Linear and p.bias is None and type(p.weight) is torch.nn.Parameter for p in projs)
             same = plain and len({(p.weight.dtype, p.weight.device, p.weight.shape[1]) for p in projs}) == 1
             out.append((tuple(map(id, projs)), projs[0].weight.dtype, projs[0].weight.device,
                         tuple(tuple(p.weight.shape) for p in projs)) if same else None)
