@@ -782,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--share-prefill", default="on", choices=["on", "off"],
                     help="rollout and profile suites, static decode: prefill each prompt once for its --n samples "
                          "(RolloutEngine share_prefill; the row's prefill_rows says how many rows the prefill ran)")
-    ap.add_argument("--fuse-qkv", default="off", choices=["on", "off"],
+    ap.add_argument("--fuse-qkv", default="on", choices=["on", "off"],
                     help="rollout and profile suites, static decode: one GEMM by the stacked q/k/v weights instead of "
                          "three (RolloutEngine fuse_qkv; the row's decode_path says +fused-qkv)")
     ap.add_argument("--decode-attention", default="auto",

@@ -148,7 +148,7 @@ def test_captured_expert_path_runs_the_amplifier_and_sync_updates_it_in_place():
     ref = RolloutEngine(model, TOK, decode="eager").generate(PROMPTS, params)
     got = RolloutEngine(model, TOK, decode="static", moe_dispatch="device").generate(PROMPTS, params)
     assert got.response_ids == ref.response_ids and got.finish_reasons == ref.finish_reasons
-    assert torch.equal(got.routing, ref.routing) and got.stats.decode_path == "static/device"
+    assert torch.equal(got.routing, ref.routing) and got.stats.decode_path == "static+fused-qkv/device"
     torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-4, rtol=0)
     plain = RolloutEngine(tiny(RAC, dtype="float32"), TOK, decode="static", moe_dispatch="device").generate(
         PROMPTS, params)

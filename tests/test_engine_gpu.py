@@ -81,7 +81,8 @@ def test_graph_matches_no_graph(recipe, temperature, compile):
     assert [d.n_prefill_captures for d in eng._decoders.values()] == [1]
     c = "+compile+compiled-prefill" if compile else ""
     a = "+triton-attention" if eng.decode_attention == "triton" else ""  # "auto": Triton attention on CUDA
-    assert on.stats.decode_path == f"static{c}+graph{a}/device" and off.stats.decode_path == f"static{c}{a}/device"
+    assert on.stats.decode_path == f"static{c}+graph{a}+fused-qkv/device"  # the fused q/k/v projection: the default
+    assert off.stats.decode_path == f"static{c}{a}+fused-qkv/device"
     assert on.compiled == off.compiled == on.compiled_prefill == off.compiled_prefill == compile
     assert on.stats.graph_captures == 1 and again.stats.graph_captures == 0
     assert len({len(r) for r in on.response_ids}) > 1
@@ -256,7 +257,7 @@ def test_triton_decode_attention_graph_compiled_and_rescored(recipe):
     off = RolloutEngine(model, TOK, cuda_graphs=False, decode_attention="triton").generate(PROMPTS, params)
     on = RolloutEngine(model, TOK, decode_attention="triton").generate(PROMPTS, params)
     assert RolloutEngine(model, TOK).decode_attention == "triton"  # auto, the default, on CUDA
-    assert on.stats.decode_path == "static+compile+compiled-prefill+graph+triton-attention/device"
+    assert on.stats.decode_path == "static+compile+compiled-prefill+graph+triton-attention+fused-qkv/device"
     assert on.response_ids == off.response_ids and on.finish_reasons == off.finish_reasons
     assert torch.equal(on.logprobs, off.logprobs) and torch.equal(on.routing, off.routing)
     res = score_rollout(model, on)
@@ -314,7 +315,7 @@ def test_w4a4_layers_read_only_packed_weights(recipe):
     params = stopping_params(model, 1.0)
     off = RolloutEngine(model, TOK, cuda_graphs=False, compile=True).generate(PROMPTS, params)
     on = RolloutEngine(model, TOK, cuda_graphs=True, done_check_interval=4, compile=True).generate(PROMPTS, params)
-    assert on.stats.decode_path == "static+compile+compiled-prefill+graph+triton-attention/device"
+    assert on.stats.decode_path == "static+compile+compiled-prefill+graph+triton-attention+fused-qkv/device"
     assert on.stats.graph_captures == 1
     assert on.response_ids == off.response_ids and on.finish_reasons == off.finish_reasons
     assert torch.equal(on.logprobs, off.logprobs) and torch.equal(on.routing, off.routing)

@@ -62,7 +62,7 @@ def test_static_matches_eager(recipe, temperature):
         tol = 1e-7 if dispatch == "device" and recipe != "bf16" else 1e-12
         torch.testing.assert_close(got.logprobs, ref.logprobs, atol=tol, rtol=0)
         assert got.decode == "static" and got.moe_dispatch == dispatch and ref.decode == "eager"
-        assert got.stats.decode_path == f"static/{dispatch}"
+        assert got.stats.decode_path == f"static+fused-qkv/{dispatch}"  # fuse_qkv: the default
 
 
 @pytest.mark.parametrize("dispatch", ["host", "device"])
@@ -113,7 +113,7 @@ def test_fused_qkv_matches_the_three_products_and_rescores(recipe):
     model = tiny(SPECS[recipe])
     params = finishing_params(model, 1.0)
     for dispatch in ("host", "device"):
-        three = RolloutEngine(model, TOK, decode="static", moe_dispatch=dispatch).generate(PROMPTS, params)
+        three = RolloutEngine(model, TOK, decode="static", moe_dispatch=dispatch, fuse_qkv=False).generate(PROMPTS, params)
         one = RolloutEngine(model, TOK, decode="static", moe_dispatch=dispatch, fuse_qkv=True).generate(PROMPTS, params)
         assert one.fused_qkv and not three.fused_qkv
         assert one.stats.decode_path == f"static+fused-qkv/{dispatch}" and three.stats.decode_path == f"static/{dispatch}"
@@ -139,7 +139,7 @@ def test_fused_qkv_reads_updated_weights_and_skips_quantized_projections():
         for layer in model.model.layers:
             layer.self_attn.k_proj.weight.mul_(1.5)
     after = eng.generate(PROMPTS, params)
-    want = RolloutEngine(model, TOK, decode="static").generate(PROMPTS, params)
+    want = RolloutEngine(model, TOK, decode="static", fuse_qkv=False).generate(PROMPTS, params)
     assert after.response_ids == want.response_ids
     torch.testing.assert_close(after.logprobs, want.logprobs, atol=1e-12, rtol=0)
     (dec,) = eng._decoders.values()
@@ -158,7 +158,7 @@ def test_fused_qkv_reads_updated_weights_and_skips_quantized_projections():
     got = eng.generate(PROMPTS, params)  # the same decoder takes the new one
     (dec,) = eng._decoders.values()
     assert dec.fused_qkv is fused and dec.cache.qkv is fused.weights
-    ref = RolloutEngine(q, TOK, decode="static").generate(PROMPTS, params)
+    ref = RolloutEngine(q, TOK, decode="static", fuse_qkv=False).generate(PROMPTS, params)
     assert got.response_ids == ref.response_ids
     torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-12, rtol=0)
 
@@ -202,7 +202,7 @@ def test_triton_decode_attention_matches_sdpa_and_rescores_bit_for_bit(monkeypat
     params = finishing_params(model, 1.0)
     ref = RolloutEngine(model, TOK, decode="static", moe_dispatch="device").generate(PROMPTS, params)
     assert not calls  # SDPA: the prologue's operations one by one
-    eng = RolloutEngine(model, TOK, decode="static", moe_dispatch="device", decode_attention="triton")
+    eng = RolloutEngine(model, TOK, decode="static", moe_dispatch="device", decode_attention="triton", fuse_qkv=False)
     got = eng.generate(PROMPTS, params)
     assert len(calls) == model.config.n_layers * got.stats.decode_steps > 0  # every layer of every step
     assert (got.decode_attention, ref.decode_attention) == ("triton", "sdpa")

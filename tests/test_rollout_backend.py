@@ -33,7 +33,7 @@ def _cfg(backend, attention="triton"):
     return SimpleNamespace(rollout_backend=backend, device="cpu", rollout=SimpleNamespace(cuda_graphs=False, compile=True,
                                                                                      compile_prefill=False,
                                                                                      share_prefill=False,
-                                                                                     fuse_qkv=True,
+                                                                                     fuse_qkv=False,
                                                                                      decode_attention=attention))
 
 
@@ -45,7 +45,7 @@ def test_make_backend_picks_quads_engine_and_refuses_unknown(tmp_path):
     assert engine.decode_attention == "triton"  # rollout.decode_attention reaches the engine
     assert engine.compile and not engine.compile_prefill and RolloutSection().compile_prefill  # the flags reach it
     assert not engine.share_prefill and RolloutSection().share_prefill
-    assert engine.fuse_qkv and not RolloutSection().fuse_qkv
+    assert not engine.fuse_qkv and RolloutSection().fuse_qkv
     assert make_backend(_cfg("quads", "auto"), rollout, tok, get_recipe("quads"), tmp_path).decode_attention == "sdpa"
     assert RolloutSection().decode_attention == "auto"
     with pytest.raises(ValueError, match="rollout.decode_attention must be auto, sdpa or triton"):

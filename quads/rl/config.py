@@ -138,7 +138,7 @@ class RolloutSection:
     cuda_graphs: bool = True  # quads backend on CUDA: replay the static decode step and prefill from CUDA graphs (false: debugging)
     compile: bool = True  # quads backend on CUDA: torch.compile the static decode step (fused kernels, own rounding; false: debugging)
     compile_prefill: bool = True  # quads backend on CUDA: torch.compile the static path's prefill too, one graph for every prompt width (own rounding, replayed by rescoring; 1b prefill 2.1x faster, docs/PERF.md run 56) on a GPU
-    fuse_qkv: bool = False  # quads backend, static decode: one GEMM by the stacked q/k/v weights instead of three (a copy of those weights; own rounding, replayed by rescoring; not yet timed on a GPU)
+    fuse_qkv: bool = True  # quads backend, static decode: one GEMM by the stacked q/k/v weights instead of three (a copy of those weights; own rounding, replayed by rescoring; 1b step 2.50 -> 2.31 ms in BF16 on an H100, docs/PERF.md run 64)
     share_prefill: bool = True  # quads backend, static decode: prefill each prompt once for its n samples and copy its KV cache rows (1/n of the prefill's tokens; own rounding under activation quantization, replayed by rescoring)
     decode_attention: Literal["auto", "sdpa", "triton"] = "auto"  # quads backend: the static decode step's attention; sdpa = over the whole KV cache, unwritten columns masked; triton = quads.kernels.decode_attention, reading only the columns written so far (CUDA); auto = triton on CUDA, else sdpa
 
