@@ -145,6 +145,11 @@ def test_fused_qkv_reads_updated_weights_and_skips_quantized_projections():
     (dec,) = eng._decoders.values()
     a = model.model.layers[0].self_attn
     assert torch.equal(dec.fused_qkv.weights[0], torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+    last = model.model.layers[-1].self_attn  # a Parameter assigned in place of another: its values are copied too
+    last.v_proj.weight = torch.nn.Parameter(last.v_proj.weight.detach() * -2.0)
+    eng.generate(PROMPTS, params)
+    assert dec.fused_qkv.weights[-1] is dec.cache.qkv[-1]
+    assert torch.equal(dec.fused_qkv.weights[-1], torch.cat([last.q_proj.weight, last.k_proj.weight, last.v_proj.weight]))
 
     q = tiny()
     eng = RolloutEngine(q, TOK, decode="static", fuse_qkv=True)

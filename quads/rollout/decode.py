@@ -188,6 +188,14 @@ class FusedQKV:
             rows = sum(p.weight.shape[0] for p in projs)
             self._layers.append((projs, torch.empty(rows, w.shape[1], dtype=w.dtype, device=w.device)))
         self.weights: list[torch.Tensor | None] = [None if e is None else e[1] for e in self._layers]
+        # every fused projection and its row range of the stacked copy, for one multi-tensor copy (refresh)
+        self._projs_flat: list[torch.nn.Module] = []
+        self._dst: list[torch.Tensor] = []
+        for entry in self._layers:
+            if entry is not None:
+                projs, out = entry
+                self._projs_flat.extend(projs)
+                self._dst.extend(out.split([p.weight.shape[0] for p in projs]))
         self.refresh()
 
     @staticmethod
@@ -199,11 +207,15 @@ class FusedQKV:
     def _layout(cls, model: torch.nn.Module) -> tuple:
         """Per layer: None (not fused) or the projections' identities, dtype, device and shapes."""
         out = []
-        for projs in cls._projections(model):
-            plain = all(type(p) is gemm.Linear and p.bias is None and type(p.weight) is torch.nn.Parameter for p in projs)
-            same = plain and len({(p.weight.dtype, p.weight.device, p.weight.shape[1]) for p in projs}) == 1
-            out.append((tuple(map(id, projs)), projs[0].weight.dtype, projs[0].weight.device,
-                        tuple(tuple(p.weight.shape) for p in projs)) if same else None)
+        for projs in cls._projections(model):  # each attribute read once: this runs at every generation's start
+            if not all(type(p) is gemm.Linear for p in projs):
+                out.append(None)
+                continue
+            ws = [p.weight for p in projs]
+            plain = all(type(w) is torch.nn.Parameter and p.bias is None for p, w in zip(projs, ws))
+            same = plain and len({(w.dtype, w.device, w.shape[1]) for w in ws}) == 1
+            out.append((tuple(map(id, projs)), ws[0].dtype, ws[0].device, tuple(tuple(w.shape) for w in ws))
+                       if same else None)
         return tuple(out)
 
     @classmethod
@@ -218,11 +230,10 @@ class FusedQKV:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Copy the projections' current weights into the stacked ones (same storage as before)."""
-        for entry in self._layers:
-            if entry is not None:
-                projs, out = entry
-                torch.cat([p.weight for p in projs], out=out)
+        """Copy the projections' current weights into the stacked ones (same storage as before): one multi-tensor
+        copy over every layer's projections (on CUDA a launch or a few, against a copy per layer)."""
+        if self._dst:  # each weight read now: a Parameter assigned since is copied too
+            torch._foreach_copy_(self._dst, [p.weight for p in self._projs_flat])
 
 
 def device_groups(groups: tuple[list[int], list[int]] | None, device: torch.device
