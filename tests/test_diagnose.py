@@ -172,3 +172,28 @@ def test_injected_outliers_raise_w4a4_error_and_leave_bf16_unchanged(small_check
     (s,) = [s for s in floor_summary(out["rows"]) if s["trainer"] == "bf16"]
     assert (s["w4a4"], s["floor"]) == ("w4a4", "bf16")
     assert s["k3_ratio"] == o[("w4a4", "bf16")]["k3"] / o[("bf16", "bf16")]["k3"]
+
+
+def test_static_rac_variants_run_with_calibrated_orders(small_checkpoint, tmp_path, monkeypatch):
+    """A static RAC variant gets calibrated orders (the BF16 policy's samples on training-split prompts) after
+    each quantization to it: the same orders when it samples and when it scores (self-check 0), and orders
+    other than the weights' prior (its log-probs, on one fixed batch, differ from the uncalibrated run's)."""
+    from quads.experiments import diagnose as diag
+
+    p = tmp_path / "grid.yaml"
+    p.write_text("rollout:\n  static: {weight: nvfp4, act: nvfp4, rac_ratio: 0.5, rac_selection: static}\n"
+                 "  w4a4: {weight: nvfp4, act: nvfp4}\ntrainer:\n  w4a16-qat: {weight: nvfp4}\n")
+    calls = []
+    real = diag.calibrate_static_channels
+    monkeypatch.setattr(diag, "calibrate_static_channels", lambda m, run: calls.append(1) or real(m, run))
+    kw = dict(recipe_grid=str(p), layer_errors=False, static_calibration_prompts=3)
+    own = decompose(_small_cfg(small_checkpoint, tmp_path / "a", sample_with="static", **kw), say=lambda s: None)
+    assert own["self_check"] == 0.0 and len(calls) == 2  # once before sampling, once before scoring
+    runs = [decompose(_small_cfg(small_checkpoint, tmp_path / f"b{n}", sample_with="w4a4", **{**kw, **extra}),
+                      say=lambda s: None) for n, extra in enumerate([{}, {"static_calibration_prompts": 0}])]
+    assert len(calls) == 3  # the uncalibrated run calibrates nothing
+    cal, prior = ({r["rollout"]: r for r in res["rows"]} for res in runs)
+    assert cal["w4a4"]["k3"] == prior["w4a4"]["k3"]  # one fixed batch
+    assert cal["static"]["k3"] != prior["static"]["k3"]
+    with pytest.raises(ValueError, match="static_calibration_prompts"):
+        DiagnoseConfig(static_calibration_prompts=-1)

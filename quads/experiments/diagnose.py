@@ -13,6 +13,16 @@ Protocol:
    ``||Y_rollout - Y_trainer|| / ||Y_trainer||`` on the same captured inputs
    (``quads.quant.diagnostics.layer_errors``, inputs from a BF16 forward of the batch).
 
+A rollout variant with static RAC selection (``rac_selection: static``) runs with calibrated channel orders,
+as a training run's rollouts do after their first weight sync: right after each quantization of the
+rollout model to that variant (for sampling and for scoring), one forward over a calibration batch gathers
+the residual statistics and sorts the orders (``quads.quant.calibrate_static_channels``). The calibration
+batch is the BF16 policy's samples on ``static_calibration_prompts`` training-split prompts (never the
+held-out ones scored here), ``n_samples`` each, seed ``seed + 1``; 0 keeps the orders of the weights'
+column norms (the prior every order starts from). The per-layer errors replay the layers with fresh
+orders (the prior), so for static variants only the log-prob metrics see the calibration. On the vLLM
+backend (``rollout_backend: vllm``) static variants keep the prior.
+
 Default grid (one thing changes at a time):
 - rollout: ``bf16`` (engine drift, the floor), ``w4a16`` (weight error only), ``w16a4`` (activation
   error only), ``w4a4`` (= RAC ratio 0), ``w4a4+rac<r>`` for every ``rac_ratios`` entry;
@@ -63,7 +73,7 @@ from quads.metrics.report import (
     write_markdown,
 )
 from quads.model.checkpoint import check_model_folder
-from quads.quant import LinearSpec, Recipe, dequantize_model, quantize_model
+from quads.quant import LinearSpec, Recipe, calibrate_static_channels, dequantize_model, quantize_model
 from quads.quant.diagnostics import layer_errors
 from quads.rl.build import DTYPES, mixed_precision, torch_dtype, warm_start_policy
 from quads.rl.config import WarmStartSection
@@ -88,6 +98,7 @@ class DiagnoseConfig:
     sample_with: str = "bf16"  # rollout variant of the grid that samples the fixed batch
     rac_ratios: str = "0.125,0.25,0.5,0.75,1.0"  # RAC ratios of the default grid (0 is the w4a4 row)
     rac_selection: str = "dynamic"  # RAC channel selection of the default grid
+    static_calibration_prompts: int = 32  # static RAC variants: training-split prompts whose BF16 samples calibrate the channel orders before sampling and scoring; 0 = the weights' column-norm prior
     recipe_grid: str | None = None  # YAML {rollout: {name: spec}, trainer: {name: spec}}; replaces the default
     dtype: str = "bfloat16"  # compute dtype of both sides (float64 for exactness checks)
     master_dtype: str = "float32"  # trainer weights (bf16 compute runs under autocast over them)
@@ -103,6 +114,8 @@ class DiagnoseConfig:
         for name in ("prompts", "n_samples", "max_new_tokens", "probe_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.static_calibration_prompts < 0:
+            raise ValueError(f"static_calibration_prompts must be >= 0; got {self.static_calibration_prompts}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 (log-probs of sampled tokens); got {self.temperature}")
         for name in ("dtype", "master_dtype"):
@@ -177,6 +190,28 @@ def _recipe(name: str, spec: LinearSpec, side: str) -> Recipe:
     return Recipe(name="diagnose-" + name.replace("%", "pct"), **{side: spec})
 
 
+def _static_rac(spec: LinearSpec) -> bool:
+    return spec.act == "nvfp4" and spec.rac_ratio > 0 and spec.rac_selection == "static"
+
+
+def _calibration_run(cfg: DiagnoseConfig, model, tok, task) -> Any:
+    """The forward that calibrates static RAC orders (module docstring): the BF16 ``model``'s samples on
+    ``static_calibration_prompts`` training-split prompts, as one teacher-forced batch -> ``run(model)``."""
+    from quads.rl.logprobs import to_sequence_batch
+    from quads.rollout import RolloutEngine, SamplingParams
+
+    prompts = [e.prompt for e in task.examples("train", cfg.static_calibration_prompts)]
+    params = SamplingParams(n=cfg.n_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                            seed=cfg.seed + 1)
+    seq = to_sequence_batch(RolloutEngine(model, tok, device=cfg.device).generate(prompts, params), device=cfg.device)
+
+    @torch.no_grad()
+    def run(m):
+        m(seq.input_ids, attention_mask=seq.attention_mask, position_ids=seq.position_ids)
+
+    return run
+
+
 def decompose(cfg: DiagnoseConfig, grid: Grid | None = None, say=print) -> dict[str, Any]:
     """Run the protocol of the module docstring; returns ``{rows, layer_errors, self_check, batch, meta}``."""
     from quads.rl.logprobs import forward_logprobs, to_sequence_batch
@@ -203,9 +238,16 @@ def decompose(cfg: DiagnoseConfig, grid: Grid | None = None, say=print) -> dict[
     task_kw = {"seed": cfg.seed} | ({"difficulty": cfg.difficulty} if cfg.difficulty is not None else {})
     task = get_task(cfg.task, **task_kw)
     examples = task.examples("test", cfg.prompts)
+    calibrate = None
+    if cfg.static_calibration_prompts and any(_static_rac(s) for s in grid.rollout.values()):
+        calibrate = _calibration_run(cfg, rollout, tok, task)  # the rollout model is still the BF16 policy here
 
-    quantize_model(rollout, _recipe(cfg.sample_with, grid.rollout[cfg.sample_with], "rollout"), "rollout",
-                   verbose=False)
+    def quantize_rollout(name: str) -> None:
+        quantize_model(rollout, _recipe(name, grid.rollout[name], "rollout"), "rollout", verbose=False)
+        if calibrate is not None and _static_rac(grid.rollout[name]):
+            calibrate_static_channels(rollout, calibrate)
+
+    quantize_rollout(cfg.sample_with)
     engine = RolloutEngine(rollout, tok, device=cfg.device, recipe=cfg.sample_with)
     params = SamplingParams(n=cfg.n_samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                             seed=cfg.seed, record_routing=True)
@@ -221,8 +263,8 @@ def decompose(cfg: DiagnoseConfig, grid: Grid | None = None, say=print) -> dict[
         roll = _vllm_scores(cfg, rollout, tok, batch, grid)
         self_check = math.nan  # the batch was sampled by quads' engine, scored by vLLM: no self-check
     else:
-        for name, spec in grid.rollout.items():
-            quantize_model(rollout, _recipe(name, spec, "rollout"), "rollout", verbose=False)
+        for name in grid.rollout:
+            quantize_rollout(name)
             roll[name] = score_rollout(rollout, batch, cfg.temperature)
         own = roll[cfg.sample_with].logprobs
         self_check = (own - batch.logprobs.to(own.device)).abs().max().item()
