@@ -5,7 +5,8 @@
 Compiles, with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` in the launch configs the 1b decode step uses
 (1,024 routed rows over 64 experts; K = 1,024 for gate_up), the kernels of ``factored.operands``:
 
-- ``_group_amax_kernel`` and ``_quantize_units_kernel`` (grouped: ``group_units``), and ``_gather_amax_kernel`` with
+- ``_group_amax_kernel`` (or ``_group_amax_rows_kernel``, ``amax_by="group"``) and ``_quantize_units_kernel`` (grouped:
+  ``group_units``), and ``_gather_amax_kernel`` with
   the quantize gathering through each expert's order (``rac_static_units``), instructions per element of one pass of
   their loop body (one tile per program at the default config);
 - ``_rac_select_kernel`` (RAC's selection, one program per expert: the fp64 channel norms, then the bitonic sort of
@@ -33,13 +34,15 @@ from quads.kernels import factored_quant, rac_select  # noqa: E402
 PTR = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "group_ptr": "*i64", "idx_ptr": "*i64", "order_ptr": "*i64", "u_ptr": "*bf16",
        "g_ptr": "*fp32",
        "r_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8", "s_ptr": "*i64", "rank_ptr": "*i32",
-       "gmax_ptr": "*fp32"}  # fmt: skip
+       "gmax_ptr": "*fp32", "sk_ptr": "*i64", "si_ptr": "*i32"}  # fmt: skip
 # i32 arguments a multiple of 16 at the 1b decode shapes, as the launcher's JIT specializes them
 DIV16 = ("M", "K", "W", "n", "stride_xm", "stride_um", "stride_idx", "stride_order", "COLS")
 # (what, kernel, constexprs, num_warps, elements per thread in one pass of the body or None, exact: no FMA contraction)
 CASES = [
     ("group amax (group_units, 4 rows x 256 columns a pass)", factored_quant._group_amax_kernel,
      {"BLOCK_M": 4, "BLOCK_K": 256}, 4, 4 * 256 // 128, True),
+    ("group amax, one program per group (group_units amax_by='group', 4 rows x 256 columns a pass)",
+     factored_quant._group_amax_rows_kernel, {"BLOCK_M": 4, "BLOCK_K": 256, "SCAN": 1024}, 4, 4 * 256 // 128, True),
     ("quantize, grouped (group_units, 8 x 128 tile)", factored_quant._quantize_units_kernel,
      {"AMAX_BY": 1, "IDX_BY": 0, "GATHER": False, "RESIDUAL": False, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
      8 * 128 // 128, True),
@@ -51,10 +54,12 @@ CASES = [
     ("static RAC: gathered quantize through the expert's order (8 x 128 tile)", factored_quant._quantize_units_kernel,
      {"AMAX_BY": 1, "IDX_BY": 2, "GATHER": True, "RESIDUAL": False, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
      8 * 128 // 128, True),
-    ("RAC select (K 1024: norms + bitonic sort of 1024 pairs)", rac_select._rac_select_kernel,
-     {"ONE_GROUP": False, "PER_TOKEN": False, "ROWS": 4, "BLOCK_G": 1024, "LOG_K": 10, "INTERP": False}, 8, None, False),
+    ("RAC select (K 1024: norms + 4 sorted runs of 256 merged, tuning.json's k1024)", rac_select._rac_select_kernel,
+     {"ONE_GROUP": False, "PER_TOKEN": False, "ROWS": 4, "BLOCK_G": 1024, "LOG_K": 10, "LOG_W": 2, "INTERP": False}, 8,
+     None, False),
     ("RAC units (one row, n 512 of K 1024)", rac_select._rac_units_sel_kernel,
-     {"ONE_GROUP": False, "PER_TOKEN": False, "BLOCK_M": 1, "BLOCK_N": 512, "BLOCK_K": 1024}, 4, None, True),
+     {"ONE_GROUP": False, "PER_TOKEN": False, "BLOCK_M": 1, "BLOCK_N": 512, "BLOCK_K": 1024, "GMAX_PARTS": 1}, 4,
+     None, True),
 ]  # fmt: skip
 
 

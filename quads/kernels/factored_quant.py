@@ -21,10 +21,13 @@ The pure-PyTorch twin is ``quantize_units_reference``; tests compare them byte f
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from quads.formats import nvfp4
 from quads.formats.constants import NVFP4_BLOCK
+from quads.kernels import tuning
 from quads.kernels._common import EXACT, HAS_TRITON, check_out
 from quads.kernels.rac_select import RacMethod
 
@@ -39,6 +42,7 @@ if HAS_TRITON:
         _units_tile,
         rows_absmax,
     )
+    from quads.kernels.rac_select import _group_rows
 
     @triton.jit
     def _row_keys(group_ptr, rows, rmask, G, BY: tl.constexpr):
@@ -96,6 +100,20 @@ if HAS_TRITON:
         grp = tl.load(group_ptr + rows, mask=rmask, other=0)
         tl.atomic_max(amax_ptr + grp, row_max, mask=rmask, sem="relaxed")
 
+
+    @triton.jit
+    def _group_amax_rows_kernel(x_ptr, group_ptr, amax_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr,
+                                BLOCK_K: tl.constexpr, SCAN: tl.constexpr):  # fmt: skip
+        """``amax[g]`` = the NaN-ignoring max of ``|x|`` over the rows of group g (one program per g in ``[0, G]``;
+        rows sorted by group, so g's rows are one run, found by one vector pass over ``group``), 0 for a group
+        without rows: every entry written, no atomics, so no zero-filled buffer and no launch for it."""
+        g = tl.program_id(0)
+        start, end = _group_rows(group_ptr, g, M, False, SCAN)
+        acc = tl.zeros((BLOCK_M,), tl.float32)
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            acc = tl.maximum(acc, rows_absmax(x_ptr + rows * stride_xm, rows < end, K, BLOCK_M, BLOCK_K))
+        tl.store(amax_ptr + g, tl.max(acc, axis=0))
 
     @triton.jit
     def _gather_amax_kernel(r_ptr, group_ptr, order_ptr, amax_ptr, M, K, n, G, stride_order, IDX_BY: tl.constexpr,
@@ -172,11 +190,12 @@ def group_units(
     out: torch.Tensor,
     *,
     residual: bool = False,
-    block_m: int = 8,
-    block_k: int = 128,
+    block_m: int | None = None,
+    block_k: int | None = None,
     cols: int | None = None,
-    amax_block_m: int = 4,
-    num_warps: int = 4,
+    amax_block_m: int | None = None,
+    num_warps: int | None = None,
+    amax_by: Literal["row", "group"] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``quantize_units`` of rows sorted by group (``group`` ``[M]`` in ``[0, groups]``, as ``factored.Segments``)
     with each group's NaN-ignoring amax as the global scale, writing ``u`` into ``out`` (``[M, K]``, rows may be
@@ -185,7 +204,10 @@ def group_units(
     kernel reading each row's amax through its group. The same bits as ``row_amax``, ``Segments.row_max`` and
     ``quantize_units`` (three to five launches); one atomic per row into ``groups + 1`` addresses, so it is for
     few rows per group (``GROUP_UNITS_MAX_ROWS``: the decode step). ``block_m``, ``block_k``, ``cols``: the
-    quantize's launch config, as ``quantize_units``."""
+    quantize's launch config, as ``quantize_units``; each launch setting left None comes from ``tuning.json``
+    (``group_units.decode``). ``amax_by="group"``: the group amaxes by one program per
+    group instead (``_group_amax_rows_kernel``: its rows ``amax_block_m`` at a time, no atomics, no zero fill:
+    one launch less); the same bits, a group's rows read by one program (slower where one group holds many)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use row_amax, Segments.row_max and quantize_units_reference")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -196,11 +218,26 @@ def group_units(
         raise ValueError(f"group_units: expected group [{m}], got {tuple(group.shape)}")
     check_out(out, m, k, "group_units")
     group = group.contiguous()
-    amax = torch.zeros(groups + 1, dtype=torch.float32, device=x.device)
-    _group_amax_kernel[(triton.cdiv(m, amax_block_m),)](
-        x, group, amax, m, k, x.stride(0), BLOCK_M=amax_block_m, BLOCK_K=min(256, triton.next_power_of_2(k)),
-        num_warps=num_warps, **EXACT,
-    )  # fmt: skip
+    cfg = tuning.config("group_units", "decode")
+    given = dict(block_m=block_m, block_k=block_k, cols=cols, amax_block_m=amax_block_m, num_warps=num_warps,
+                 amax_by=amax_by)
+    cfg.update({key: v for key, v in given.items() if v is not None})
+    block_m, block_k, cols, amax_block_m, num_warps, amax_by = (cfg[key] for key in given)
+    block_k_amax = min(256, triton.next_power_of_2(k))
+    if amax_by == "group":
+        amax = torch.empty(groups + 1, dtype=torch.float32, device=x.device)
+        _group_amax_rows_kernel[(groups + 1,)](
+            x, group, amax, m, k, x.stride(0), BLOCK_M=amax_block_m, BLOCK_K=block_k_amax,
+            SCAN=min(1024, triton.next_power_of_2(max(m, 1))), num_warps=num_warps, **EXACT,
+        )  # fmt: skip
+    elif amax_by == "row":
+        amax = torch.zeros(groups + 1, dtype=torch.float32, device=x.device)
+        _group_amax_kernel[(triton.cdiv(m, amax_block_m),)](
+            x, group, amax, m, k, x.stride(0), BLOCK_M=amax_block_m, BLOCK_K=block_k_amax, num_warps=num_warps,
+            **EXACT,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"group_units: amax_by must be 'row' or 'group', got {amax_by!r}")
     g, r = _launch_units(x, amax, group, groups, BY_GROUP, None, BY_ROW, out, residual, False, block_m, block_k, cols,
                          num_warps)  # fmt: skip
     return g, r[0]
