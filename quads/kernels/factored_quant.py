@@ -14,7 +14,8 @@ arithmetic of ``nvfp4_quant._quantize_tile``, bit-exact with ``quads.formats.nvf
 consecutive indices, RAC's selection order) and scatter ``u`` back to ``out[i, index[i, j]]`` (``out``
 ``[M, K]``, zero-initialized by the caller), so the residual operand never exists in gathered form.
 Rows sorted by expert with each expert's amax as the global scale (the decode step): ``group_units``, the
-group amaxes by one atomic max per row, then the same kernel reading each row's amax through its group.
+group amaxes by one atomic max per row (or by one program per group, ``amax_by="group"``), then the same
+kernel reading each row's amax through its group.
 The kernel runs over rows x column tiles, so a decode-sized operand (1,024 x 1,024) is ~1,000 programs.
 The pure-PyTorch twin is ``quantize_units_reference``; tests compare them byte for byte.
 """
