@@ -190,10 +190,6 @@ def _recipe(name: str, spec: LinearSpec, side: str) -> Recipe:
     return Recipe(name="diagnose-" + name.replace("%", "pct"), **{side: spec})
 
 
-def _static_rac(spec: LinearSpec) -> bool:
-    return spec.act == "nvfp4" and spec.rac_ratio > 0 and spec.rac_selection == "static"
-
-
 def _calibration_run(cfg: DiagnoseConfig, model, tok, task) -> Any:
     """The forward that calibrates static RAC orders (module docstring): the BF16 ``model``'s samples on
     ``static_calibration_prompts`` training-split prompts, as one teacher-forced batch -> ``run(model)``."""
@@ -239,12 +235,12 @@ def decompose(cfg: DiagnoseConfig, grid: Grid | None = None, say=print) -> dict[
     task = get_task(cfg.task, **task_kw)
     examples = task.examples("test", cfg.prompts)
     calibrate = None
-    if cfg.static_calibration_prompts and any(_static_rac(s) for s in grid.rollout.values()):
+    if cfg.static_calibration_prompts and any(s.static_rac for s in grid.rollout.values()):
         calibrate = _calibration_run(cfg, rollout, tok, task)  # the rollout model is still the BF16 policy here
 
     def quantize_rollout(name: str) -> None:
         quantize_model(rollout, _recipe(name, grid.rollout[name], "rollout"), "rollout", verbose=False)
-        if calibrate is not None and _static_rac(grid.rollout[name]):
+        if calibrate is not None and grid.rollout[name].static_rac:
             calibrate_static_channels(rollout, calibrate)
 
     quantize_rollout(cfg.sample_with)

@@ -252,7 +252,7 @@ class _QuantizedBase(nn.Module):
         self._original = (original,)  # a tuple hides it from nn.Module registration
         self.stores: dict[str, WeightStore] = {}
         self.selectors = nn.ModuleDict()
-        static = spec.act == "nvfp4" and spec.rac_ratio > 0 and spec.rac_selection == "static"
+        static = spec.static_rac
         for name in self.weight_names:
             p = getattr(self, name)
             if "nvfp4" in (spec.act, spec.weight):

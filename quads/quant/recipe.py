@@ -238,6 +238,11 @@ class LinearSpec:
         return self._setting("rac_selection")
 
     @property
+    def static_rac(self) -> bool:
+        """Whether the spec runs RAC with a calibrated channel order (``StaticChannelSelector``)."""
+        return self.act == "nvfp4" and self.rac_ratio > 0 and self.rac_selection == "static"
+
+    @property
     def act_scale(self) -> str:
         """NVFP4 activation global scale: tensor | token ("tensor" without NVFP4 activations)."""
         return self._setting("act_scale")

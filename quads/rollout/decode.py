@@ -179,23 +179,20 @@ class FusedQKV:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.layout = self._layout(model)
-        self._layers: list[tuple[tuple[torch.nn.Module, ...], torch.Tensor] | None] = []
+        self.weights: list[torch.Tensor | None] = []
+        # every fused projection and its row range of the stacked copy, for one multi-tensor copy (refresh)
+        self._projs: list[torch.nn.Module] = []
+        self._dst: list[torch.Tensor] = []
         for projs, plain in zip(self._projections(model), self.layout):
             if plain is None:  # a quantized projection may hold no plain weight
-                self._layers.append(None)
+                self.weights.append(None)
                 continue
             w = projs[0].weight
-            rows = sum(p.weight.shape[0] for p in projs)
-            self._layers.append((projs, torch.empty(rows, w.shape[1], dtype=w.dtype, device=w.device)))
-        self.weights: list[torch.Tensor | None] = [None if e is None else e[1] for e in self._layers]
-        # every fused projection and its row range of the stacked copy, for one multi-tensor copy (refresh)
-        self._projs_flat: list[torch.nn.Module] = []
-        self._dst: list[torch.Tensor] = []
-        for entry in self._layers:
-            if entry is not None:
-                projs, out = entry
-                self._projs_flat.extend(projs)
-                self._dst.extend(out.split([p.weight.shape[0] for p in projs]))
+            rows = [p.weight.shape[0] for p in projs]
+            out = torch.empty(sum(rows), w.shape[1], dtype=w.dtype, device=w.device)
+            self.weights.append(out)
+            self._projs.extend(projs)
+            self._dst.extend(out.split(rows))
         self.refresh()
 
     @staticmethod
@@ -233,7 +230,7 @@ class FusedQKV:
         """Copy the projections' current weights into the stacked ones (same storage as before): one multi-tensor
         copy over every layer's projections (on CUDA a launch or a few, against a copy per layer)."""
         if self._dst:  # each weight read now: a Parameter assigned since is copied too
-            torch._foreach_copy_(self._dst, [p.weight for p in self._projs_flat])
+            torch._foreach_copy_(self._dst, [p.weight for p in self._projs])
 
 
 def device_groups(groups: tuple[list[int], list[int]] | None, device: torch.device

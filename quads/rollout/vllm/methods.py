@@ -62,10 +62,6 @@ def _refuse_if_unsynced(config) -> None:
         )
 
 
-def _static(spec: LinearSpec) -> bool:
-    return spec.act == "nvfp4" and spec.rac_ratio > 0 and spec.rac_selection == "static"
-
-
 def _gemm(
     x: torch.Tensor, w: torch.Tensor, w_q: torch.Tensor, spec: LinearSpec, sel: StaticChannelSelector | None,
     group: int, bias: torch.Tensor | None = None,
@@ -232,7 +228,7 @@ class QuadsLinearMethod(_QuadsMethod, LinearMethodBase):
 
 def _selectors(layer: torch.nn.Module, spec: LinearSpec, shapes: dict[str, tuple[int, int]]) -> dict:
     """``{name: StaticChannelSelector(groups, K)}`` kept on the layer across pushes (statistics survive)."""
-    if not _static(spec):
+    if not spec.static_rac:
         return {}
     old = getattr(layer, "quads_selectors", {}) or {}
     out = {}
