@@ -179,7 +179,10 @@ def rac_operand_op(x: torch.Tensor, group: torch.Tensor, groups: int, out: torch
     return torch.ops.quads.rac_operand(x, group, groups, out, n)
 
 
+ENABLED = bool(tuning.config("rac_operand", "decode")["enabled"])  # read once: the compiled step traces enabled()
+
+
 def enabled(k: int) -> bool:
     """Whether ``factored.operands`` takes the one-launch operand for K channels: ``tuning.json``
-    ``rac_operand.decode.enabled`` and K padded to a power of two <= ``SORT_MAX_K``."""
-    return bool(tuning.config("rac_operand", "decode")["enabled"]) and 1 << max(k - 1, 0).bit_length() <= SORT_MAX_K
+    ``rac_operand.decode.enabled`` (``ENABLED``) and K padded to a power of two <= ``SORT_MAX_K``."""
+    return ENABLED and 1 << max(k - 1, 0).bit_length() <= SORT_MAX_K
