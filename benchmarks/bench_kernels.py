@@ -442,9 +442,10 @@ GROUP_UNITS_CONFIGS = [(8, 128, None, 4, 4, "row"), (16, 128, None, 4, 4, "row")
                        (8, 64, None, 4, 4, "row"), (16, 256, None, 8, 4, "row"), (8, 256, None, 2, 4, "row"),
                        (4, 64, None, 2, 2, "row"), (8, 128, 256, 4, 4, "row"), (8, 128, None, 4, 4, "group"),
                        (8, 128, None, 8, 4, "group"), (8, 128, None, 16, 8, "group")]
-# rac_operand's launch configs (block_m, block_k, num_warps, sort_run); None: tuning.json's (the first: all of them)
-ONE_LAUNCH_CONFIGS = [(None, None, None, None), (2, 1024, None, None), (8, 512, None, None), (4, 256, 4, None),
-                      (4, 1024, 16, None), (4, 1024, None, 128), (1, 1024, 4, None)]
+# rac_operand's launch configs (block_m, block_k, block_mr, num_warps, sort_run); None: tuning.json's (the first: all)
+ONE_LAUNCH_CONFIGS = [(None, None, None, None, None), (2, 1024, 2, None, None), (8, 512, 8, None, None),
+                      (4, 1024, 16, None, None), (4, 256, 4, 4, None), (4, 1024, 4, 16, None), (4, 1024, 4, None, 128),
+                      (1, 1024, 1, 4, None)]
 
 
 def bench_rac(rows: list) -> None:
@@ -489,7 +490,7 @@ def bench_rac(rows: list) -> None:
                                                                     one_launch=single) for x in xs])  # fmt: skip
             stacked = torch.empty(tokens * topk, 2, k, dtype=torch.bfloat16, device="cuda")
             for cfg in ONE_LAUNCH_CONFIGS:
-                kw = dict(zip(("block_m", "block_k", "num_warps", "sort_run"), cfg))
+                kw = dict(zip(("block_m", "block_k", "block_mr", "num_warps", "sort_run"), cfg))
                 t[("one", cfg)] = time_graph([lambda x=x, kw=kw: rac_operand(x, segs.group, e, stacked, n=k // 2, **kw)
                                               for x in xs])  # fmt: skip
             # RAC 50% with a calibrated order (no sort), observing the norms as the rollout does

@@ -428,7 +428,7 @@ def test_rac_operand_one_launch_is_the_five_launches(k, counts, masked, run, mon
             assert torch.equal(got.channels, other.channels), f"n={n}"
         out = torch.full_like(got.u, float("nan"))  # every element written: slot 1 zero outside S
         g, s = rac_operand.rac_operand(x.bfloat16(), segs.group, segs.groups, out, n=n, block_m=2, block_k=32,
-                                       sort_run=run)  # fmt: skip
+                                       block_mr=8, sort_run=run)  # fmt: skip
         with dispatch.kernels("triton"):
             xb = factored.operands(x.bfloat16(), segs, n=n, dtype=torch.bfloat16, one_launch=False)
         assert _same_bits(out, xb.u) and _same_bits(g, xb.g) and torch.equal(s, xb.channels), f"n={n} bf16 x"

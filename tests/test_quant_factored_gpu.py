@@ -356,7 +356,7 @@ def test_rac_operand_one_launch_is_the_launches_at_the_1b_decode_shape(k, masked
     x = x.cuda().bfloat16()
     with dispatch.kernels("triton"):
         want = factored.operands(x, segs, n=k // 2, dtype=torch.bfloat16, one_launch=False)
-    for kw in ({}, dict(block_m=2, block_k=256, num_warps=4, sort_run=128)):
+    for kw in ({}, dict(block_m=2, block_k=256, block_mr=8, num_warps=4, sort_run=128)):
         out = torch.full_like(want.u, float("nan"))
         gg, s = rac_operand(x, segs.group, e, out, n=k // 2, **kw)
         assert torch.equal(out.view(torch.int16), want.u.view(torch.int16)), kw

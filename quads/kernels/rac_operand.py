@@ -10,11 +10,13 @@ g does the same steps for its own rows, one after the other:
 
 1. its rows (one vector pass over ``group``) and their amax (NaN-ignoring), the global scales;
 2. the canonical NVFP4 quantize of each row (``nvfp4_quant._units_tile``): ``u`` into slot 0 of the stacked
-   operand ``out`` ``[M, 2, K]``, ``S_dec`` into ``g[:, 0]``, the fp32 residual into the scratch ``r``;
+   operand ``out`` ``[M, 2, K]``, zeros into slot 1, ``S_dec`` into ``g[:, 0]``, the fp32 residual into the
+   scratch ``r``;
 3. a block barrier, then ``rac_select._select_group`` over the residual it just wrote (the fp64 norms row by
    row, the stable descending sort, S, rank and the group's amax over S), the code the two-launch path runs;
-4. a block barrier, then ``rac_select._units_sel_rows`` for its rows: NVFP4 of ``R[:, S]`` scattered into slot
-   1, zero outside S, ``S_dec`` into ``g[:, 1]``.
+4. a block barrier, then S and the group's amax over it loaded once, and for its rows NVFP4 of ``R[:, S]`` (the
+   gathered quantize of ``rac_select._units_sel_rows``) scattered into slot 1 over the zeros, ``S_dec`` into
+   ``g[:, 1]``.
 
 The masked rows (group G) take their own amax for the activation and group G-1's channels and gmax[G] for the
 residual, as the reference does: group G-1's program does them too, in each step beside its own rows.
@@ -41,15 +43,17 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from quads.kernels._common import cast_out
     from quads.kernels.nvfp4_quant import _global_scales, _store_units, _units_tile, rows_absmax
-    from quads.kernels.rac_select import _group_rows, _select_group, _units_sel_rows
+    from quads.kernels.rac_select import _group_rows, _select_group
 
     @triton.jit
     def _quantize_run(x_ptr, u_ptr, g_ptr, r_ptr, start, end, K, stride_xm, stride_um, BLOCK_M: tl.constexpr,
                       BLOCK_K: tl.constexpr):  # fmt: skip
-        """Rows ``[start, end)`` (one group's) quantized with their common amax as the global scale: ``u`` at
-        ``u_ptr`` (rows of ``stride_um``), ``S_dec`` at ``g_ptr`` (rows of 2), the residual ``x - u * S_dec`` in
-        fp32 at ``r_ptr`` ``[M, K]`` (``group_units``' values: the amax, then ``_quantize_units_kernel``'s)."""
+        """Rows ``[start, end)`` (one group's) quantized with their common amax as the global scale: ``u`` into
+        slot 0 at ``u_ptr`` (rows of ``stride_um``), zeros into slot 1 (RAC's operand outside S; S's channels are
+        written over later), ``S_dec`` at ``g_ptr`` (rows of 2), the residual ``x - u * S_dec`` in fp32 at ``r_ptr``
+        ``[M, K]`` (``group_units``' values: the amax, then ``_quantize_units_kernel``'s)."""
         acc = tl.zeros((BLOCK_M,), tl.float32)
         for m0 in range(start, end, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
@@ -66,12 +70,30 @@ if HAS_TRITON:
                 x = tl.load(x_ptr + rows[:, None] * stride_xm + ch[None, :], mask=m, other=0.0).to(tl.float32)
                 _, _, u = _units_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K)
                 _store_units(u_ptr, r_ptr, x, u, s_dec, rows, ch[None, :], m, stride_um, K, True)
+                zero = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+                tl.store(u_ptr + K + rows[:, None] * stride_um + ch[None, :], cast_out(zero, u_ptr), mask=m)
+
+    @triton.jit
+    def _residual_run(r_ptr, u_ptr, g_ptr, start, end, ch, amax, n, K, stride_um, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):  # fmt: skip
+        """Rows ``[start, end)`` of RAC's operand with their group's channels ``ch`` ``[BLOCK_N]`` (S in selection
+        order, the first n live) and amax over them: NVFP4 of ``R[i, S]`` (``_units_tile``, as
+        ``rac_select._units_sel_rows``) scattered into slot 1 at ``u_ptr``, ``S_dec`` at ``g_ptr`` (rows of 2)."""
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            rmask = rows < end
+            m = rmask[:, None] & (tl.arange(0, BLOCK_N) < n)[None, :]
+            x = tl.load(r_ptr + rows[:, None] * K + ch[None, :], mask=m, other=0.0)
+            s_enc, s_dec = _global_scales(tl.zeros((BLOCK_M,), tl.float32) + amax)
+            tl.store(g_ptr + rows * 2, s_dec, mask=rmask)
+            _, _, u = _units_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_N)
+            tl.store(u_ptr + rows[:, None] * stride_um + ch[None, :], cast_out(u, u_ptr), mask=m)
 
     @triton.jit
     def _rac_operand_kernel(
         x_ptr, group_ptr, u_ptr, g_ptr, r_ptr, s_ptr, rank_ptr, gmax_ptr, sk_ptr, si_ptr, M, K, n, G, stride_xm,
         stride_um, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr,
-        LOG_K: tl.constexpr, LOG_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Z: tl.constexpr,
+        LOG_K: tl.constexpr, LOG_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_MR: tl.constexpr,
         INTERP: tl.constexpr,
     ):  # fmt: skip
         """Program g < G: group g's operand (module docstring); program G-1 also the masked rows [end, M)."""
@@ -83,14 +105,14 @@ if HAS_TRITON:
         tl.debug_barrier()  # the residual stored by every thread before any reads it
         _select_group(r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, sk_ptr, si_ptr, g, M, K, n, G, False, False,
                       ROWS, BLOCK_G, LOG_K, LOG_W, INTERP)  # fmt: skip
-        tl.debug_barrier()  # S, rank and gmax stored before the rows read them
-        stop = tl.where(g == G - 1, M, end)
-        for m0 in range(start, stop, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            rows = tl.where(rows < stop, rows, M)  # past this program's rows: masked (>= M)
-            _units_sel_rows(r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, u_ptr + K, g_ptr + 1, rows, M, K, n, G,
-                            stride_um, 2, False, False, BLOCK_M, BLOCK_N, BLOCK_Z, 1)  # fmt: skip
-
+        tl.debug_barrier()  # S and gmax stored before the rows read them
+        j = tl.arange(0, BLOCK_N)
+        ch = tl.load(s_ptr + g * n + j, mask=j < n, other=0)
+        _residual_run(r_ptr, u_ptr + K, g_ptr + 1, start, end, ch, tl.load(gmax_ptr + g), n, K, stride_um,
+                      BLOCK_MR, BLOCK_N)  # fmt: skip
+        if g == G - 1:  # the masked rows: this group's channels, their own amax over them (gmax[G])
+            _residual_run(r_ptr, u_ptr + K, g_ptr + 1, end, M, ch, tl.load(gmax_ptr + G), n, K, stride_um,
+                          BLOCK_MR, BLOCK_N)  # fmt: skip
 
 def rac_operand(
     x: torch.Tensor,
@@ -101,6 +123,7 @@ def rac_operand(
     n: int,
     block_m: int | None = None,
     block_k: int | None = None,
+    block_mr: int | None = None,
     num_warps: int | None = None,
     sort_run: int | None = None,
     select_rows: int | None = None,
@@ -109,7 +132,8 @@ def rac_operand(
     (module docstring): writes ``out`` ``[M, 2, K]`` (slot 0 the exact values of ``QDQ(X)``, slot 1 those of
     ``QDQ(R[:, S])`` scattered, zero outside S) -> ``(g [M, 2] fp32 S_dec, S [groups, n] long)``, the bits of
     ``group_units`` + ``rac_select.rac_units(method="sort")``. Launch options, None: ``tuning.json``
-    ``rac_operand.decode`` (``block_m`` rows x ``block_k`` columns per quantize tile, ``num_warps``; null warps:
+    ``rac_operand.decode`` (``block_m`` rows x ``block_k`` columns per quantize tile, ``block_mr`` rows x n
+    gathered channels per residual tile, ``num_warps``; null warps:
     the selection's, KP / 128 within 4..16) and ``rac_select`` for K padded to a power of two (``sort_run``,
     ``select_rows``); the same bits under each."""
     if not HAS_TRITON:
@@ -129,7 +153,7 @@ def rac_operand(
         raise ValueError(f"rac_operand: out must be [{m}, 2, {k}] with rows of two K-slots, got {tuple(out.shape)} "
                          f"strides {out.stride()}")
     cfg = tuning.config("rac_operand", "decode")
-    given = dict(block_m=block_m, block_k=block_k, num_warps=num_warps)
+    given = dict(block_m=block_m, block_k=block_k, block_mr=block_mr, num_warps=num_warps)
     cfg.update({key: v for key, v in given.items() if v is not None})
     sel = tuning.config("rac_select", tuning.case("rac_select", f"k{kp}", "sort"))
     run = sel["sort_run"] if sort_run is None else sort_run
@@ -152,7 +176,7 @@ def rac_operand(
         x, group, out, g, r, s, rank, gmax, sk, si, m, k, n, groups, x.stride(0), out.stride(0),
         BLOCK_M=cfg["block_m"], BLOCK_K=min(cfg["block_k"], kp), ROWS=rows,
         BLOCK_G=min(2048, triton.next_power_of_2(max(m, 1))), LOG_K=kp.bit_length() - 1, LOG_W=log_w,
-        BLOCK_N=max(NVFP4_BLOCK, triton.next_power_of_2(n)), BLOCK_Z=min(kp, 1024), INTERP=interpreted(x),
+        BLOCK_N=max(NVFP4_BLOCK, triton.next_power_of_2(n)), BLOCK_MR=cfg["block_mr"], INTERP=interpreted(x),
         num_warps=warps, **EXACT,
     )  # fmt: skip
     return g, s
