@@ -278,8 +278,8 @@ def test_gemm_dispatches_small_m_to_the_gemv_kernel(monkeypatch):
     # the CUDA kernel's rows (cuda_max_m) fall through to the next choice where it cannot run (N = 48: no multiple
     # of the dense config's 32 features per block; without a GPU nothing runs it); asked for, an error
     real = tuning.config
-    monkeypatch.setattr(tuning, "config", lambda kernel, case: {**real(kernel, case), "cuda_max_m": 16}
-                        if (kernel, case) == ("w4a16_dispatch", "dense") else real(kernel, case))  # fmt: skip
+    monkeypatch.setattr(tuning, "config", lambda kernel, case, **kw: {**real(kernel, case, **kw), "cuda_max_m": 16}
+                        if (kernel, case) == ("w4a16_dispatch", "dense") else real(kernel, case, **kw))  # fmt: skip
     calls.clear()
     p48 = w4a16.pack(_weight((48, 64)))
     w4a16.linear_op(_x(1, 64), p48)

@@ -219,11 +219,10 @@ def group_units(
         raise ValueError(f"group_units: expected group [{m}], got {tuple(group.shape)}")
     check_out(out, m, k, "group_units")
     group = group.contiguous()
-    cfg = tuning.config("group_units", "decode")
-    given = dict(block_m=block_m, block_k=block_k, cols=cols, amax_block_m=amax_block_m, num_warps=num_warps,
-                 amax_by=amax_by)
-    cfg.update({key: v for key, v in given.items() if v is not None})
-    block_m, block_k, cols, amax_block_m, num_warps, amax_by = (cfg[key] for key in given)
+    cfg = tuning.config("group_units", "decode", block_m=block_m, block_k=block_k, cols=cols,
+                        amax_block_m=amax_block_m, num_warps=num_warps, amax_by=amax_by)
+    block_m, block_k, cols, amax_block_m, num_warps, amax_by = (
+        cfg[key] for key in ("block_m", "block_k", "cols", "amax_block_m", "num_warps", "amax_by"))
     block_k_amax = min(256, triton.next_power_of_2(k))
     if amax_by == "group":
         amax = torch.empty(groups + 1, dtype=torch.float32, device=x.device)

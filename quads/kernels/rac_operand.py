@@ -152,12 +152,11 @@ def rac_operand(
     if out.shape != (m, 2, k) or out.stride(-1) != 1 or out.stride(1) != k:
         raise ValueError(f"rac_operand: out must be [{m}, 2, {k}] with rows of two K-slots, got {tuple(out.shape)} "
                          f"strides {out.stride()}")
-    cfg = tuning.config("rac_operand", "decode")
-    given = dict(block_m=block_m, block_k=block_k, block_mr=block_mr, num_warps=num_warps)
-    cfg.update({key: v for key, v in given.items() if v is not None})
-    sel = tuning.config("rac_select", tuning.case("rac_select", f"k{kp}", "sort"))
-    run = sel["sort_run"] if sort_run is None else sort_run
-    rows = sel["select_rows"] if select_rows is None else select_rows
+    cfg = tuning.config("rac_operand", "decode", block_m=block_m, block_k=block_k, block_mr=block_mr,
+                        num_warps=num_warps)
+    sel = tuning.config("rac_select", tuning.case("rac_select", f"k{kp}", "sort"), sort_run=sort_run,
+                        select_rows=select_rows)
+    run, rows = sel["sort_run"], sel["select_rows"]
     if run is not None and (run < 2 or run & (run - 1)):
         raise ValueError(f"rac_operand: sort_run must be a power of two >= 2, got {run}")
     log_w = 0 if run is None or run >= kp else (kp // run).bit_length() - 1

@@ -521,11 +521,11 @@ def rac_units(
     rank = torch.empty(n_sel, k, dtype=torch.int32, device=r.device)
     g = torch.empty(m, dtype=torch.float32, device=r.device)
     if method == "sort":
-        tuned = tuning.config("rac_select", tuning.case("rac_select", f"k{kp}", "sort"))  # per padded K
-        run = tuned["sort_run"] if sort_run is None else sort_run
-        warps = tuned["select_warps"] if select_warps is None else select_warps
-        rows = tuned["select_rows"] if select_rows is None else select_rows
-        split = bool(tuned["split_runs"] if split_runs is None else split_runs)
+        tuned = tuning.config("rac_select", tuning.case("rac_select", f"k{kp}", "sort"),  # per padded K
+                              sort_run=sort_run, select_warps=select_warps, select_rows=select_rows,
+                              split_runs=split_runs)
+        run, warps, rows = tuned["sort_run"], tuned["select_warps"], tuned["select_rows"]
+        split = bool(tuned["split_runs"])
         bm = (16 if interpreted(r) else 1) if block_m is None else block_m
         log_w = 0 if run is None or run >= kp else (kp // run).bit_length() - 1
         if split and not log_w:

@@ -30,12 +30,15 @@ def case(kernel: str, shape: str, default: str) -> str:
     return f"{shape}_{default}" if f"{shape}_{default}" in table()[kernel] else default
 
 
-def config(kernel: str, case: str) -> dict:
-    """The launch config of ``kernel`` for ``case`` (a fresh dict); a clear error if it is missing."""
+def config(kernel: str, case: str, **given) -> dict:
+    """The launch config of ``kernel`` for ``case`` (a fresh dict), each of ``given`` that is not None in place
+    of the stored value (a launcher's explicit arguments); a clear error if the entry is missing."""
     try:
-        return dict(table()[kernel][case])
+        cfg = dict(table()[kernel][case])
     except KeyError:
         raise ValueError(
             f"no launch config {kernel}.{case} in {PATH}; restore the file from git or rerun the "
             "benchmark's tune suite (benchmarks/bench_kernels.py --only tune --tuning-out FILE)"
         ) from None
+    cfg.update({key: v for key, v in given.items() if v is not None})
+    return cfg

@@ -587,8 +587,7 @@ def _check_x(x: torch.Tensor, w: W4A16Weight, what: str, experts: bool) -> None:
 
 def _cfg(kernel: str, case: str, **explicit) -> dict:
     """The launch config of ``kernel`` for ``case`` in tuning.json, with explicit values on top."""
-    cfg = tuning.config(kernel, case)
-    cfg.update({k: v for k, v in explicit.items() if v is not None})
+    cfg = tuning.config(kernel, case, **explicit)
     if cfg["block_k"] % LAYOUT_K:
         raise ValueError(f"{kernel}: block_k must be a multiple of {LAYOUT_K}, got {cfg['block_k']}")
     return cfg
