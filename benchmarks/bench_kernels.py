@@ -442,10 +442,6 @@ GROUP_UNITS_CONFIGS = [(8, 128, None, 4, 4, "row"), (16, 128, None, 4, 4, "row")
                        (8, 64, None, 4, 4, "row"), (16, 256, None, 8, 4, "row"), (8, 256, None, 2, 4, "row"),
                        (4, 64, None, 2, 2, "row"), (8, 128, 256, 4, 4, "row"), (8, 128, None, 4, 4, "group"),
                        (8, 128, None, 8, 4, "group"), (8, 128, None, 16, 8, "group")]
-# rac_operand's launch configs (block_m, block_k, block_mr, num_warps, sort_run); None: tuning.json's (the first: all)
-ONE_LAUNCH_CONFIGS = [(None, None, None, None, None), (2, 1024, 2, None, None), (8, 512, 8, None, None),
-                      (4, 1024, 16, None, None), (4, 256, 4, 4, None), (4, 1024, 4, 16, None), (4, 1024, 4, None, 128),
-                      (1, 1024, 1, 4, None)]
 
 
 def bench_rac(rows: list) -> None:
@@ -454,9 +450,7 @@ def bench_rac(rows: list) -> None:
     with each selection method (``sort``: a bitonic sort per expert; ``count``: K x K rank counting; ``us``
     is the default method's) against the step-by-step path (same Triton quantize kernels, torch
     selection), W4A4 alone (``w4a4_us``: the one-launch operand, ``factored_quant.group_units``;
-    ``w4a4_steps_us``: row amax, group max and quantize as three steps), the whole W4A4 + RAC operand in one launch
-    (``one_launch_us``: ``quads::rac_operand``, a program per expert; ``one_launch_cfg_us`` per launch config,
-    ``ONE_LAUNCH_CONFIGS``), RAC 50% with a calibrated channel order
+    ``w4a4_steps_us``: row amax, group max and quantize as three steps), RAC 50% with a calibrated channel order
     (``static_us``: ``quads::rac_static_units`` and the norms it observes), the residual operand alone on W4A4's
     residual per sorted run and warps of the select kernel (``residual_sort_run_us``: ``[sort_run, select_warps,
     us]``, ``RAC_SORT_RUNS`` x ``RAC_SELECT_WARPS``),
@@ -465,7 +459,6 @@ def bench_rac(rows: list) -> None:
     ``group_units_best_us``)."""
     from quads.kernels import dispatch
     from quads.kernels.factored_quant import group_units
-    from quads.kernels.rac_operand import rac_operand
     from quads.kernels.rac_select import default_method, rac_units
     from quads.model.moe import static_routes
     from quads.quant import factored
@@ -475,24 +468,17 @@ def bench_rac(rows: list) -> None:
     idx = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)]).cuda()
     routes = static_routes(idx, e)
     segs = factored.Segments.of(routes.expert, e)
-    cases = (("sort", None, True, "sort", True, False), ("count", None, True, "count", True, False),
-             ("unfused", None, False, None, True, False), ("w4a4", 0, True, None, True, False),
-             ("w4a4_steps", 0, True, None, False, False), ("one_launch", None, True, "sort", True, True))
-    # name, n (None: K/2), fused RAC, selection method, fused amax, one launch (quads::rac_operand)
+    cases = (("sort", None, True, "sort", True), ("count", None, True, "count", True),
+             ("unfused", None, False, None, True), ("w4a4", 0, True, None, True),
+             ("w4a4_steps", 0, True, None, False))  # name, n (None: K/2), fused RAC, selection method, fused amax
     for k, what in RAC_SHAPES:
         xs = [torch.randn(tokens * topk, k, device="cuda").bfloat16() for _ in range(4)]
         t = {}
         with dispatch.kernels("triton"):
-            for name, n, fused, method, one, single in cases:
+            for name, n, fused, method, one in cases:
                 n = k // 2 if n is None else n
                 t[name] = time_graph([lambda x=x: factored.operands(x, segs, n=n, dtype=torch.bfloat16, fused_rac=fused,
-                                                                    rac_method=method, fused_amax=one,
-                                                                    one_launch=single) for x in xs])  # fmt: skip
-            stacked = torch.empty(tokens * topk, 2, k, dtype=torch.bfloat16, device="cuda")
-            for cfg in ONE_LAUNCH_CONFIGS:
-                kw = dict(zip(("block_m", "block_k", "block_mr", "num_warps", "sort_run"), cfg))
-                t[("one", cfg)] = time_graph([lambda x=x, kw=kw: rac_operand(x, segs.group, e, stacked, n=k // 2, **kw)
-                                              for x in xs])  # fmt: skip
+                                                                    rac_method=method, fused_amax=one) for x in xs])  # fmt: skip
             # RAC 50% with a calibrated order (no sort), observing the norms as the rollout does
             order = torch.stack([torch.randperm(k, device="cuda") for _ in range(e)])
             t["static"] = time_graph([lambda x=x: factored.operands(x, segs, n=k // 2, dtype=torch.bfloat16,
@@ -518,8 +504,7 @@ def bench_rac(rows: list) -> None:
         rows.append({"bench": "RAC 50% operands (1b decode)", "shape": f"{what} M={tokens * topk} E={e} K={k} "
                      f"n={k // 2}", "us": t[default] * 1e6, "method": default, "sort_us": t["sort"] * 1e6,
                      "count_us": t["count"] * 1e6, "unfused_us": t["unfused"] * 1e6, "w4a4_us": t["w4a4"] * 1e6,
-                     "static_us": t["static"] * 1e6, "one_launch_us": t["one_launch"] * 1e6,
-                     "one_launch_cfg_us": [[list(c), t[("one", c)] * 1e6] for c in ONE_LAUNCH_CONFIGS],
+                     "static_us": t["static"] * 1e6,
                      "residual_sort_run_us": [[key[1], key[2], v * 1e6] for key, v in t.items()
                                               if isinstance(key, tuple) and key[0] == "residual"],
                      "w4a4_steps_us": t["w4a4_steps"] * 1e6, "group_units_us": t[GROUP_UNITS_CONFIGS[0]] * 1e6,
@@ -988,7 +973,6 @@ def main(argv: list[str] | None = None) -> int:
         "w4a4_us",
         "w4a4_steps_us",
         "static_us",
-        "one_launch_us",
         "group_units_us",
         "group_units_best_us",
         "fused_us",

@@ -398,49 +398,6 @@ def test_group_units_is_row_amax_row_max_and_units(k, counts, masked, dtype, res
         factored_quant.group_units(x, segs.group, segs.groups, got[:, 0], amax_by="token")
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
-@pytest.mark.parametrize("k,counts,masked,run", [
-    (64, [5, 0, 7], 3, None),
-    (80, [0, 6, 0, 3], 2, None),  # K padded to 128 (keys -1 after the real channels); empty groups first, inside, last
-    (256, [9, 4], 0, 64),  # four sorted runs merged by binary searches (sort_run), no masked rows
-], ids=["K64", "K80", "K256-runs"])
-def test_rac_operand_one_launch_is_the_five_launches(k, counts, masked, run, monkeypatch):
-    """``quads::rac_operand`` (one program per group: amax, quantize, residual, selection, residual quantize;
-    interpreter) writes the bits of the five launches it replaces (``group_units`` + ``rac_units``) and of the
-    PyTorch reference: u (both slots), g, the channel sets; with exact norm ties, NaN and inf rows, masked rows (group
-    G: their own amax, group G-1's channels), n = 16, ~K/2, K, and two launch configs (several row blocks and column
-    tiles per group)."""
-    from quads.kernels import rac_operand
-
-    calls = []
-    real = rac_operand.rac_operand_op
-    monkeypatch.setattr(rac_operand, "rac_operand_op", lambda *a, **kw: calls.append(kw["n"]) or real(*a, **kw))
-    x, segs = _rac_rows(k + len(counts), k, counts, masked)
-    x[1, 3], x[2, 5] = float("nan"), float("inf")  # group 0: an inf makes its scale 1, a NaN is ignored by the amax
-    for n in (16, k // 32 * 16, k):
-        with dispatch.kernels("reference"):
-            want = factored.operands(x, segs, n=n, dtype=torch.bfloat16)
-        with dispatch.kernels("triton"):
-            steps = factored.operands(x, segs, n=n, dtype=torch.bfloat16, one_launch=False)
-            got = factored.operands(x, segs, n=n, dtype=torch.bfloat16, one_launch=True)
-        for other in (steps, want):
-            assert _same_bits(got.u, other.u) and _same_bits(got.g, other.g), f"n={n}"
-            assert torch.equal(got.channels, other.channels), f"n={n}"
-        out = torch.full_like(got.u, float("nan"))  # every element written: slot 1 zero outside S
-        g, s = rac_operand.rac_operand(x.bfloat16(), segs.group, segs.groups, out, n=n, block_m=2, block_k=32,
-                                       block_mr=8, sort_run=run)  # fmt: skip
-        with dispatch.kernels("triton"):
-            xb = factored.operands(x.bfloat16(), segs, n=n, dtype=torch.bfloat16, one_launch=False)
-        assert _same_bits(out, xb.u) and _same_bits(g, xb.g) and torch.equal(s, xb.channels), f"n={n} bf16 x"
-    assert calls == [16, k // 32 * 16, k]  # the one-launch op ran where asked, and only there
-    with pytest.raises(ValueError, match="multiples of 16"):
-        rac_operand.rac_operand(x, segs.group, segs.groups, got.u, n=24)
-    with pytest.raises(ValueError, match="rows of two K-slots"):
-        rac_operand.rac_operand(x, segs.group, segs.groups, got.u[:, :1], n=16)
-    with pytest.raises(ValueError, match="sort_run"):
-        rac_operand.rac_operand(x, segs.group, segs.groups, got.u, n=16, sort_run=3)
-
-
 def test_operands_quantize_decode_groups_in_one_launch(monkeypatch):
     """``factored.operands`` takes ``group_units`` for rows in groups with few rows per group on a Triton device
     (the decode step), and the three-step path per token, for one group, and with many rows per group."""

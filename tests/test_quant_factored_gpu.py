@@ -331,33 +331,3 @@ def test_group_units_amax_by_group_is_amax_by_row_at_the_1b_decode_shape(k):
     (u0, g0, r0), (u1, g1, r1) = outs
     assert torch.equal(u0.view(torch.int16), u1.view(torch.int16))
     assert torch.equal(g0.view(torch.int32), g1.view(torch.int32)) and torch.equal(r0.view(torch.int32), r1.view(torch.int32))
-
-
-@pytest.mark.parametrize("k", [1024, 256])
-@pytest.mark.parametrize("masked", [0, 24], ids=["no-masked", "masked"])
-def test_rac_operand_one_launch_is_the_launches_at_the_1b_decode_shape(k, masked):
-    """``quads::rac_operand`` (W4A4 + RAC 50%'s operand by one program per expert) writes the bits of the five
-    launches it replaces (``group_units`` + ``rac_units``' sort path) at the 1b decode shape: 128 tokens x top-8
-    over 64 experts, rows sorted by expert, two experts without rows, a NaN and an inf, exact norm ties; with
-    masked rows (group G) after them or none. Both slots of u, g, the channel sets; in two launch configs."""
-    from quads.kernels.rac_operand import rac_operand
-
-    e, tokens, topk = 64, 128, 8
-    g = torch.Generator().manual_seed(1)
-    idx = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)])
-    idx[(idx == 3) | (idx == 11)] = 4  # experts 3 and 11 without rows (a row may hold 4 twice: still sorted)
-    expert = static_routes(idx.cuda(), e).expert
-    if masked:
-        expert = torch.cat([expert[:-masked], torch.full((masked,), e, device="cuda", dtype=expert.dtype)])
-    segs = factored.Segments.of(expert, e)
-    x = torch.randn(tokens * topk, k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]
-    x[:, 16:32] = x[:, :16]  # equal residual columns: the tie-break orders them
-    x[5, 3], x[700, 11] = float("nan"), float("inf")
-    x = x.cuda().bfloat16()
-    with dispatch.kernels("triton"):
-        want = factored.operands(x, segs, n=k // 2, dtype=torch.bfloat16, one_launch=False)
-    for kw in ({}, dict(block_m=2, block_k=256, block_mr=8, num_warps=4, sort_run=128)):
-        out = torch.full_like(want.u, float("nan"))
-        gg, s = rac_operand(x, segs.group, e, out, n=k // 2, **kw)
-        assert torch.equal(out.view(torch.int16), want.u.view(torch.int16)), kw
-        assert torch.equal(gg.view(torch.int32), want.g.view(torch.int32)) and torch.equal(s, want.channels), kw

@@ -315,11 +315,18 @@ if HAS_TRITON:
         return tl.max(tl.where(sel, mmax, 0.0), axis=0)
 
     @triton.jit
-    def _select_group(r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, sk_ptr, si_ptr, g, M, K, n, G,
-                      ONE_GROUP: tl.constexpr, PER_TOKEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr,
-                      LOG_K: tl.constexpr, LOG_W: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-        """Group g's selection, by one program (``_rac_select_kernel``'s body; ``rac_operand`` calls it after its
-        quantize): stores S[g], rank[g] and gmax[g] (and gmax[G] for g = G-1)."""
+    def _rac_select_kernel(
+        r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, sk_ptr, si_ptr, M, K, n, G, ONE_GROUP: tl.constexpr,
+        PER_TOKEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, LOG_K: tl.constexpr, LOG_W: tl.constexpr,
+        INTERP: tl.constexpr,
+    ):  # fmt: skip
+        """Group g: the fp64 norms of its K channels, their stable descending order; stores S[g] (the first n),
+        rank[g, c] and (per group) gmax[g] = max over S of the group's |r| maxima; the last group's program
+        also gmax[G] of the masked rows (group G) over the same S. The order: ``LOG_W`` 0, one bitonic sort of
+        all KP pairs in registers; else each of 2**LOG_W runs of KP / 2**LOG_W channels sorted in registers
+        (``_sort_rows``), then the ranks merged by binary searches of the runs (``_merge_ranks``, through this
+        group's scratch rows ``sk`` / ``si`` ``[KP]``): the same order, fewer exchanges across warps."""
+        g = tl.program_id(0)
         c = tl.arange(0, 1 << LOG_K)
         cmask = c < K
         key, cmax, end = _channel_keys(r_ptr, group_ptr, g, c, cmask, M, K, ONE_GROUP, PER_TOKEN, ROWS, BLOCK_G,
@@ -341,21 +348,6 @@ if HAS_TRITON:
             if not ONE_GROUP:
                 if g == G - 1:  # the masked rows [end, M) (group G) take this group's S
                     tl.store(gmax_ptr + G, _masked_rows_max(r_ptr, end, M, K, c, cmask, sel))
-
-    @triton.jit
-    def _rac_select_kernel(
-        r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, sk_ptr, si_ptr, M, K, n, G, ONE_GROUP: tl.constexpr,
-        PER_TOKEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, LOG_K: tl.constexpr, LOG_W: tl.constexpr,
-        INTERP: tl.constexpr,
-    ):  # fmt: skip
-        """Group g: the fp64 norms of its K channels, their stable descending order; stores S[g] (the first n),
-        rank[g, c] and (per group) gmax[g] = max over S of the group's |r| maxima; the last group's program
-        also gmax[G] of the masked rows (group G) over the same S. The order: ``LOG_W`` 0, one bitonic sort of
-        all KP pairs in registers; else each of 2**LOG_W runs of KP / 2**LOG_W channels sorted in registers
-        (``_sort_rows``), then the ranks merged by binary searches of the runs (``_merge_ranks``, through this
-        group's scratch rows ``sk`` / ``si`` ``[KP]``): the same order, fewer exchanges across warps."""
-        _select_group(r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, sk_ptr, si_ptr, tl.program_id(0), M, K, n, G,
-                      ONE_GROUP, PER_TOKEN, ROWS, BLOCK_G, LOG_K, LOG_W, INTERP)  # fmt: skip
 
     @triton.jit
     def _rac_run_sort_kernel(
@@ -410,12 +402,15 @@ if HAS_TRITON:
                     tl.store(gmax_ptr + G * W + w, _masked_rows_max(r_ptr, end, M, K, idx, sel, sel))
 
     @triton.jit
-    def _units_sel_rows(r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, u_ptr, g_ptr, rows, M, K, n, G, stride_um,
-                        stride_g, ONE_GROUP: tl.constexpr, PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GMAX_PARTS: tl.constexpr):  # fmt: skip
-        """Rows ``rows`` ``[BLOCK_M]`` (those < M) of the sort path's residual operand: each row's gathered
+    def _rac_units_sel_kernel(
+        r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, u_ptr, g_ptr, M, K, n, G, stride_um, ONE_GROUP: tl.constexpr,
+        PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GMAX_PARTS: tl.constexpr,
+    ):  # fmt: skip
+        """Rows ``[BLOCK_M]`` (one on the GPU; the rows are independent) of the sort path: each row's gathered
         R[i, S] in one tile, its amax (the row's, or gmax of its group: the max of its ``GMAX_PARTS`` parts),
-        NVFP4 quantize, u scattered to S, zero outside S, S_dec to ``g[row * stride_g]``."""
+        NVFP4 quantize, u scattered to S, zero outside S, S_dec."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         grp, gs = _row_groups(group_ptr, rows, rmask, G, ONE_GROUP, BLOCK_M)
         j = tl.arange(0, BLOCK_N)
@@ -429,21 +424,10 @@ if HAS_TRITON:
             for p in tl.static_range(1, GMAX_PARTS):
                 amax = tl.maximum(amax, tl.load(gmax_ptr + grp * GMAX_PARTS + p, mask=rmask, other=0.0))
         s_enc, s_dec = _global_scales(amax)
-        tl.store(g_ptr + rows * stride_g, s_dec, mask=rmask)
+        tl.store(g_ptr + rows, s_dec, mask=rmask)
         _, _, u = _units_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_N)
         tl.store(u_ptr + rows[:, None] * stride_um + ch, cast_out(u, u_ptr), mask=m)
         _zero_outside(u_ptr, rank_ptr, rows, gs, rmask, K, n, stride_um, BLOCK_M, BLOCK_K)
-
-    @triton.jit
-    def _rac_units_sel_kernel(
-        r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, u_ptr, g_ptr, M, K, n, G, stride_um, ONE_GROUP: tl.constexpr,
-        PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GMAX_PARTS: tl.constexpr,
-    ):  # fmt: skip
-        """Rows ``[BLOCK_M]`` (one on the GPU; the rows are independent) of the sort path: ``_units_sel_rows``."""
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        _units_sel_rows(r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, u_ptr, g_ptr, rows, M, K, n, G, stride_um, 1,
-                        ONE_GROUP, PER_TOKEN, BLOCK_M, BLOCK_N, BLOCK_K, GMAX_PARTS)  # fmt: skip
 
 
 def check_residual(r: torch.Tensor, n: int | None, name: str) -> tuple[int, int]:

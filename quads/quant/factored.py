@@ -185,7 +185,6 @@ def operands(
     fused_rac: bool = True,
     rac_method: RacMethod | None = None,
     fused_amax: bool = True,
-    one_launch: bool | None = None,
 ) -> Operands:
     """The factored W4A4 (+RAC with ``n`` = |S| channels) operands of ``x`` ``[M, K]`` (canonical NVFP4).
 
@@ -204,21 +203,12 @@ def operands(
     The activation operand of rows
     in groups (``per_token=False``) with few rows per group (the decode step) is ``quads::group_units``
     (the group amaxes by atomic max, then the quantize: two launches; ``fused_amax=False``: ``row_amax``,
-    ``Segments.row_max`` and ``units``, the same bits). With dynamic RAC there (the sort method) the whole
-    operand can be one launch, ``quads::rac_operand`` (``quads.kernels.rac_operand``: a program per group, the
-    same bits); ``one_launch``: take it (True), the launches above (False), or as ``tuning.json``
-    ``rac_operand.decode.enabled`` says (None).
+    ``Segments.row_max`` and ``units``, the same bits).
     """
     if selection not in ("dynamic", "static"):
         raise ValueError(f"unknown RAC selection {selection!r}; valid: dynamic, static")
     need_r = n > 0 or observe is not None
     buf = torch.empty(x.shape[0], 2 if n else 1, x.shape[1], dtype=dtype, device=x.device)  # [M, P, K]
-    if _one_launch(x, segs, n, per_token, fused_amax and fused_rac and selection == "dynamic" and observe is None,
-                   rac_method, one_launch):
-        from quads.kernels.rac_operand import rac_operand_op
-
-        g, s = rac_operand_op(x if x.stride(-1) == 1 else x.contiguous(), segs.group, segs.groups, buf, n=n)
-        return Operands(buf, g, s)
     if fused_amax and _group_units(x, segs, per_token):  # group amax + quantize (decode)
         from quads.kernels.factored_quant import group_units_op
 
@@ -271,17 +261,6 @@ def _static_channels(static_order: torch.Tensor | None, n: int, device: torch.de
                          "selection='dynamic'")
     s = static_order.reshape(-1, static_order.shape[-1]).to(device=device, dtype=torch.long)
     return s if full else s[:, :n]
-
-
-def _one_launch(x: torch.Tensor, segs: Segments, n: int, per_token: bool, fused: bool, rac_method: RacMethod | None,
-                one_launch: bool | None) -> bool:
-    """Whether ``operands`` builds the W4A4 + RAC operand by ``quads::rac_operand`` (shapes only): the decode
-    step's rows (``_group_units``), dynamic RAC by the sort method, ``one_launch`` or else ``tuning.json``."""
-    if not (n and fused and rac_method in (None, "sort") and _group_units(x, segs, per_token)):
-        return False
-    from quads.kernels import rac_operand
-
-    return rac_operand.enabled(x.shape[-1]) if one_launch is None else one_launch
 
 
 def _group_units(x: torch.Tensor, segs: Segments, per_token: bool) -> bool:

@@ -5,6 +5,8 @@
 # most important first: its GPU tests (the same bits as the five launches at the 1b decode shapes; and group amax's),
 # the 1b e2e rows bf16 / w4a4+rac50 of a copy whose tuning.json enables it (rac_operand.decode.enabled), then
 # w4a4+rac50 of this tree (five launches), on one machine. One GPU, <= 580 s (TOTAL=<s> for less).
+# Ran as run 67 (docs/PERF.md) on the tree of 94f15cd; quads.kernels.rac_operand was removed after runs 67-69 (slower
+# than the five launches), so this needs `git checkout 94f15cd` to run again.
 # OUT=$OUT bash scripts/device_calls/2027-01-01_rac_operand_one_launch.sh
 . scripts/device_calls/lib.sh
 git log --oneline -1 > $OUT/tree.txt 2>&1; git status --short >> $OUT/tree.txt 2>&1

@@ -1,5 +1,8 @@
 """Issue 17 probe (a device call): rac_operand's time per launch config at the 1b decode shape K = 1024 (n = 512),
-against the five launches. Prints JSON lines: (block_m, block_k, block_mr, num_warps, sort_run) -> us."""
+against the five launches. Prints JSON lines: (block_m, block_k, block_mr, num_warps, sort_run) -> us.
+Ran (runs 67-69, docs/PERF.md) on the tree of 94f15cd; quads.kernels.rac_operand was removed after them (slower than
+the five launches), so this needs `git checkout 94f15cd` to run again.
+"""
 import json
 import sys
 

@@ -1,5 +1,8 @@
 """Issue 17 probe (a device call): rac_operand's compile time and its time against the five launches it replaces at
-the 1b decode shapes (K = 256 first, then 1024), the same bits checked. Prints JSON lines."""
+the 1b decode shapes (K = 256 first, then 1024), the same bits checked. Prints JSON lines.
+Ran (runs 67-69, docs/PERF.md) on the tree of 94f15cd; quads.kernels.rac_operand was removed after them (slower than
+the five launches), so this needs `git checkout 94f15cd` to run again.
+"""
 import json
 import time
 
