@@ -7,10 +7,10 @@ import json
 import sys
 
 import torch
+from quads.kernels.rac_operand import rac_operand
 
 from benchmarks.bench_kernels import time_graph
 from quads.kernels import dispatch
-from quads.kernels.rac_operand import rac_operand
 from quads.model.moe import static_routes
 from quads.quant import factored
 
