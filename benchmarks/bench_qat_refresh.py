@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quads.bench import add_model_overrides, cpu_name, model_overrides, timer  # noqa: E402
+from quads.bench import add_model_overrides, add_run_args, cpu_name, model_overrides, run_args, timer  # noqa: E402
 from quads.kernels import dispatch  # noqa: E402
 from quads.model import ModelConfig, MoEForCausalLM  # noqa: E402
 from quads.quant import ops, quantize_model  # noqa: E402
@@ -141,16 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", default="auto", choices=dispatch.BACKENDS,
                     help="kernel backend (quads.kernels.dispatch); triton on a CPU needs TRITON_INTERPRET=1")
     ap.add_argument("--recipe", default="w4a16-qat", help="trainer-side recipe")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds of both first")
-    ap.add_argument("--reps", type=int, default=7, help="timed refreshes of each, interleaved")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--json", default="", help="also write the record to this file")
+    add_run_args(ap, warmup=2, reps=7, warmup_help="untimed rounds of both first",
+                 reps_help="timed refreshes of each, interleaved")
     args = ap.parse_args(argv)
-    if args.reps < 1 or args.warmup < 0:
-        ap.error(f"expected --reps >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    run_args(ap, args)
     over = model_overrides(args)
     cfg = ModelConfig.preset(args.preset, vocab_size=128, dtype="float32", **over)
     torch.manual_seed(0)

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_qat_refresh import VIEW_OPS, _count_triton, env_info  # noqa: E402
 
-from quads.bench import add_model_overrides, model_overrides, timer  # noqa: E402
+from quads.bench import add_model_overrides, add_run_args, model_overrides, run_args, timer  # noqa: E402
 from quads.kernels import dispatch  # noqa: E402
 from quads.model import ModelConfig, MoEForCausalLM  # noqa: E402
 from quads.quant import quantize_model  # noqa: E402
@@ -166,16 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rollout-dtype", default="bfloat16", help="the rollout model's dtype (quads train: dtype)")
     ap.add_argument("--kernels", default="auto", choices=dispatch.BACKENDS,
                     help="kernel backend (quads.kernels.dispatch); triton on a CPU needs TRITON_INTERPRET=1")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed syncs first (kernel compiles)")
-    ap.add_argument("--reps", type=int, default=5, help="timed syncs per recipe")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--json", default="", help="also write the record to this file")
+    add_run_args(ap, warmup=1, reps=5, warmup_help="untimed syncs first (kernel compiles)",
+                 reps_help="timed syncs per recipe")
     args = ap.parse_args(argv)
-    if args.reps < 1 or args.warmup < 0:
-        ap.error(f"expected --reps >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    run_args(ap, args)
     over = model_overrides(args)
     cfg = ModelConfig.preset(args.preset, **{**over, "dtype": "float32"})
     triton_n: collections.Counter = collections.Counter()

@@ -57,6 +57,27 @@ def model_overrides(args: argparse.Namespace) -> dict[str, int]:
     return {field: getattr(args, flag) for flag, field in MODEL_OVERRIDES if getattr(args, flag, 0)}
 
 
+def add_run_args(ap: argparse.ArgumentParser, *, warmup: int, reps: int, warmup_help: str, reps_help: str) -> None:
+    """A timed benchmark's common flags: ``--warmup --reps --threads --device --json`` (``run_args`` after parsing)."""
+    import torch
+
+    ap.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
+    ap.add_argument("--reps", type=int, default=reps, help=reps_help)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", default="", help="also write the record to this file")
+
+
+def run_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``add_run_args``' flags checked (a clear error for ``--reps`` < 1 or ``--warmup`` < 0), ``--threads`` applied."""
+    import torch
+
+    if args.reps < 1 or args.warmup < 0:
+        ap.error(f"expected --reps >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
 def timer(device: str):
     """``timed(fn)``: milliseconds of ``fn()`` (the device idle before it starts, finished when it returns):
     CUDA events on a CUDA device, ``perf_counter`` elsewhere; for the benchmarks' step and phase timings."""
