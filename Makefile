@@ -58,6 +58,7 @@ test:
 # --dist worksteal: a worker that runs out of tests takes queued ones from the other, so the suite's
 # long tests (20-60 s each) do not leave one core idle at the end
 test-main: $(STAMP) lint
+	@bash -c '. scripts/setup_lib.sh && need_disk 1500 "$${TMPDIR:-/tmp}" "the test suite (temp files, Inductor cache: ~1.2 GB at their peak)"'
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q $(PYTEST_ARGS)
 
 $(VLLM_BASE): scripts/setup_vllm_env.sh scripts/setup_lib.sh | $(TORCH_STAMP)

@@ -44,6 +44,7 @@ PIP="$VENV/bin/python -m pip"
 if [ "$STAGE" != quads ]; then
   upgrade_pip $PIP
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    need_disk 3000 "$VENV" "the main venv (torch, triton, quads' dependencies; 2.8 GB)"
     echo "[setup] installing torch==2.13.0 (CPU)"
     quiet $PIP install -q "torch==2.13.0"
   fi

@@ -26,6 +26,7 @@ if [ "$STAGE" != quads ]; then
   link torch==2.13.0 pyarrow sympy networkx
   quiet $PIP install -q "torch==2.13.0"  # linked: only its dependencies
   if ! "$VENV/bin/python" -c "import verl" 2>/dev/null; then
+    need_disk 1200 "$VENV" "verl's venv (0.9 GB, part of it hard links into .venv)"
     start=$(date +%s)
     quiet $PIP install -q "verl==$VERL_VERSION"
     echo "[setup-verl] pip install verl==$VERL_VERSION took $(( $(date +%s) - start )) s"

