@@ -23,6 +23,7 @@ TABLE = {
     "w4a16-qat": ("nvfp4", "none", "nvfp4", "nvfp4", 0.0),
     "w4a4-qat": ("nvfp4", "nvfp4", "nvfp4", "nvfp4", 0.0),
     "quads": ("nvfp4", "none", "nvfp4", "nvfp4", 0.5),
+    "w4a16": ("nvfp4", "none", "nvfp4", "none", 0.0),  # beside the DESIGN table: the weight-only pair
 }
 
 

@@ -415,6 +415,23 @@ def test_eval_trainer_scores_the_trainers_own_policy(tmp_path, digits_task):
     assert [s["response"] for s in roll.samples] != [s["response"] for s in own.samples]
 
 
+def test_weight_only_recipe_rolls_out_what_its_qat_trainer_computes(tmp_path, digits_task):
+    """``w4a16``: the rollout's W4A16 forward is the QAT trainer's QDQ(W) x X, so its log-prob gap is BF16's floor
+    (the engine's drift alone: KV-cache decode against the full forward), where W4A4 rollouts against the same
+    trainer (``w4a16-qat``) sit far above it."""
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+
+    def gaps(recipe):
+        cfg = tiny_config(tmp_path / recipe, ckpt, steps=2, eval_every=0, recipe=RecipeSection(name=recipe))
+        m = read_metrics(GRPOTrainer(cfg, quiet=True).run().run_dir)
+        return [(m[s]["mismatch/logp_gap_max"], m[s]["mismatch/k3"]) for s in (1, 2)]
+
+    floor, matched, w4a4 = gaps("bf16"), gaps("w4a16"), gaps("w4a16-qat")
+    for (f_gap, _), (gap, k3), (q_gap, _) in zip(floor, matched, w4a4):
+        assert gap <= 4 * max(f_gap, 1e-6) and abs(k3) < 1e-9, (floor, matched)
+        assert q_gap > 100 * max(gap, 1e-6), (matched, w4a4)
+
+
 def test_mismatch_guard_thresholds_include_the_per_sequence_gap():
     """check_guard trips on each configured threshold (NaN too) and ignores the ones set to None; the
     per-sequence gap (default 5.0, the amplifier's budget per sequence) is one of them."""

@@ -123,7 +123,7 @@ def ref_config(cfg):
 
 
 @pytest.mark.parametrize("recipe", [get_recipe("quads"), get_recipe("quads", rac_ratio=0.25),
-                                    get_recipe("w4a16-qat"), get_recipe("nvfp4"), get_recipe("bf16")],
+                                    get_recipe("w4a16-qat"), get_recipe("w4a16"), get_recipe("nvfp4"), get_recipe("bf16")],
                          ids=lambda r: f"{r.name}-rac{r.rollout.rac_ratio:g}")
 def test_overrides_build_verl_configs(recipe):
     from omegaconf import OmegaConf

@@ -26,6 +26,7 @@ RECIPES = {  # name -> get_recipe arguments
     "fp8": ("fp8", {}),
     "nvfp4": ("nvfp4", {}),
     "quads": ("quads", {}),
+    "w4a16": ("w4a16", {}),  # weight-only: packed 4-bit weights, BF16 activations
     "quads-static-token": ("quads", {"rac_selection": "static", "act_scale": "token", "rac_ratio": 0.25}),
 }
 FP32_TOL = 1e-4  # max |dlogp| between vLLM and quads' forward in float32 (measured: ~5e-7)

@@ -11,6 +11,11 @@ modules they apply to. Presets follow DESIGN.md section 4:
 | `w4a16-qat` | QDQ(W) x X, STE            | NVFP4 W4A4                       |
 | `w4a4-qat`  | QDQ(W) x QDQ(X), STE       | NVFP4 W4A4                       |
 | `quads`     | QDQ(W) x X, STE            | NVFP4 W4A4 + RAC (ratio 0.5)     |
+| `w4a16`     | QDQ(W) x X, STE            | NVFP4 W4A16 (weights only)       |
+
+``w4a16`` is the weight-only pair: the rollout computes what the QAT trainer's forward computes (no weight
+or activation error, only the engine's drift), and on Hopper, which has no FP4 tensor cores, it is the 4-bit
+rollout that is faster than BF16 (docs/PERF.md); W4A4 there is emulated and slower.
 
 Only the modules matched by ``targets`` (fnmatch patterns on module names, default the routed
 experts ``*.mlp.experts``) are quantized. The router (``*.gate`` / ``*.router``), the embeddings,
@@ -384,6 +389,7 @@ PRESETS: dict[str, Recipe] = {
         trainer=LinearSpec(NVFP4WeightConfig()),
         rollout=LinearSpec(NVFP4WeightConfig(), NVFP4ActConfig(rac_ratio=0.5)),
     ),
+    "w4a16": Recipe("w4a16", trainer=LinearSpec(NVFP4WeightConfig()), rollout=LinearSpec(NVFP4WeightConfig())),
 }
 
 # Unprefixed overrides of these fields go to the rollout side only (RAC is a rollout technique);

@@ -97,7 +97,7 @@ class TaskSection:
 class RecipeSection:
     """Precision recipe (DESIGN.md section 4) and its overrides; None keeps the preset's value."""
 
-    name: str = "quads"  # bf16 | fp8 | nvfp4 | w4a16-qat | w4a4-qat | quads
+    name: str = "quads"  # bf16 | fp8 | nvfp4 | w4a16-qat | w4a4-qat | quads | w4a16
     rac_ratio: float | None = None  # rollout RAC ratio in [0, 1] (quads: 0.5)
     rac_selection: Literal["dynamic", "static"] | None = None  # RAC channel selection
     act_scale: Literal["tensor", "token"] | None = None  # NVFP4 activation global scale, on each side that has them

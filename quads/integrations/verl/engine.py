@@ -54,7 +54,7 @@ class QuadsFSDPEngineConfig(FSDPEngineConfig):
     ``quads.integrations.verl.config.verl_overrides`` writes both from one recipe).
     """
 
-    quads_recipe: str = "quads"  # preset name: bf16 | fp8 | nvfp4 | w4a16-qat | w4a4-qat | quads
+    quads_recipe: str = "quads"  # preset name: bf16 | fp8 | nvfp4 | w4a16-qat | w4a4-qat | quads | w4a16
     # ``get_recipe(quads_recipe, **overrides)``: e.g. {targets: ["*.mlp.experts"], weight_tile: [16, 16]}
     quads_recipe_overrides: dict = field(default_factory=dict)
 
