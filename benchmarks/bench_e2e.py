@@ -96,7 +96,7 @@ ROLLOUT_RECIPES = {
 def _quantized(model, name: str, spec: LinearSpec, prompts: list[list[int]], device: str) -> None:
     """``model`` quantized for the rollout recipe ``name``; a static-RAC recipe's orders calibrated on ``prompts``."""
     quantize_model(model, Recipe(f"bench-{name}", rollout=spec), side="rollout", verbose=False)
-    if spec.rac_ratio > 0 and spec.rac_selection == "static":
+    if spec.static_rac:
         ids = torch.tensor(prompts, device=device)
         with torch.no_grad():
             calibrate_static_channels(model, lambda m: m(ids))
