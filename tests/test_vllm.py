@@ -28,6 +28,8 @@ RECIPES = {  # name -> get_recipe arguments
     "quads": ("quads", {}),
     "w4a16": ("w4a16", {}),  # weight-only: packed 4-bit weights, BF16 activations
     "quads-static-token": ("quads", {"rac_selection": "static", "act_scale": "token", "rac_ratio": 0.25}),
+    # the experts on quads' sorted grouped GEMMs (on CUDA the default, "auto"; on the CPU the loop is)
+    "quads-grouped": ("quads", {"expert_path": "grouped"}),
 }
 FP32_TOL = 1e-4  # max |dlogp| between vLLM and quads' forward in float32 (measured: ~5e-7)
 
@@ -114,9 +116,10 @@ def test_logprobs_match_quads_forward(engine, policy, sequences, key):
         assert logprob_gap(got, bf16)["max"] > 20 * FP32_TOL, f"{key}: log-probs barely differ from BF16"
 
 
-@pytest.mark.parametrize("key", ["quads", "quads-static-token"])
+@pytest.mark.parametrize("key", ["quads", "quads-static-token", "quads-grouped"])
 def test_experts_layer_bit_exact(engine, key):
-    """W4A4 + RAC experts in vLLM == quads' QuantizedExperts on the same input, bit for bit."""
+    """W4A4 + RAC experts in vLLM == quads' QuantizedExperts on the same input, bit for bit: the loop, or with
+    ``expert_path="grouped"`` the sorted grouped path of quads' captured decode step (``forward_static``)."""
     from torch import nn
 
     from quads.quant import QuantizedExperts
@@ -140,7 +143,7 @@ def test_experts_layer_bit_exact(engine, key):
     experts.down_proj = nn.Parameter(out["w2"].clone())
     ref = QuantizedExperts(experts, recipe.rollout, side="rollout", weight_dtype=recipe.torch_weight_dtype)
     with torch.no_grad():
-        y_ref = ref(x, ids.long(), wts)
+        y_ref = (ref.forward_static if recipe.expert_path == "grouped" else ref)(x, ids.long(), wts)
     assert out["y"].dtype == y_ref.dtype and out["y"].shape == (T, H)
     assert torch.equal(out["y"], y_ref), f"max |diff| {(out['y'] - y_ref).abs().max():.3e}"
     plain = QuantizedExperts(experts, _recipe("nvfp4").rollout, side="rollout", weight_dtype=recipe.torch_weight_dtype)

@@ -226,6 +226,30 @@ def test_set_recipe_keeps_packed_weights_or_refuses(engine, policy, sequences):
     engine.set_recipe(_recipe())
 
 
+def _sorted_experts_layers(w) -> list[str]:
+    """(In the worker) the experts layers that ran the sorted grouped path (it keeps their operands' views)."""
+    from quads.rollout.vllm import worker
+    from quads.rollout.vllm.methods import QuadsFusedMoEMethod
+
+    return sorted(m.name for layer, m in worker.quads_layers(worker.get_model(w))
+                  if isinstance(m, QuadsFusedMoEMethod) and getattr(layer, "quads_operands", None) is not None)
+
+
+def test_grouped_expert_path_matches_quads(engine, policy, sequences):
+    """``expert_path="grouped"`` (what "auto" takes on CUDA): vLLM's experts run quads' sorted grouped GEMMs over
+    the packed weights instead of the loop, and the log-probs still match quads' rollout forward."""
+    from quads.model.hf import load_hf_model
+
+    assert engine.rpc(_sorted_experts_layers) == []  # the CPU's default ("auto") is the loop
+    engine.set_recipe(_recipe(expert_path="grouped"))
+    try:
+        _assert_logprobs_match(engine, _quads_rollout(policy[0]), sequences)
+        assert engine.rpc(_sorted_experts_layers) == EXPERTS
+        _assert_packed_bits(engine, load_hf_model(policy[0], dtype="float32")[0])
+    finally:
+        engine.set_recipe(_recipe())
+
+
 def test_method_config_keys():
     """The method's public config: every key optional, unknown keys and bad values refused with the valid ones."""
     from quads.rollout.vllm.quant_config import CONFIG_KEYS, QuadsQuantConfig

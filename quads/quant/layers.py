@@ -25,6 +25,8 @@ Weight operands (``WeightStore``):
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -378,6 +380,104 @@ def _sum_in_expert_order(per_slot: torch.Tensor, top_k_index: torch.Tensor) -> t
     return _sum_parts(torch.empty_like(per_slot).scatter_(1, rank[..., None].expand(T, k, H), per_slot))
 
 
+class ExpertOperands(Protocol):
+    """What ``sorted_experts`` reads of one expert stack's weight ``[E, N, K]``: ``WeightStore`` on quads' rollout
+    side, ``quads.rollout.vllm.experts.VllmExpertOperands`` inside vLLM."""
+
+    @property
+    def param(self) -> torch.Tensor: ...  # the master weight (the padded path's FP8 / amplified GEMMs)
+
+    def use_packed(self, x: torch.Tensor) -> bool: ...  # GEMMs of ``x`` read ``get_packed()``
+
+    def get_packed(self) -> w4a16.W4A16Weight: ...
+
+    def get(self) -> torch.Tensor: ...  # the dequantized operand QDQ(W)
+
+    def get_f32(self) -> torch.Tensor: ...
+
+    def get_amplified(self) -> torch.Tensor: ...
+
+
+def sorted_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                   spec: LinearSpec, stores: Mapping[str, ExpertOperands],
+                   selectors: Mapping[str, StaticChannelSelector], act_fn, num_experts: int) -> torch.Tensor:
+    """The rollout experts ``[T, H]`` without a host sync or a data-dependent shape (quads' captured decode step,
+    and vLLM's quads method): ``stores["gate_up_proj"]`` ``[E, 2I, H]`` and ``stores["down_proj"]`` ``[E, H, I]``
+    under ``spec`` (``grouped.supports(spec)``), static RAC orders in ``selectors`` (same keys) when ``spec`` has
+    them.
+
+    The slots are sorted on the device (``quads.model.moe.static_routes``). Unquantized
+    activations: one grouped GEMM per projection over the sorted rows (``moe.grouped_mm``, the
+    same ``x @ Wop.T`` in ``x.dtype``; W4A16 with a packed weight: ``w4a16.grouped_gemm``, the same
+    product read from the 4-bit weight). NVFP4 activations (canonical mode): ``grouped.sorted_linear``
+    on the sorted rows (per-expert global scales and RAC channel sets by masked reductions, one
+    grouped GEMM of the exact NVFP4 values per projection, fp32 global scales on its output; the
+    quantized operands are the loop's bit for bit, see ``quads.quant.factored``; a packed weight is
+    read by the grouped W4A16 kernel). FP8 activations, and any spec under the mismatch amplifier
+    (``error_scale != 1``: the operands of ``quads.quant.amplify``, the weight's kept amplified by its
+    store): the padded layout of ``quads.quant.grouped`` at the fixed capacity C = T (zero rows change
+    no amax) and ``grouped_linear``. Outputs summed per token in ascending expert order, as the loop does.
+    """
+    T, k = top_k_index.shape
+    routes = moe.static_routes(top_k_index, num_experts)
+    tokens = routes.order // k  # [T*k] the token of each sorted row (masked slots last)
+
+    amplified = spec.error_scale != 1.0 and not spec.is_identity
+    sorted_rows = spec.act == "nvfp4" and spec.nvfp4_mode == "te" and not amplified
+    segs = factored.Segments.of(routes.expert, num_experts) if sorted_rows else None
+    stacked = grouped.stacked_routes(routes, 2 if spec.rac_ratio > 0 else 1) if sorted_rows else None
+
+    def gemm(name: str, a: torch.Tensor, rows: torch.Tensor | None = None,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The sorted rows ``a`` (``rows`` given: ``a[rows]``) times the expert weights ``name``; ``scale``
+        ``[T*k]``: each output row times it, eager ``y * scale[:, None].to(y.dtype)``'s bits (the grouped W4A16
+        kernel in its epilogue: no ``[T*k, N]`` pass of its own)."""
+        store = stores[name]
+        if spec.act == "none" and not amplified and store.use_packed(a):  # the kernel gathers the rows itself
+            return w4a16.grouped_op(a, store.get_packed(), routes.ends, rows,
+                                    None if scale is None else scale.to(a.dtype))
+        y = product(name, a, rows)
+        return y if scale is None else y * scale[:, None].to(y.dtype)
+
+    def product(name: str, a: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """``gemm`` without the packed W4A16 kernel."""
+        store = stores[name]
+        if spec.act == "none" and not amplified:
+            return moe.grouped_mm(a if rows is None else a[rows], store.get(), routes)
+        if rows is not None:
+            a = a[rows]
+        sel = selectors[name] if name in selectors else None
+        if sorted_rows:
+            if store.use_packed(a):
+                w_q = store.get_packed()
+            else:
+                w = store.get()
+                w_q = w if factored.gemm_dtype(w) == w.dtype else store.get_f32()
+            order = observe = None
+            if sel is not None:
+                order = sel.order
+                observe = lambda r, norms: sel.observe_norms(norms, segs.counts())  # noqa: E731
+            return grouped.sorted_linear(a, routes, w_q, spec, segs=segs, stacked=stacked,
+                                         static_order=order, observe=observe)
+        order = observe = None
+        if sel is not None:
+            order = sel.order
+            counts = routes.offsets[1:] - routes.offsets[:-1]
+            observe = lambda r: sel.observe_all(r, counts)  # noqa: E731
+        y = grouped.grouped_linear(routes.pad(a), store.param, store.get_f32(), spec,
+                                   static_order=order, observe=observe,
+                                   w_amp=store.get_amplified() if amplified else None)
+        return routes.unpad(y)
+
+    gate, up = gemm("gate_up_proj", hidden_states, tokens).chunk(2, dim=-1)  # the tokens' rows sorted by expert
+    # [T*k, H] sorted, weighted by the routes, zero rows at masked slots
+    contrib = gemm("down_proj", act_fn(gate) * up, scale=top_k_weights.reshape(-1)[routes.order])
+    contrib = contrib.to(hidden_states.dtype)
+    # each token's sorted rows gathered in ascending expert id (no scatter, no sort): Inductor fuses the gather
+    # into the sum
+    return _sum_parts(contrib[routes.token_slots.reshape(-1)].view(T, k, -1))
+
+
 class QuantizedExperts(_QuantizedBase):
     """Drop-in for 3-D expert stacks (transformers 5 ``Qwen3MoeExperts`` / ``OlmoeExperts`` /
     ``MixtralExperts``, ``quads.model.MoEExperts``): ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I].
@@ -477,80 +577,13 @@ class QuantizedExperts(_QuantizedBase):
 
     def forward_static(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:
-        """``forward`` without a host sync or a data-dependent shape (the engine's captured decode step).
-
-        The slots are sorted on the device (``quads.model.moe.static_routes``). Unquantized
-        activations: one grouped GEMM per projection over the sorted rows (``moe.grouped_mm``, the
-        same ``x @ Wop.T`` in ``x.dtype``; W4A16 with a packed weight: ``w4a16.grouped_gemm``, the same
-        product read from the 4-bit weight). NVFP4 activations (canonical mode): ``grouped.sorted_linear``
-        on the sorted rows (per-expert global scales and RAC channel sets by masked reductions, one
-        grouped GEMM of the exact NVFP4 values per projection, fp32 global scales on its output; the
-        quantized operands are the loop's bit for bit, see ``quads.quant.factored``; a packed weight is
-        read by the grouped W4A16 kernel). FP8 activations, and any spec under the mismatch amplifier
-        (``error_scale != 1``: the operands of ``quads.quant.amplify``, the weight's kept amplified by its
-        store): the padded layout of ``quads.quant.grouped`` at the fixed capacity C = T (zero rows change
-        no amax) and ``grouped_linear``. Outputs summed per token in ascending expert order, as the loop does.
-        """
+        """``forward`` without a host sync or a data-dependent shape (the engine's captured decode step):
+        ``sorted_experts`` over this module's weight stores and static RAC selectors."""
         if not self.supports_static():
             raise ValueError(f"forward_static: spec {self.spec.describe()} on the {self.side} side has no "
                              "capturable expert path; decode with cuda_graphs=False")
-        T, k = top_k_index.shape
-        routes = moe.static_routes(top_k_index, self.num_experts)
-        tokens = routes.order // k  # [T*k] the token of each sorted row (masked slots last)
-
-        amplified = self.spec.error_scale != 1.0 and not self.spec.is_identity
-        sorted_rows = self.spec.act == "nvfp4" and self.spec.nvfp4_mode == "te" and not amplified
-        segs = factored.Segments.of(routes.expert, self.num_experts) if sorted_rows else None
-        stacked = grouped.stacked_routes(routes, 2 if self.spec.rac_ratio > 0 else 1) if sorted_rows else None
-
-        def gemm(name: str, a: torch.Tensor, rows: torch.Tensor | None = None,
-                 scale: torch.Tensor | None = None) -> torch.Tensor:
-            """The sorted rows ``a`` (``rows`` given: ``a[rows]``) times the expert weights ``name``; ``scale``
-            ``[T*k]``: each output row times it, eager ``y * scale[:, None].to(y.dtype)``'s bits (the grouped W4A16
-            kernel in its epilogue: no ``[T*k, N]`` pass of its own)."""
-            store = self.stores[name]
-            if self.spec.act == "none" and not amplified and store.use_packed(a):  # the kernel gathers the rows itself
-                return w4a16.grouped_op(a, store.get_packed(), routes.ends, rows,
-                                        None if scale is None else scale.to(a.dtype))
-            y = product(name, a, rows)
-            return y if scale is None else y * scale[:, None].to(y.dtype)
-
-        def product(name: str, a: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-            """``gemm`` without the packed W4A16 kernel."""
-            store = self.stores[name]
-            if self.spec.act == "none" and not amplified:
-                return moe.grouped_mm(a if rows is None else a[rows], store.get(), routes)
-            if rows is not None:
-                a = a[rows]
-            sel = self.selectors[name] if name in self.selectors else None
-            if sorted_rows:
-                if store.use_packed(a):
-                    w_q = store.get_packed()
-                else:
-                    w_q = store.get() if factored.gemm_dtype(store.get()) == store.get().dtype else store.get_f32()
-                order = observe = None
-                if sel is not None:
-                    order = sel.order
-                    observe = lambda r, norms: sel.observe_norms(norms, segs.counts())  # noqa: E731
-                return grouped.sorted_linear(a, routes, w_q, self.spec, segs=segs, stacked=stacked,
-                                             static_order=order, observe=observe)
-            order = observe = None
-            if sel is not None:
-                order = sel.order
-                counts = routes.offsets[1:] - routes.offsets[:-1]
-                observe = lambda r: sel.observe_all(r, counts)  # noqa: E731
-            y = grouped.grouped_linear(routes.pad(a), getattr(self, name), store.get_f32(), self.spec,
-                                       static_order=order, observe=observe,
-                                       w_amp=store.get_amplified() if amplified else None)
-            return routes.unpad(y)
-
-        gate, up = gemm("gate_up_proj", hidden_states, tokens).chunk(2, dim=-1)  # the tokens' rows sorted by expert
-        # [T*k, H] sorted, weighted by the routes, zero rows at masked slots
-        contrib = gemm("down_proj", self.act_fn(gate) * up, scale=top_k_weights.reshape(-1)[routes.order])
-        contrib = contrib.to(hidden_states.dtype)
-        # each token's sorted rows gathered in ascending expert id (no scatter, no sort): Inductor fuses the gather
-        # into the sum
-        return _sum_parts(contrib[routes.token_slots.reshape(-1)].view(T, k, -1))
+        return sorted_experts(hidden_states, top_k_index, top_k_weights, spec=self.spec, stores=self.stores,
+                              selectors=self.selectors, act_fn=self.act_fn, num_experts=self.num_experts)
 
     def _forward_grouped(self, hidden_states: torch.Tensor, layout: grouped.ExpertLayout) -> torch.Tensor:
         """The batched expert path (``quads.quant.grouped``); same result as the loop up to GEMM order."""

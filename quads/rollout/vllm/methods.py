@@ -20,9 +20,12 @@ same bits as quads' ``QuantizedLinear`` / ``QuantizedExperts``:
 - fused linears (``qkv_proj``, ``gate_up_proj`` of dense MLPs) run one GEMM per shard, each shard
   quantized as its own layer (its own NVFP4 global scale), as quads quantizes ``q_proj``, ``k_proj``,
   ``v_proj`` separately;
-- the experts loop is ``QuantizedExperts.forward``: slots grouped by expert (stable sort), per
-  expert ``act(x @ Wg.T) * (x @ Wu.T) @ Wd.T`` (activation global scales over that expert's tokens
-  of this forward), weighted by the routing weights and summed in ascending expert order.
+- the experts are ``QuantizedExperts``' function on ``quads.rollout.vllm.experts``' two paths: the loop
+  (slots grouped by expert, per expert ``act(x @ Wg.T) * (x @ Wu.T) @ Wd.T`` with activation global scales
+  over that expert's tokens of this forward, weighted by the routing weights and summed in ascending expert
+  order), or, as the recipe's ``expert_path`` picks (auto: on CUDA), the sorted grouped GEMMs of quads'
+  captured decode step (``quads.quant.layers.sorted_experts``: no host sync, the 4-bit weight read by quads'
+  grouped kernels with packed storage; the same quantized operands, the GEMMs' accumulation order aside).
 
 The router (top-k selection, weights) is vLLM's: it is part of the engine, not of the recipe.
 
@@ -34,7 +37,6 @@ quads' own layers on exactly the activations vLLM quantized (``compare.replay_la
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,11 +46,16 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from quads.quant import ops
-from quads.quant.layers import expert_groups, scatter_expert_output
-from quads.quant.linear import spec_linear
-from quads.quant.rac import StaticChannelSelector, rac_channels
+from quads.quant.rac import StaticChannelSelector
 from quads.quant.recipe import LinearSpec
 from quads.quant.sync import WeightSyncError
+from quads.rollout.vllm.experts import (
+    VllmExpertOperands,
+    experts_forward,
+    sorted_experts_forward,
+    spec_gemm,
+    use_sorted,
+)
 from quads.rollout.vllm.weights import RolloutWeight, Unit, check_complete
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
@@ -60,36 +67,6 @@ def _refuse_if_unsynced(config) -> None:
             f"vLLM worker: the last weight push failed the fingerprint check ({config.sync_detail}); "
             "refusing to roll out with these weights: push the trainer's weights again"
         )
-
-
-def _gemm(
-    x: torch.Tensor, w: torch.Tensor, w_q: torch.Tensor, spec: LinearSpec, sel: StaticChannelSelector | None,
-    group: int, bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One GEMM under ``spec`` (``QuantizedBase._gemm``): static RAC channels / observation from ``sel``."""
-    static = observe = None
-    if sel is not None:
-        static = sel.channels(group, rac_channels(w.shape[-1], spec.rac_ratio))
-        observe = functools.partial(sel.observe, group)
-    return spec_linear(x, w, spec, w_q=w_q, bias=bias, static_channels=static, observe=observe)
-
-
-def experts_forward(
-    x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *, n_experts: int,
-    gate_up: Callable[[int], tuple[torch.Tensor, torch.Tensor]], down: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    spec: LinearSpec, act_fn, selectors: dict,
-) -> torch.Tensor:
-    """``x`` [T, H], ``top_k_index`` / ``top_k_weights`` [T, k] -> [T, H] (``QuantizedExperts.forward``).
-
-    ``gate_up(e)`` / ``down(e)``: expert ``e``'s ``(master, operand)``, fetched only for the experts hit.
-    """
-    out = torch.zeros_like(x)
-    sel13, sel2 = selectors.get("w13"), selectors.get("w2")
-    for e, idx, w_route in expert_groups(top_k_index, top_k_weights, n_experts):
-        gate, up = _gemm(x[idx], *gate_up(e), spec, sel13, e).chunk(2, dim=-1)
-        y = _gemm(act_fn(gate) * up, *down(e), spec, sel2, e)
-        scatter_expert_output(out, idx, y, w_route)
-    return out
 
 
 def _wrap_loader(param: torch.nn.Parameter, rw: RolloutWeight, rows) -> None:
@@ -222,7 +199,7 @@ class QuadsLinearMethod(_QuadsMethod, LinearMethodBase):
             name = layer.quads_names[i]
             b = None if bias is None else bias[lo:hi]
             sel = layer.quads_selectors.get(name)
-            outs.append(_gemm(x, *rw.gemm_weights(i), spec, sel, 0, b))
+            outs.append(spec_gemm(x, *rw.gemm_weights(i), spec, sel, 0, b))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
@@ -321,8 +298,18 @@ class QuadsFusedMoEMethod(_QuadsMethod, FusedMoEMethodBase):
         if self.recorder is not None:
             self.recorder.append((x.detach().clone(), topk_ids.detach().clone(), topk_weights.detach().clone()))
         w13, w2 = layer.quads_weights["w13_weight"], layer.quads_weights["w2_weight"]
+        spec = self.config.recipe.rollout
+        if use_sorted(self.config.recipe.expert_path, spec, x):
+            operands = getattr(layer, "quads_operands", None)
+            if operands is None or operands["gate_up_proj"].rw is not w13 or operands["down_proj"].rw is not w2:
+                operands = {"gate_up_proj": VllmExpertOperands(w13), "down_proj": VllmExpertOperands(w2)}
+                layer.quads_operands = operands  # keeps the grouped kernels' packed layout between calls
+            return sorted_experts_forward(
+                x, topk_ids, topk_weights, n_experts=len(w13.units), operands=operands, spec=spec,
+                act_fn=_ACTIVATIONS[act_name], selectors=layer.quads_selectors,
+            )
         return experts_forward(
             x, topk_ids, topk_weights, n_experts=len(w13.units), gate_up=w13.gemm_weights,
-            down=w2.gemm_weights, spec=self.config.recipe.rollout,
+            down=w2.gemm_weights, spec=spec,
             act_fn=_ACTIVATIONS[act_name], selectors=layer.quads_selectors,
         )  # fmt: skip

@@ -72,6 +72,11 @@ class RolloutWeight:
                 f"weight_storage='packed' holds NVFP4 codes, but the recipe's rollout weight format is "
                 f"{spec.weight!r}; use weight_storage='master' for it (quantization config of the 'quads' method)"
             )
+        if storage == "packed" and spec.error_scale != 1.0:
+            raise ValueError(
+                f"weight_storage='packed' keeps no master weight, but the mismatch amplifier (error_scale="
+                f"{spec.error_scale}) forms W + alpha (QDQ(W) - W) from it; use weight_storage='master'"
+            )
         self.layer, self.param_name, self.units = layer, param_name, units
         self.spec, self.weight_dtype, self.storage = spec, weight_dtype, storage
         self._written: list[set[int]] = [set() for _ in units]

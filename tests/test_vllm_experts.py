@@ -1,0 +1,186 @@
+"""vLLM's quads experts (``quads.rollout.vllm.experts``, no vLLM needed) against quads' own rollout experts.
+
+The sorted path over ``RolloutWeight`` stacks is ``QuantizedExperts.forward_static``'s function: the same bits for
+the same weights, routes and static RAC orders, on the reference backend and (under Triton's CPU interpreter at
+tiny sizes, or on CUDA) with the grouped kernels reading the stored 4-bit codes; it follows a re-quantized unit.
+Against the loop it differs only by the GEMMs' accumulation order (the same quantized operands).
+"""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from quads.kernels import dispatch  # noqa: E402
+from quads.kernels._common import HAS_TRITON, interpreter_on  # noqa: E402
+from quads.model import moe  # noqa: E402
+from quads.quant.layers import QuantizedExperts  # noqa: E402
+from quads.quant.recipe import PRESETS, LinearSpec  # noqa: E402
+from quads.rollout.vllm.experts import (  # noqa: E402
+    VllmExpertOperands,
+    experts_forward,
+    sorted_experts_forward,
+    use_sorted,
+)
+from quads.rollout.vllm.weights import RolloutWeight, Unit  # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+E, H, INTER, T, K = 4, 64, 32, 6, 2
+
+
+def _rollout_spec(name: str) -> LinearSpec:
+    """A recipe's rollout spec; ``quads-static``: quads' with calibrated (static) RAC orders."""
+    if name == "quads-static":
+        return PRESETS["quads"].rollout.replace(rac_selection="static")
+    return PRESETS[name].rollout
+
+
+class _Layer(nn.Module):
+    """vLLM's fused-MoE parameters: ``w13_weight`` [E, 2I, H] = [gate; up], ``w2_weight`` [E, H, I]."""
+
+    def __init__(self, ex: moe.MoEExperts) -> None:
+        super().__init__()
+        self.w13_weight = nn.Parameter(ex.gate_up_proj.detach().clone(), requires_grad=False)
+        self.w2_weight = nn.Parameter(ex.down_proj.detach().clone(), requires_grad=False)
+
+
+def _weights(layer: _Layer, spec: LinearSpec, storage: str) -> tuple[RolloutWeight, RolloutWeight]:
+    out = []
+    for pname, qname in (("w13_weight", "gate_up_proj"), ("w2_weight", "down_proj")):
+        shape = getattr(layer, pname).shape
+        units = [Unit(f"experts expert {e} {qname}", e, 0, shape[1], ((0, shape[1]),)) for e in range(shape[0])]
+        with torch.device(DEV):  # vLLM builds its model under the target device: the codes are allocated there
+            rw = RolloutWeight(layer, pname, units, spec, torch.bfloat16, storage)
+        rw.quantize_all()
+        out.append(rw)
+    return tuple(out)
+
+
+def _setup(recipe: str, storage: str = "packed", seed: int = 0, kernels: str = "reference"):
+    """quads' rollout experts (built under ``kernels``: "triton" keeps only the packed weight, as on a GPU) and
+    vLLM's weights of the same master stacks, an input batch and its routes."""
+    torch.manual_seed(seed)
+    ex = moe.MoEExperts(E, H, INTER).bfloat16().to(DEV)
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.normal_(0, 0.05)
+    spec = _rollout_spec(recipe)
+    with dispatch.kernels(kernels):
+        q = QuantizedExperts(ex, spec, side="rollout", weight_dtype=torch.bfloat16)
+    layer = _Layer(ex)
+    w13, w2 = _weights(layer, spec, storage)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(T, H, generator=g).bfloat16().to(DEV)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEV)
+    wts = torch.rand(T, K, generator=g).softmax(-1).bfloat16().to(DEV)
+    return spec, q, layer, w13, w2, x, ids, wts
+
+
+def _vllm(spec, q, w13, w2, x, ids, wts, path):
+    """vLLM's experts on ``path``, with quads' layer's static RAC selectors (the same orders) where it has them."""
+    sels = {key: q.selectors[name] for key, name in (("w13", "gate_up_proj"), ("w2", "down_proj"))
+            if name in q.selectors}
+    if path == "sorted":
+        operands = {"gate_up_proj": VllmExpertOperands(w13), "down_proj": VllmExpertOperands(w2)}
+        return sorted_experts_forward(x, ids.int(), wts, n_experts=E, operands=operands, spec=spec,
+                                      act_fn=torch.nn.functional.silu, selectors=sels)
+    return experts_forward(x, ids, wts, n_experts=E, gate_up=w13.gemm_weights, down=w2.gemm_weights, spec=spec,
+                           act_fn=torch.nn.functional.silu, selectors=sels)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _close_to_loop(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("recipe,storage", [("w4a16", "packed"), ("nvfp4", "packed"), ("quads", "packed"),
+                                            ("quads", "master"), ("fp8", "master")])
+def test_sorted_path_is_quads_captured_experts_bit_for_bit(recipe, storage):
+    """Reference backend: vLLM's sorted path = ``QuantizedExperts.forward_static`` bit for bit (same operands, same
+    routes, same RAC orders), and within accumulation-order distance of vLLM's loop."""
+    spec, q, _, w13, w2, x, ids, wts = _setup(recipe, storage)
+    with dispatch.kernels("reference"), torch.no_grad():
+        want = q.forward_static(x, ids, wts)
+        got = _vllm(spec, q, w13, w2, x, ids, wts, "sorted")
+        loop = _vllm(spec, q, w13, w2, x, ids, wts, "loop")
+    assert _same_bits(got, want), f"{recipe}/{storage}: max diff {(got.float() - want.float()).abs().max():.3e}"
+    assert _close_to_loop(got, loop) < 1e-2, f"{recipe}: rel {_close_to_loop(got, loop):.2e} from the loop"
+    assert not torch.equal(got, torch.zeros_like(got))
+
+
+def test_static_rac_orders_reach_the_sorted_path():
+    """With static RAC the sorted path reads the selectors' orders: reversing them changes the output (and quads'
+    layer, reading the same selectors, changes the same way)."""
+    spec, q, _, w13, w2, x, ids, wts = _setup("quads-static")
+    assert spec.static_rac and len(q.selectors) == 2
+    with dispatch.kernels("reference"), torch.no_grad():
+        before = _vllm(spec, q, w13, w2, x, ids, wts, "sorted")
+        for sel in q.selectors.values():
+            sel.order.copy_(sel.order.flip(-1))
+        after = _vllm(spec, q, w13, w2, x, ids, wts, "sorted")
+        want = q.forward_static(x, ids, wts)
+    assert not torch.equal(before, after)
+    assert _same_bits(after, want)
+
+
+@pytest.mark.skipif(not HAS_TRITON or not (HAS_CUDA or interpreter_on()),
+                    reason="needs Triton (CUDA, or its CPU interpreter set before quads.kernels was imported)")
+@pytest.mark.parametrize("recipe", ["w4a16", "quads"])
+def test_sorted_path_reads_the_stored_codes_with_the_grouped_kernels(recipe, reference_quantizer):
+    """Triton backend: the grouped kernels read a packed layout of the stored codes (no BF16 copy of the stack is
+    kept), with quads' layer's bits on its own kernel path; after a unit is re-quantized from new weights the
+    layout is rebuilt in place and the output is that of quads' layer over the new weights."""
+    spec, q, layer, w13, w2, x, ids, wts = _setup(recipe, kernels="triton")
+    assert q.stores["down_proj"].kernel is not None
+    operands = {"gate_up_proj": VllmExpertOperands(w13), "down_proj": VllmExpertOperands(w2)}
+    sels = {key: q.selectors[name] for key, name in (("w13", "gate_up_proj"), ("w2", "down_proj"))
+            if name in q.selectors}
+
+    def run():
+        return sorted_experts_forward(x, ids, wts, n_experts=E, operands=operands, spec=spec,
+                                      act_fn=torch.nn.functional.silu, selectors=sels)
+
+    with dispatch.kernels("triton"), torch.no_grad():
+        assert operands["gate_up_proj"].use_packed(x)
+        got = run()
+        want = q.forward_static(x, ids, wts)
+        assert _same_bits(got, want)
+        kernel = operands["down_proj"].get_packed()
+        ptr = kernel.codes.data_ptr()
+        layer.w2_weight.mul_(-1.5)  # a push of new down_proj weights: vLLM's loader re-quantizes each unit
+        for i in range(E):
+            w2.quantize_unit(i)
+        q.down_proj.mul_(-1.5)
+        q.refresh()
+        got2 = run()
+        want2 = q.forward_static(x, ids, wts)
+    assert operands["down_proj"].get_packed().codes.data_ptr() == ptr, "the layout is refreshed in place"
+    assert not torch.equal(got2, got)
+    assert _same_bits(got2, want2)
+
+
+def test_which_path():
+    x = torch.zeros(3, H)
+    w4a16, quads = _rollout_spec("w4a16"), _rollout_spec("quads")
+    assert not use_sorted("auto", quads, x)  # the CPU's default: the loop
+    assert use_sorted("grouped", quads, x) and use_sorted("grouped", w4a16, x)
+    assert not use_sorted("loop", quads, x)
+    assert not use_sorted("grouped", quads, x[:0])
+    amplified = quads.replace(error_scale=4.0)
+    assert not use_sorted("grouped", amplified, x)
+
+
+def test_packed_storage_refuses_the_amplifier():
+    spec = _rollout_spec("quads").replace(error_scale=4.0)
+    layer = _Layer(moe.MoEExperts(E, H, INTER).bfloat16().to(DEV))
+    with pytest.raises(ValueError, match="amplifier"):
+        _weights(layer, spec, "packed")
+    _weights(layer, spec, "master")  # the master storage keeps W: allowed
