@@ -15,6 +15,7 @@ distance; the same quantized operands, the GEMMs' accumulation order aside). The
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -89,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(args.device)
             wts = torch.randn(t, k, generator=g).softmax(-1).bfloat16().to(args.device)
             paths = {
-                "loop": lambda: experts_forward(x, ids, wts, n_experts=e, gate_up=w13.gemm_weights,
-                                                down=w2.gemm_weights, spec=spec, act_fn=act, selectors={}),
-                "sorted": lambda: sorted_experts_forward(x, ids, wts, n_experts=e, operands=operands, spec=spec,
-                                                         act_fn=act, selectors={}),
+                "loop": functools.partial(experts_forward, x, ids, wts, n_experts=e, gate_up=w13.gemm_weights,
+                                          down=w2.gemm_weights, spec=spec, act_fn=act, selectors={}),
+                "sorted": functools.partial(sorted_experts_forward, x, ids, wts, n_experts=e, operands=operands,
+                                            spec=spec, act_fn=act, selectors={}),
             }
             row = {"recipe": name, "tokens": t}
             outs = {}
