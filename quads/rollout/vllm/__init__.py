@@ -11,6 +11,8 @@ either; the submodules below do.
 - ``methods``: ``QuadsLinearMethod`` and ``QuadsFusedMoEMethod``, which compute a recipe's rollout
   ``LinearSpec`` with quads' own functions (``quads.quant.linear.spec_linear``), so the numerics
   are the same bits as quads' engine for the same inputs.
+- ``experts``: the routed experts over ``weights.RolloutWeight`` stacks, the loop or the sorted grouped path of
+  quads' captured decode step (the recipe's ``expert_path``; no vLLM import).
 - ``worker``: functions run inside the vLLM worker (``collective_rpc``): re-quantize, fingerprint,
   verify, switch recipe, probe one layer.
 - ``engine``: ``VLLMRolloutEngine``, a ``quads.rollout.backend.RolloutBackend`` (``generate(prompts,
