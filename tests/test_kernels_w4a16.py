@@ -7,6 +7,7 @@ the ``gpu`` tests repeat them at the benchmark's sizes on CUDA. Last, the rollou
 kernel path gives the reference path's result, and follows a weight refresh in place.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -78,7 +79,7 @@ def _x(m, k, seed=1):
 # ------------------------------------------------------------------------------------------- layout
 
 
-@pytest.mark.parametrize("shape", [(48, 256), (16, 80), (3, 32, 208)], ids=str)
+@pytest.mark.parametrize("shape", [(48, 256), (16, 80), (3, 32, 208), (2, 8, 64)], ids=str)
 def test_layout_round_trip_byte_exact(shape):
     q = _weight(shape)
     p = w4a16.pack(q)
@@ -90,6 +91,11 @@ def test_layout_round_trip_byte_exact(shape):
     assert back.global_scale.shape == q.global_scale.shape
     assert torch.equal(back.global_scale, q.global_scale)
     assert (back.shape, back.dtype, back.tile, back.mode) == (q.shape, q.dtype, q.tile, q.mode)
+    # the same layout in freshly allocated tensors (default strides, as a store that loads copy into keeps)
+    fresh = dataclasses.replace(p, codes=torch.empty(p.codes.shape, dtype=torch.int32, device=DEV).copy_(p.codes),
+                                scales=torch.empty(p.scales.shape, dtype=torch.int32, device=DEV).copy_(p.scales))
+    assert torch.equal(w4a16.unpack(fresh).codes, q.codes)
+    assert torch.equal(w4a16.unpack(fresh).scales.view(torch.uint8), q.scales.view(torch.uint8))
 
 
 @pytest.mark.parametrize("shape", [(48, 256), (16, 80), (3, 32, 208)], ids=str)

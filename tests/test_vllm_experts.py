@@ -27,10 +27,10 @@ from quads.rollout.vllm.experts import (  # noqa: E402
     sorted_experts_forward,
     use_sorted,
 )
-from quads.rollout.vllm.weights import RolloutWeight, Unit  # noqa: E402
+from quads.rollout.vllm.weights import RolloutWeight, Unit, kernel_layout  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
-E, H, INTER, T, K = 4, 64, 32, 6, 2
+E, H, INTER, T, K = 4, 64, 64, 6, 2
 
 
 def _rollout_spec(name: str) -> LinearSpec:
@@ -176,6 +176,29 @@ def test_which_path():
     assert not use_sorted("grouped", quads, x[:0])
     amplified = quads.replace(error_scale=4.0)
     assert not use_sorted("grouped", amplified, x)
+
+
+def test_expert_stacks_are_stored_in_the_kernel_layout():
+    """Packed canonical-NVFP4 expert stacks whose K is a multiple of 64 are kept in the grouped kernels' layout, with
+    the canonical bytes' count and codes (``packed()`` decodes them byte for byte); other weights keep the
+    canonical tensors."""
+    from quads.kernels import w4a16
+    from quads.quant import ops
+
+    spec = _rollout_spec("quads")
+    assert kernel_layout(spec, (E, 2 * INTER, H)) and not kernel_layout(spec, (E, 2 * INTER, 32))
+    assert not kernel_layout(spec, (2 * INTER, H))  # a linear: one global scale per shard
+    assert not kernel_layout(spec.replace(weight_tile=(16, 16)), (E, 2 * INTER, H))
+    _, _, layer, w13, w2, *_ = _setup("quads")
+    for rw, master in ((w13, layer.w13_weight), (w2, layer.w2_weight)):
+        assert rw.layout == "w4a16"
+        n = master.numel()
+        assert sum(t.numel() * t.element_size() for t in rw.store.values()) == n // 2 + n // 16 + 4 * E
+        q = ops.quantize_weight(master[1], spec, torch.bfloat16)[1]
+        got = rw.packed(1)
+        assert torch.equal(got.codes, q.codes) and torch.equal(got.scales.view(torch.uint8), q.scales.view(torch.uint8))
+        assert torch.equal(got.global_scale.reshape(()), q.global_scale.reshape(()))
+        assert torch.equal(rw.operand(1).view(torch.int16), w4a16.dequantize(rw.kernel(1)).view(torch.int16))
 
 
 def test_packed_storage_refuses_the_amplifier():

@@ -158,7 +158,8 @@ def unpack(w: W4A16Weight) -> nvfp4.NVFP4Tensor:
     lead = w.codes.shape[:-3]
     words = _move_signs(w.codes, SIGN_BITS, CANONICAL_SIGN_BITS)
     codes = words.transpose(-3, -2).contiguous().view(torch.uint8).reshape(*lead, w.n, -1)[..., : w.k // 2]
-    scales = w.scales.transpose(-2, -1).contiguous().view(torch.uint8).reshape(*lead, w.n, -1)
+    # flattened before the view: with one K tile, [.., N, 1] is "contiguous" with a last stride of N
+    scales = w.scales.transpose(-2, -1).flatten(-2).contiguous().view(torch.uint8).reshape(*lead, w.n, -1)
     scales = scales[..., : w.k // NVFP4_BLOCK].contiguous().view(torch.float8_e4m3fn)
     g = w.global_scale.reshape(()) if w.experts is None else w.global_scale.reshape(-1, 1, 1)
     shape = torch.Size((*lead, w.n, w.k))

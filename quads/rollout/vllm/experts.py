@@ -9,8 +9,8 @@ Two paths compute the same function (``QuantizedExperts``'), chosen per call by 
   the experts hit: ~10 per expert and layer at decode.
 - ``sorted_experts`` (``quads.quant.layers``: quads' own captured decode step computes with it), over
   ``VllmExpertOperands``: the slots sorted by expert on the device, one grouped GEMM per projection, no host
-  sync. With packed storage on a Triton device, W4A16 and W4A4(+RAC) read the 4-bit weight with quads' grouped
-  kernel (``quads.kernels.w4a16``), from a packed layout built from the stored codes when they change. Same
+  sync. With packed storage on a Triton device, W4A16 and W4A4(+RAC) read the stored 4-bit weight with quads'
+  grouped kernel (``quads.kernels.w4a16``): ``RolloutWeight`` keeps expert stacks in that kernel's layout. Same
   quantized operands as the loop, bit for bit; the outputs differ from it only by the GEMMs' accumulation order,
   as in quads' own engine.
 """
@@ -65,18 +65,16 @@ def experts_forward(
 class VllmExpertOperands:
     """A ``RolloutWeight`` expert stack ``[E, N, K]`` as ``sorted_experts`` reads it (``layers.ExpertOperands``).
 
-    ``get()`` is the whole stack's operand: with master storage the tensor kept beside the master, with packed
-    storage decoded at each call (transient, as the loop decodes the experts it hits). ``get_packed()``: the
-    grouped kernels' layout of the stored codes (``w4a16.pack``), rebuilt in place whenever the weight's
-    ``version`` moved (a load re-quantized a unit); it is the only copy kept beside the codes.
+    ``get_packed()``: the stored weight itself, when it is kept in the grouped kernels' layout
+    (``RolloutWeight.layout == "w4a16"``: packed storage of canonical NVFP4); loads update it in place. ``get()``:
+    the whole stack's operand, with master storage the tensor kept beside the master, with packed storage decoded
+    at each call (transient, as the loop decodes the experts it hits).
     """
 
     def __init__(self, rw: RolloutWeight) -> None:
         if rw.units[0].expert is None:
             raise ValueError(f"{rw.units[0].name}: VllmExpertOperands takes an expert stack, not a linear")
         self.rw = rw
-        self._kernel: w4a16.W4A16Weight | None = None
-        self._kernel_version: int | None = None
 
     @property
     def param(self) -> torch.Tensor:
@@ -85,22 +83,17 @@ class VllmExpertOperands:
         return self.rw.param.detach() if self.rw.storage == "master" else self.get()
 
     def packed_gemm(self) -> bool:
-        """Whether GEMMs may read the 4-bit codes: packed storage, canonical NVFP4 BF16 weights, unquantized or
-        NVFP4 activations (the ``WeightStore.packed_gemm`` condition)."""
+        """Whether GEMMs may read the stored 4-bit weight: the kernels' layout, BF16 weights, unquantized or NVFP4
+        activations (the ``WeightStore.packed_gemm`` condition)."""
         spec = self.rw.spec
-        return (self.rw.storage == "packed" and spec.weight == "nvfp4" and spec.act in ("none", "nvfp4")
-                and spec.nvfp4_mode == "te" and spec.error_scale == 1.0 and self.rw.weight_dtype == torch.bfloat16)
+        return (self.rw.storage == "packed" and self.rw.layout == "w4a16" and spec.act in ("none", "nvfp4")
+                and spec.error_scale == 1.0 and self.rw.weight_dtype == torch.bfloat16)
 
     def use_packed(self, x: torch.Tensor) -> bool:
         return self.packed_gemm() and w4a16.supports(x) and dispatch.use_triton(x)
 
     def get_packed(self) -> w4a16.W4A16Weight:
-        if self._kernel is None or self._kernel_version != self.rw.version:
-            new = w4a16.pack(self.rw.packed())
-            if self._kernel is None or not self._kernel.copy_(new):
-                self._kernel = new
-            self._kernel_version = self.rw.version
-        return self._kernel
+        return self.rw.kernel()
 
     def get(self) -> torch.Tensor:
         return self.rw.full_operand()

@@ -13,6 +13,12 @@ Storage (``QuadsQuantConfig.weight_storage``, a typed field of the method's conf
   loaded. ``operand(u)`` dequantizes unit ``u`` on the fly with
   ``ops.nvfp4_dequantize`` (the reference on CPU, quads' Triton kernel on CUDA: ``quads.kernels.dispatch``),
   the same function ``quantize_weight`` returns its operand with, so it is the trainer's QDQ(W) bit for bit.
+  Layout (``layout``): an expert stack of canonical NVFP4 (1x16 tiles, K a multiple of 64: every real MoE) is
+  stored in the layout quads' grouped W4A16 kernels read (``"w4a16"``: ``w4a16.pack`` of each expert's
+  ``NVFP4Tensor``, the same bytes rearranged, ``kernel()``), so vLLM's sorted expert path
+  (``quads.rollout.vllm.experts``) multiplies the stored weight itself, with no second copy; ``packed()``
+  decodes the canonical codes from it (``w4a16.unpack``, byte for byte). Other weights keep the canonical
+  ``NVFP4Tensor`` tensors (``"nvfp4"``).
 - ``master`` (debugging, and switching among weight formats with ``set_recipe``): vLLM's master
   parameter in the model dtype plus the rollout operand of every unit (``quantize_weight``'s first
   result), as quads' own rollout layers hold them. Any weight format.
@@ -43,10 +49,19 @@ from torch import nn
 
 from quads.formats import nvfp4
 from quads.formats.constants import F8E4M3_DTYPE, NVFP4_BLOCK
+from quads.kernels import w4a16
 from quads.quant import ops
 from quads.quant.recipe import LinearSpec
 
 STORAGES = ("packed", "master")
+
+
+def kernel_layout(spec: LinearSpec, shape: tuple[int, ...]) -> bool:
+    """Whether a packed weight of ``shape`` is stored in the grouped kernels' layout (module docstring): an expert
+    stack ``[E, N, K]`` of canonical NVFP4 (``te`` mode, 1x16 tiles) with ``K`` a multiple of the layout's
+    64-element tile, so the layout holds exactly the canonical bytes (no padding)."""
+    return (len(shape) == 3 and spec.weight == "nvfp4" and spec.nvfp4_mode == "te"
+            and tuple(spec.weight_tile) == (1, 16) and shape[-1] % w4a16.LAYOUT_K == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +99,23 @@ class RolloutWeight:
         self.version = 0  # bumped whenever a unit is re-quantized
         self._staging: torch.Tensor | None = None  # packed: the real copy loads go to (module docstring)
         self._source: torch.Tensor | None = None  # the tensor the half-loaded units' rows were written to
+        self.layout: str | None = None  # packed: "nvfp4" (canonical codes) or "w4a16" (the kernels'; module docstring)
         p = self.param
         if storage == "packed":
             lead, (n, k) = tuple(p.shape[:-2]), tuple(p.shape[-2:])
             ops.check_k(k, units[0].name)
             dev = torch.empty(0).device  # the device vLLM builds the model on (p may be on meta)
-            self._set("codes", torch.zeros(*lead, n, k // 2, dtype=torch.uint8, device=dev))
-            self._set("scales", torch.zeros(*lead, n, k // NVFP4_BLOCK, dtype=F8E4M3_DTYPE, device=dev))
-            self._set("global_scale", torch.zeros(*lead, 1, 1, dtype=torch.float32, device=dev)
-                      if lead else torch.zeros(len(units), dtype=torch.float32, device=dev))
+            self.layout = "w4a16" if kernel_layout(spec, tuple(p.shape)) else "nvfp4"
+            if self.layout == "w4a16":  # the grouped kernels' layout (w4a16.W4A16Weight), same bytes
+                (e,), kt = lead, k // w4a16.LAYOUT_K
+                self._set("codes", torch.zeros(e, kt, n, 8, dtype=torch.int32, device=dev))
+                self._set("scales", torch.zeros(e, kt, n, dtype=torch.int32, device=dev))
+                self._set("global_scale", torch.zeros(e, dtype=torch.float32, device=dev))
+            else:
+                self._set("codes", torch.zeros(*lead, n, k // 2, dtype=torch.uint8, device=dev))
+                self._set("scales", torch.zeros(*lead, n, k // NVFP4_BLOCK, dtype=F8E4M3_DTYPE, device=dev))
+                self._set("global_scale", torch.zeros(*lead, 1, 1, dtype=torch.float32, device=dev)
+                          if lead else torch.zeros(len(units), dtype=torch.float32, device=dev))
             self._device = dev
 
     # --------------------------------------------------------------------------------- storage
@@ -145,6 +168,11 @@ class RolloutWeight:
                     full = torch.zeros(self.param.shape, dtype=w_q.dtype, device=w_q.device)
                     self._set("operand", full)
                 self._slice(full, u).copy_(w_q)
+        elif self.layout == "w4a16":  # a unit is one expert's whole [N, K]
+            new = w4a16.pack(q)
+            self._get("codes")[u.expert].copy_(new.codes)
+            self._get("scales")[u.expert].copy_(new.scales)
+            self._get("global_scale")[u.expert].copy_(new.global_scale[0])
         else:
             self._slice(self._get("codes"), u).copy_(q.codes)
             self._slice(self._get("scales"), u).copy_(q.scales)
@@ -183,11 +211,29 @@ class RolloutWeight:
             return ops.nvfp4_dequantize(self.packed(), self.weight_dtype)
         return self.param.detach() if self.spec.weight == "none" else self._get("operand")
 
+    def kernel(self, i: int | None = None) -> w4a16.W4A16Weight:
+        """The ``"w4a16"`` layout's tensors as the grouped kernels read them: the whole expert stack (views of the
+        stored tensors, which loads update in place), or expert ``i`` alone."""
+        if self.layout != "w4a16":
+            raise ValueError(f"{self.units[0].name}: stored in the {self.layout!r} layout, not the kernels'")
+        codes, scales, gs = self._get("codes"), self._get("scales"), self._get("global_scale")
+        n, k = self.param.shape[-2:]
+        if i is not None:
+            e = self.units[i].expert
+            codes, scales, gs, experts = codes[e], scales[e], gs[e:e + 1], None
+        else:
+            experts = codes.shape[0]
+        return w4a16.W4A16Weight(codes=codes, scales=scales, global_scale=gs, n=n, k=k, experts=experts,
+                                 dtype=self.weight_dtype, tile=tuple(self.spec.weight_tile), mode=self.spec.nvfp4_mode)
+
     def packed(self, i: int | None = None) -> nvfp4.NVFP4Tensor:
-        """Unit ``i``'s NVFP4 codes, scales and global scale (packed storage; views of the buffers), or with
-        ``i=None`` a whole expert stack's (global scales ``[E, 1, 1]``)."""
+        """Unit ``i``'s NVFP4 codes, scales and global scale (packed storage; views of the buffers in the
+        ``"nvfp4"`` layout, decoded from the kernels' layout in the ``"w4a16"`` one), or with ``i=None`` a whole
+        expert stack's (global scales ``[E, 1, 1]``)."""
         if self.storage != "packed":
             raise ValueError(f"{self.units[0].name}: weight_storage={self.storage!r} holds no NVFP4 codes")
+        if self.layout == "w4a16":
+            return w4a16.unpack(self.kernel(i))
         codes, scales, gs = self._get("codes"), self._get("scales"), self._get("global_scale")
         if i is None:
             if self.units[0].expert is None:
