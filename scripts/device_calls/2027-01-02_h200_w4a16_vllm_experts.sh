@@ -9,9 +9,9 @@
 . scripts/device_calls/lib.sh
 git log --oneline -1 > $OUT/tree.txt 2>&1; git status --short >> $OUT/tree.txt
 E2E="benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 --long-tokens 0 --graphs on --compile on"
-timeout $(cap 70) python3 -u -m pytest -q -x tests/test_vllm_experts.py tests/test_engine_gpu.py -k "vllm or (fused_qkv and bf16) or sorted or which or amplifier" > $OUT/gpu_tests.txt 2>&1
+timeout $(cap 60) python3 -u -m pytest -q -x tests/test_vllm_experts.py tests/test_engine_gpu.py -k "vllm or (fused_qkv and bf16) or sorted or which or amplifier" > $OUT/gpu_tests.txt 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/gpu_tests.txt
-timeout $(cap 250) python3 -u $E2E --recipes bf16,w4a16 --json $OUT/e2e.json > $OUT/e2e.log 2>&1
+timeout $(cap 200) python3 -u $E2E --recipes bf16,w4a16 --json $OUT/e2e.json > $OUT/e2e.log 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e.log
 timeout $(cap 90) python3 -u benchmarks/bench_vllm_experts.py --preset 1b --tokens 128,2048 --json $OUT/vllm_experts.json > $OUT/vllm_experts.log 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/vllm_experts.log
