@@ -30,6 +30,8 @@ RECIPES = {  # name -> get_recipe arguments
     "quads-static-token": ("quads", {"rac_selection": "static", "act_scale": "token", "rac_ratio": 0.25}),
     # the experts on quads' sorted grouped GEMMs (on CUDA the default, "auto"; on the CPU the loop is)
     "quads-grouped": ("quads", {"expert_path": "grouped"}),
+    "quads-static-token-grouped": ("quads", {"rac_selection": "static", "act_scale": "token", "rac_ratio": 0.25,
+                                             "expert_path": "grouped"}),
 }
 FP32_TOL = 1e-4  # max |dlogp| between vLLM and quads' forward in float32 (measured: ~5e-7)
 
@@ -116,7 +118,7 @@ def test_logprobs_match_quads_forward(engine, policy, sequences, key):
         assert logprob_gap(got, bf16)["max"] > 20 * FP32_TOL, f"{key}: log-probs barely differ from BF16"
 
 
-@pytest.mark.parametrize("key", ["quads", "quads-static-token", "quads-grouped"])
+@pytest.mark.parametrize("key", ["quads", "quads-static-token", "quads-grouped", "quads-static-token-grouped"])
 def test_experts_layer_bit_exact(engine, key):
     """W4A4 + RAC experts in vLLM == quads' QuantizedExperts on the same input, bit for bit: the loop, or with
     ``expert_path="grouped"`` the sorted grouped path of quads' captured decode step (``forward_static``)."""
