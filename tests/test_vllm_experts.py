@@ -61,11 +61,11 @@ def _weights(layer: _Layer, spec: LinearSpec, storage: str) -> tuple[RolloutWeig
     return tuple(out)
 
 
-def _setup(recipe: str, storage: str = "packed", seed: int = 0, kernels: str = "reference"):
+def _setup(recipe: str, storage: str = "packed", seed: int = 0, kernels: str = "reference", inter: int = INTER):
     """quads' rollout experts (built under ``kernels``: "triton" keeps only the packed weight, as on a GPU) and
     vLLM's weights of the same master stacks, an input batch and its routes."""
     torch.manual_seed(seed)
-    ex = moe.MoEExperts(E, H, INTER).bfloat16().to(DEV)
+    ex = moe.MoEExperts(E, H, inter).bfloat16().to(DEV)
     with torch.no_grad():
         for p in ex.parameters():
             p.normal_(0, 0.05)
@@ -101,12 +101,15 @@ def _close_to_loop(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("recipe,storage", [("w4a16", "packed"), ("nvfp4", "packed"), ("quads", "packed"),
-                                            ("quads", "master"), ("fp8", "master")])
-def test_sorted_path_is_quads_captured_experts_bit_for_bit(recipe, storage):
+@pytest.mark.parametrize("recipe,storage,inter", [("w4a16", "packed", INTER), ("nvfp4", "packed", INTER),
+                                                  ("quads", "packed", INTER), ("quads", "packed", 32),
+                                                  ("quads", "master", INTER), ("fp8", "master", INTER)])
+def test_sorted_path_is_quads_captured_experts_bit_for_bit(recipe, storage, inter):
     """Reference backend: vLLM's sorted path = ``QuantizedExperts.forward_static`` bit for bit (same operands, same
-    routes, same RAC orders), and within accumulation-order distance of vLLM's loop."""
-    spec, q, _, w13, w2, x, ids, wts = _setup(recipe, storage)
+    routes, same RAC orders), and within accumulation-order distance of vLLM's loop. ``inter`` 32: the down
+    projection's K is not a multiple of 64, so its stack keeps the canonical layout."""
+    spec, q, _, w13, w2, x, ids, wts = _setup(recipe, storage, inter=inter)
+    assert w2.layout == (None if storage == "master" else "w4a16" if inter % 64 == 0 else "nvfp4")
     with dispatch.kernels("reference"), torch.no_grad():
         want = q.forward_static(x, ids, wts)
         got = _vllm(spec, q, w13, w2, x, ids, wts, "sorted")
