@@ -108,8 +108,9 @@ class VllmExpertOperands:
 
 def use_sorted(expert_path: str, spec: LinearSpec, x: torch.Tensor) -> bool:
     """Whether a call takes ``sorted_experts``: ``expert_path`` "grouped" (any device) or "auto" (CUDA tensors:
-    launches dominate there; on the CPU the loop is as fast), for the specs it implements (``grouped.supports``)
-    without the mismatch amplifier, on a non-empty batch; "loop" never."""
+    launches dominate there; on the CPU the sorted path decodes the whole stack per call and is slower beyond the
+    smallest shapes, docs/PERF.md), for the specs it implements (``grouped.supports``) without the mismatch
+    amplifier, on a non-empty batch; "loop" never."""
     on = {"auto": x.is_cuda, "grouped": True, "loop": False}[expert_path]
     amplified = spec.error_scale != 1.0 and not spec.is_identity
     return on and x.shape[0] > 0 and grouped.supports(spec) and not amplified
