@@ -7,7 +7,8 @@ against the sorted grouped path (``quads.rollout.vllm.experts``), per recipe and
 One expert stack of the preset (``n_experts`` x [2I, H] and [H, I], BF16 masters) held as vLLM's quads method holds
 it with packed storage (``RolloutWeight``: NVFP4 codes, E4M3 block scales, FP32 global scales), random routes
 (``top_k`` distinct experts per token, softmax weights), BF16 activations. Per (recipe, tokens): the median,
-IQR and min milliseconds of each path (CUDA events on CUDA, ``perf_counter`` elsewhere) and their ratio, and
+IQR and min milliseconds of each path (CUDA events on CUDA, ``perf_counter`` elsewhere) and their ratio, one
+counted call of each (``bench_sync.counted``: ATen compute ops, quads' Triton launches, host syncs), and
 whether the two paths' outputs agree within the bound of ``tests/test_vllm_experts.py`` (relative Frobenius
 distance; the same quantized operands, the GEMMs' accumulation order aside). The last line is the JSON record.
 """
@@ -15,6 +16,7 @@ distance; the same quantized operands, the GEMMs' accumulation order aside). The
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import statistics
@@ -26,7 +28,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_qat_refresh import env_info  # noqa: E402
+from bench_qat_refresh import _count_triton, env_info  # noqa: E402
+from bench_sync import counted  # noqa: E402
 
 from quads.bench import add_run_args, run_args, timer  # noqa: E402
 from quads.model.config import PRESETS as MODEL_PRESETS  # noqa: E402
@@ -77,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     e, h, inter, k = cfg["n_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["top_k"]
     tokens = [int(t) for t in args.tokens.split(",")]
     timed = timer(args.device)
+    triton_n, inside = collections.Counter(), [False]
+    _count_triton(triton_n, inside)
     layer = _layer(e, h, inter, args.device, args.seed)
     rows = []
     for name in args.recipes.split(","):
@@ -102,12 +107,17 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in range(args.warmup):
                         outs[path] = fn()
                     row[path] = _stats([timed(fn) for _ in range(args.reps)])
+                    c = counted(fn, inside, triton_n)
+                    row[path] |= {k: c[k] for k in ("host_syncs", "compute_ops", "triton_launches")}
             a, b = outs["sorted"].double(), outs["loop"].double()
             row["rel_diff"] = float((a - b).norm() / b.norm())
             row["speedup"] = row["loop"]["median_ms"] / row["sorted"]["median_ms"]
             rows.append(row)
             print(f"{name:8s} T={t:5d}  loop {row['loop']['median_ms']:8.3f} ms  sorted "
-                  f"{row['sorted']['median_ms']:8.3f} ms  {row['speedup']:6.2f}x  rel diff {row['rel_diff']:.2e}",
+                  f"{row['sorted']['median_ms']:8.3f} ms  {row['speedup']:6.2f}x  rel diff {row['rel_diff']:.2e}  "
+                  "ops / Triton launches / host syncs: loop "
+                  + " / ".join(str(row["loop"][k]) for k in ("compute_ops", "triton_launches", "host_syncs"))
+                  + ", sorted " + " / ".join(str(row["sorted"][k]) for k in ("compute_ops", "triton_launches", "host_syncs")),
                   flush=True)
     record = {"bench": "vllm_experts", "preset": args.preset, "experts": e, "hidden": h, "intermediate": inter,
               "top_k": k, "warmup": args.warmup, "reps": args.reps, "env": env_info(args.device), "rows": rows}
