@@ -35,7 +35,7 @@ from quads.bench import add_run_args, run_args, timer  # noqa: E402
 from quads.model.config import PRESETS as MODEL_PRESETS  # noqa: E402
 from quads.quant.recipe import get_recipe  # noqa: E402
 from quads.rollout.vllm.experts import VllmExpertOperands, experts_forward, sorted_experts_forward  # noqa: E402
-from quads.rollout.vllm.weights import RolloutWeight, Unit  # noqa: E402
+from quads.rollout.vllm.weights import RolloutWeight, expert_units  # noqa: E402
 
 
 def _layer(e: int, h: int, inter: int, device: str, seed: int) -> nn.Module:
@@ -51,8 +51,7 @@ def _layer(e: int, h: int, inter: int, device: str, seed: int) -> nn.Module:
 def _weights(layer: nn.Module, spec, storage: str = "packed") -> tuple[RolloutWeight, RolloutWeight]:
     out = []
     for pname in ("w13_weight", "w2_weight"):
-        shape = getattr(layer, pname).shape
-        units = [Unit(f"{pname} expert {e}", e, 0, shape[1], ((0, shape[1]),)) for e in range(shape[0])]
+        units = expert_units("experts", pname, tuple(getattr(layer, pname).shape))
         with torch.device(layer.w13_weight.device):  # where RolloutWeight allocates its codes
             rw = RolloutWeight(layer, pname, units, spec, torch.bfloat16, storage)
         rw.quantize_all()

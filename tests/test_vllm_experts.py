@@ -27,7 +27,7 @@ from quads.rollout.vllm.experts import (  # noqa: E402
     sorted_experts_forward,
     use_sorted,
 )
-from quads.rollout.vllm.weights import RolloutWeight, Unit, kernel_layout  # noqa: E402
+from quads.rollout.vllm.weights import RolloutWeight, expert_units, kernel_layout  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 E, H, INTER, T, K = 4, 64, 64, 6, 2
@@ -52,8 +52,7 @@ class _Layer(nn.Module):
 def _weights(layer: _Layer, spec: LinearSpec, storage: str) -> tuple[RolloutWeight, RolloutWeight]:
     out = []
     for pname, qname in (("w13_weight", "gate_up_proj"), ("w2_weight", "down_proj")):
-        shape = getattr(layer, pname).shape
-        units = [Unit(f"experts expert {e} {qname}", e, 0, shape[1], ((0, shape[1]),)) for e in range(shape[0])]
+        units = expert_units("experts", qname, tuple(getattr(layer, pname).shape))
         with torch.device(DEV):  # vLLM builds its model under the target device: the codes are allocated there
             rw = RolloutWeight(layer, pname, units, spec, torch.bfloat16, storage)
         rw.quantize_all()
@@ -81,10 +80,15 @@ def _setup(recipe: str, storage: str = "packed", seed: int = 0, kernels: str = "
     return spec, q, layer, w13, w2, x, ids, wts
 
 
+def _selectors_of(q: QuantizedExperts) -> dict:
+    """quads' layer's static RAC selectors under vLLM's keys (the same objects: the same orders)."""
+    return {key: q.selectors[name] for key, name in (("w13", "gate_up_proj"), ("w2", "down_proj"))
+            if name in q.selectors}
+
+
 def _vllm(spec, q, w13, w2, x, ids, wts, path):
     """vLLM's experts on ``path``, with quads' layer's static RAC selectors (the same orders) where it has them."""
-    sels = {key: q.selectors[name] for key, name in (("w13", "gate_up_proj"), ("w2", "down_proj"))
-            if name in q.selectors}
+    sels = _selectors_of(q)
     if path == "sorted":
         operands = {"gate_up_proj": VllmExpertOperands(w13), "down_proj": VllmExpertOperands(w2)}
         return sorted_experts_forward(x, ids.int(), wts, n_experts=E, operands=operands, spec=spec,
@@ -138,14 +142,13 @@ def test_static_rac_orders_reach_the_sorted_path():
                     reason="needs Triton (CUDA, or its CPU interpreter set before quads.kernels was imported)")
 @pytest.mark.parametrize("recipe", ["w4a16", "quads"])
 def test_sorted_path_reads_the_stored_codes_with_the_grouped_kernels(recipe, reference_quantizer):
-    """Triton backend: the grouped kernels read a packed layout of the stored codes (no BF16 copy of the stack is
-    kept), with quads' layer's bits on its own kernel path; after a unit is re-quantized from new weights the
-    layout is rebuilt in place and the output is that of quads' layer over the new weights."""
+    """Triton backend: the grouped kernels read the stored weight itself (kept in their layout; no BF16 copy of the
+    stack), with quads' layer's bits on its own kernel path; after the units are re-quantized from new weights
+    the stored layout holds them in place and the output is that of quads' layer over the new weights."""
     spec, q, layer, w13, w2, x, ids, wts = _setup(recipe, kernels="triton")
     assert q.stores["down_proj"].kernel is not None
     operands = {"gate_up_proj": VllmExpertOperands(w13), "down_proj": VllmExpertOperands(w2)}
-    sels = {key: q.selectors[name] for key, name in (("w13", "gate_up_proj"), ("w2", "down_proj"))
-            if name in q.selectors}
+    sels = _selectors_of(q)
 
     def run():
         return sorted_experts_forward(x, ids, wts, n_experts=E, operands=operands, spec=spec,
@@ -165,7 +168,7 @@ def test_sorted_path_reads_the_stored_codes_with_the_grouped_kernels(recipe, ref
         q.refresh()
         got2 = run()
         want2 = q.forward_static(x, ids, wts)
-    assert operands["down_proj"].get_packed().codes.data_ptr() == ptr, "the layout is refreshed in place"
+    assert operands["down_proj"].get_packed().codes.data_ptr() == ptr, "the stored layout is updated in place"
     assert not torch.equal(got2, got)
     assert _same_bits(got2, want2)
 

@@ -226,25 +226,21 @@ def test_set_recipe_keeps_packed_weights_or_refuses(engine, policy, sequences):
     engine.set_recipe(_recipe())
 
 
-def _sorted_experts_layers(w) -> list[str]:
-    """(In the worker) the experts layers that ran the sorted grouped path (it keeps their operands' views)."""
-    from quads.rollout.vllm import worker
-    from quads.rollout.vllm.methods import QuadsFusedMoEMethod
-
-    return sorted(m.name for layer, m in worker.quads_layers(worker.get_model(w))
-                  if isinstance(m, QuadsFusedMoEMethod) and getattr(layer, "quads_operands", None) is not None)
-
-
-def test_grouped_expert_path_matches_quads(engine, policy, sequences):
+def test_grouped_expert_path_matches_quads(engine, policy, sequences, monkeypatch):
     """``expert_path="grouped"`` (what "auto" takes on CUDA): vLLM's experts run quads' sorted grouped GEMMs over
     the packed weights instead of the loop, and the log-probs still match quads' rollout forward."""
     from quads.model.hf import load_hf_model
+    from quads.rollout.vllm import methods
 
-    assert engine.rpc(_sorted_experts_layers) == []  # the CPU's default ("auto") is the loop
+    calls = []  # the engine runs in this process: count the sorted path's calls where the method makes them
+    sorted_forward = methods.sorted_experts_forward
+    monkeypatch.setattr(methods, "sorted_experts_forward", lambda *a, **kw: calls.append(1) or sorted_forward(*a, **kw))
+    engine.prompt_logprobs(sequences[:1], one_at_a_time=True)
+    assert calls == []  # the CPU's default ("auto") is the loop
     engine.set_recipe(_recipe(expert_path="grouped"))
     try:
         _assert_logprobs_match(engine, _quads_rollout(policy[0]), sequences)
-        assert engine.rpc(_sorted_experts_layers) == EXPERTS
+        assert len(calls) >= len(EXPERTS) * len(sequences)  # every experts layer, every sequence
         _assert_packed_bits(engine, load_hf_model(policy[0], dtype="float32")[0])
     finally:
         engine.set_recipe(_recipe())

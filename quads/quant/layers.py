@@ -43,6 +43,15 @@ from quads.quant.recipe import LinearSpec
 SIDES = ("trainer", "rollout")
 
 
+def reads_packed_weight(spec: LinearSpec, weight_dtype: torch.dtype) -> bool:
+    """Whether rollout GEMMs under ``spec`` can read the packed 4-bit weight (``quads.kernels.w4a16``) instead of
+    its dequantized operand: NVFP4 weights in the canonical mode with BF16 weights, unquantized (W4A16) or NVFP4
+    (W4A4, +RAC: the factored GEMM's weight operand) activations, no mismatch amplifier (its GEMM forms the
+    amplified weight from ``QDQ(W)``). The stores here and vLLM's (``quads.rollout.vllm.experts``) both ask it."""
+    return (spec.act in ("none", "nvfp4") and spec.weight == "nvfp4" and spec.nvfp4_mode == "te"
+            and spec.error_scale == 1.0 and weight_dtype == torch.bfloat16)
+
+
 class WeightStore:
     """The weight operand of one parameter under one spec (see the module docstring)."""
 
@@ -140,14 +149,11 @@ class WeightStore:
         return self.w_amp
 
     def packed_gemm(self) -> bool:
-        """Whether this weight's GEMMs read the packed 4-bit weight (``quads.kernels.w4a16``): rollout
-        side, NVFP4 weights in the canonical mode with BF16 weights, unquantized (W4A16) or NVFP4 (W4A4,
-        +RAC: the factored GEMM's weight operand) activations, no mismatch amplifier (its GEMM forms the
-        amplified weight from ``QDQ(W)``), Triton kernels on its device."""
-        p, spec = self.param, self.spec
-        return (self.side == "rollout" and spec.act in ("none", "nvfp4") and spec.weight == "nvfp4"
-                and spec.nvfp4_mode == "te" and spec.error_scale == 1.0 and self.dtype == torch.bfloat16
-                and p.dtype == torch.bfloat16 and dispatch.use_triton(p))  # fmt: skip
+        """Whether this weight's GEMMs read the packed 4-bit weight: rollout side, a spec and weight dtype
+        ``reads_packed_weight`` allows, a BF16 parameter, Triton kernels on its device."""
+        p = self.param
+        return (self.side == "rollout" and reads_packed_weight(self.spec, self.dtype) and p.dtype == torch.bfloat16
+                and dispatch.use_triton(p))  # fmt: skip
 
     def use_packed(self, x: torch.Tensor) -> bool:
         """Whether a GEMM of activations ``x`` reads the packed weight (a packed weight is kept, x is
@@ -422,7 +428,7 @@ def sorted_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
     routes = moe.static_routes(top_k_index, num_experts)
     tokens = routes.order // k  # [T*k] the token of each sorted row (masked slots last)
 
-    amplified = spec.error_scale != 1.0 and not spec.is_identity
+    amplified = spec.amplified
     sorted_rows = spec.act == "nvfp4" and spec.nvfp4_mode == "te" and not amplified
     segs = factored.Segments.of(routes.expert, num_experts) if sorted_rows else None
     stacked = grouped.stacked_routes(routes, 2 if spec.rac_ratio > 0 else 1) if sorted_rows else None

@@ -271,6 +271,11 @@ class LinearSpec:
         """True when this side computes the plain, unquantized GEMM."""
         return self.weight_config is None and self.act_config is None
 
+    @property
+    def amplified(self) -> bool:
+        """True when the mismatch amplifier is on: ``error_scale != 1`` on a side that quantizes something."""
+        return self.error_scale != 1.0 and not self.is_identity
+
     def weight_key(self) -> tuple:
         """What determines ``QDQ(w)``: two specs with equal keys produce bit-identical weights."""
         if self.weight == "nvfp4":
@@ -285,7 +290,7 @@ class LinearSpec:
         s = f"W{bits[self.weight]}A{bits[self.act]}"
         if self.rac_ratio > 0:
             s += f"+RAC{self.rac_ratio:g}({self.rac_selection})"
-        if self.error_scale != 1.0 and not self.is_identity:
+        if self.amplified:
             s += f" x{self.error_scale:g} error"
         return s
 

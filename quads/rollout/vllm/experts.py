@@ -23,7 +23,7 @@ import torch
 
 from quads.kernels import dispatch, w4a16
 from quads.quant import grouped
-from quads.quant.layers import expert_groups, scatter_expert_output, sorted_experts
+from quads.quant.layers import expert_groups, reads_packed_weight, scatter_expert_output, sorted_experts
 from quads.quant.linear import spec_linear
 from quads.quant.rac import StaticChannelSelector, rac_channels
 from quads.quant.recipe import LinearSpec
@@ -83,11 +83,9 @@ class VllmExpertOperands:
         return self.rw.param.detach() if self.rw.storage == "master" else self.get()
 
     def packed_gemm(self) -> bool:
-        """Whether GEMMs may read the stored 4-bit weight: the kernels' layout, BF16 weights, unquantized or NVFP4
-        activations (the ``WeightStore.packed_gemm`` condition)."""
-        spec = self.rw.spec
-        return (self.rw.storage == "packed" and self.rw.layout == "w4a16" and spec.act in ("none", "nvfp4")
-                and spec.error_scale == 1.0 and self.rw.weight_dtype == torch.bfloat16)
+        """Whether GEMMs may read the stored 4-bit weight: kept in the kernels' layout, under a spec and weight dtype
+        ``layers.reads_packed_weight`` allows."""
+        return self.rw.layout == "w4a16" and reads_packed_weight(self.rw.spec, self.rw.weight_dtype)
 
     def use_packed(self, x: torch.Tensor) -> bool:
         return self.packed_gemm() and w4a16.supports(x) and dispatch.use_triton(x)
@@ -112,8 +110,7 @@ def use_sorted(expert_path: str, spec: LinearSpec, x: torch.Tensor) -> bool:
     smallest shapes, docs/PERF.md), for the specs it implements (``grouped.supports``) without the mismatch
     amplifier, on a non-empty batch; "loop" never."""
     on = {"auto": x.is_cuda, "grouped": True, "loop": False}[expert_path]
-    amplified = spec.error_scale != 1.0 and not spec.is_identity
-    return on and x.shape[0] > 0 and grouped.supports(spec) and not amplified
+    return on and x.shape[0] > 0 and grouped.supports(spec) and not spec.amplified
 
 
 def sorted_experts_forward(

@@ -56,7 +56,7 @@ from quads.rollout.vllm.experts import (
     spec_gemm,
     use_sorted,
 )
-from quads.rollout.vllm.weights import RolloutWeight, Unit, check_complete
+from quads.rollout.vllm.weights import RolloutWeight, Unit, check_complete, expert_units
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
@@ -250,7 +250,7 @@ class QuadsFusedMoEMethod(_QuadsMethod, FusedMoEMethodBase):
             layer.register_parameter(pname, p)
             set_weight_attrs(p, extra_weight_attrs)
             p.weight_loader_numel = p.numel()
-            units = [Unit(f"{self.name} expert {e} {qname}", e, 0, shape[1], parts) for e in range(e_n)]
+            units = expert_units(self.name, qname, shape, parts)
             rw = RolloutWeight(layer, pname, units, spec, dtype, storage)
             layer.quads_weights[pname] = rw
             _wrap_loader(p, rw, functools.partial(self._rows, pname, inter, hidden_size))
@@ -300,10 +300,7 @@ class QuadsFusedMoEMethod(_QuadsMethod, FusedMoEMethodBase):
         w13, w2 = layer.quads_weights["w13_weight"], layer.quads_weights["w2_weight"]
         spec = self.config.recipe.rollout
         if use_sorted(self.config.recipe.expert_path, spec, x):
-            operands = getattr(layer, "quads_operands", None)
-            if operands is None or operands["gate_up_proj"].rw is not w13 or operands["down_proj"].rw is not w2:
-                operands = {"gate_up_proj": VllmExpertOperands(w13), "down_proj": VllmExpertOperands(w2)}
-                layer.quads_operands = operands  # keeps the grouped kernels' packed layout between calls
+            operands = {"gate_up_proj": VllmExpertOperands(w13), "down_proj": VllmExpertOperands(w2)}
             return sorted_experts_forward(
                 x, topk_ids, topk_weights, n_experts=len(w13.units), operands=operands, spec=spec,
                 act_fn=_ACTIVATIONS[act_name], selectors=layer.quads_selectors,

@@ -317,6 +317,14 @@ def _vllm_counting(layer: nn.Module, param: torch.Tensor) -> bool:
     return info is not None and info.can_load()
 
 
+def expert_units(name: str, qname: str, shape: tuple[int, ...],
+                 parts: tuple[tuple[int, int], ...] | None = None) -> list[Unit]:
+    """The units of an expert stack ``[E, N, K]`` (one per expert, all N rows), named ``"{name} expert {e} {qname}"``;
+    ``parts``: the row ranges a unit arrives in (default: all N rows at once)."""
+    e, n = shape[0], shape[1]
+    return [Unit(f"{name} expert {i} {qname}", i, 0, n, parts or ((0, n),)) for i in range(e)]
+
+
 def check_complete(weights: list[RolloutWeight], what: str) -> None:
     """Refuse to compute (``WeightSyncError``) while a unit holds half-new weights (module docstring)."""
     from quads.quant.sync import WeightSyncError
