@@ -788,9 +788,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inductor-pdl", default="off", choices=["on", "off"],
                     help="rollout and profile suites: Inductor's programmatic dependent launch "
                          "(torch._inductor.config.triton.enable_pdl; sm_90+): its kernels let the next kernel start early")
-    ap.add_argument("--weights-first", default="off", choices=["on", "off"],
-                    help="rollout and profile suites: the grouped W4A16 kernel's weights-first launch at decode shapes "
-                         "(tuning.json w4a16_grouped_gemm.*decode.weights_first, set for this process)")
     ap.add_argument("--decode-attention", default="auto",
                     help="rollout: the static step's attention, auto (the engine's default: triton on CUDA), sdpa, "
                          "triton, or a comma list such as sdpa,triton (RolloutEngine.decode_attention)")
@@ -832,12 +829,6 @@ def main(argv: list[str] | None = None) -> int:
         import torch._inductor.config as inductor_config
 
         inductor_config.triton.enable_pdl = True
-    if args.weights_first == "on":  # a launch option (the same bits): this process's copy of the table
-        from quads.kernels import tuning
-
-        for case, cfg in tuning.table()["w4a16_grouped_gemm"].items():
-            if case.endswith("decode"):
-                cfg["weights_first"] = True
     rows: list = []
     info = env_info(args.device)
     print("# " + json.dumps(info))

@@ -563,8 +563,8 @@ def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
     assert not any(key.startswith("n") for key in table["w4a16_gemm"])  # one winner for both shapes
     assert table["rac_quantize"]["pass4"] == {"block_m": 2, "block_s": 512, "num_warps": 4}
     names = ("block_n", "block_k", "num_warps", "num_stages", "split_k", "block_m", "max_registers", "sub_k")
-    kept = {x: tuning.config("w4a16_grouped_gemm", "decode")[x] for x in ("backend", "weights_first")}
-    assert table["w4a16_grouped_gemm"]["decode"] == {**dict(zip(names, moe_fast)), **kept}  # untimed keys: the table's
+    assert table["w4a16_grouped_gemm"]["decode"] == {**dict(zip(names, moe_fast)),
+        "backend": tuning.config("w4a16_grouped_gemm", "decode")["backend"]}  # the backend is the table's, kept
     assert not any(key in table["w4a16_grouped_gemm"] for key in ("n512_k1024_decode", "n1024_k256_decode"))
     assert table["nvfp4_quantize"] == tuning.table()["nvfp4_quantize"]  # not timed: kept
     # a sweep of the 1b shapes alone: the shared decode entry stays the file's, each 1b shape gets its own
@@ -573,7 +573,7 @@ def test_tune_suite_writes_a_tuning_table_without_touching_the_modules():
     rows_1b = [{"bench": "tune moe", "shape": sh, "cfg": list(c), "us": us} for (sh, c), us in times.items()]
     grouped = bench.tuning_from_rows(rows_1b)["w4a16_grouped_gemm"]
     assert grouped["decode"] == tuning.config("w4a16_grouped_gemm", "decode")
-    assert grouped["n512_k1024_decode"] == {**kept, **dict(zip(names, moe_fast)), "backend": "triton"}
-    assert grouped["n1024_k256_decode"] == {**kept, **dict(zip(names, moe_slow)), "backend": "triton"}
+    assert grouped["n512_k1024_decode"] == {**dict(zip(names, moe_fast)), "backend": "triton"}
+    assert grouped["n1024_k256_decode"] == {**dict(zip(names, moe_slow)), "backend": "triton"}
     assert grouped["n1536_k2048_decode"] == tuning.config("w4a16_grouped_gemm", "n1536_k2048_decode")  # Qwen3's kept
     assert json.dumps(tuning.table(), sort_keys=True) == before

@@ -478,9 +478,7 @@ def test_tuning_table_has_the_w4a16_cases():
     for case in grouped:  # decode, prefill and the shape entries n{N}_k{K}_<decode or prefill>
         assert case in ("decode", "prefill") or case.rsplit("_", 1)[-1] in ("decode", "prefill")
         assert set(tuning.config("w4a16_grouped_gemm", case)) == {"block_m", "block_n", "block_k", "split_k", "num_warps",
-                                                                  "num_stages", "max_registers", "sub_k", "backend",
-                                                                  "weights_first"}  # fmt: skip
-        assert isinstance(tuning.config("w4a16_grouped_gemm", case)["weights_first"], bool)
+                                                                  "num_stages", "max_registers", "sub_k", "backend"}  # fmt: skip
         assert tuning.config("w4a16_grouped_gemm", case)["backend"] in ("triton", "cuda")
     for case in tuning.table()["w4a16_grouped_cuda"]:
         assert set(tuning.config("w4a16_grouped_cuda", case)) == {"ng", "nt", "warps", "ksplit"}
@@ -725,89 +723,6 @@ def test_gpu_grouped_gemm_in_a_cuda_graph_follows_refreshed_weights(backend):
     assert p.copy_(w4a16.pack(q2))
     g.replay()
     _bf16_close(y, w4a16.grouped_gemm_reference(x, w4a16.pack(q2), routes.ends), "graph replay after refresh")
-
-
-@gpu
-@pytest.mark.parametrize("n,k", [(512, 1024), (1024, 256)], ids=str)
-def test_gpu_grouped_weights_first_same_bits_in_a_graph(n, k):
-    """The weights-first launch (programmatic dependent launch, the weights prefetched into L2 before
-    ``gdc_wait``) at the 1b decode shapes: the same bits as the plain launch, eagerly and replayed in a CUDA
-    graph right behind the kernel that writes its rows and ends, after a weight refresh too."""
-    if not w4a16.pdl_supported(torch.empty(1, device="cuda")):
-        pytest.skip("programmatic dependent launch needs sm_90+")
-    e, topk, tokens = 64, 8, 128
-    q = nvfp4.quantize(torch.randn(e, n, k, device="cuda").bfloat16(), amax=torch.rand(e, 1, 1, device="cuda"))
-    p = w4a16.pack(q)
-    hidden = torch.randn(tokens, k, device="cuda").bfloat16()
-    ids = torch.randint(0, e, (tokens, topk), device="cuda")
-
-    def step():  # the routing kernels write ends and rows just before the product reads them
-        routes = moe.static_routes(ids, e)
-        return [w4a16.grouped_gemm(hidden * 1.0, p, routes.ends, rows=routes.order // topk, weights_first=wf)
-                for wf in (False, True)]
-
-    plain, first = step()
-    assert _same_bits(first, plain)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        ys = step()
-    hidden.copy_(torch.randn_like(hidden))
-    ids.copy_(torch.randint(0, e, (tokens, topk), device="cuda"))
-    assert p.copy_(w4a16.pack(nvfp4.quantize(torch.randn(e, n, k, device="cuda").bfloat16(),
-                                             amax=torch.rand(e, 1, 1, device="cuda"))))  # fmt: skip
-    g.replay()
-    torch.cuda.synchronize()
-    want = step()[0]
-    assert _same_bits(ys[0], want) and _same_bits(ys[1], want)
-
-
-_GROUPED_PTX = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from quads.kernels import w4a16
-sig = {"x_ptr": "*bf16", "rows_ptr": "*i64", "c_ptr": "*i32", "s_ptr": "*i32", "g_ptr": "*fp32", "ends_ptr": "*i32",
-       "out_ptr": "*bf16", "ws_ptr": "*fp32", "scale_ptr": "*bf16", "T": "i32", "N": "i32", "K": "i32", "KT": "i32",
-       "E": "i32", "stride_xm": "i32"}
-consts = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, SPLIT_K=2, EVEN_K=True, INTERP=False, SUB_K=64, GATHER=True,
-              SCALE=False, WEIGHTS_FIRST=sys.argv[1] == "1")
-sig.update({name: "constexpr" for name in consts})
-names = list(sig)
-src = ASTSource(w4a16._grouped_kernel, sig, constexprs={(names.index(c),): v for c, v in consts.items()})
-print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["ptx"])
-"""
-
-
-def _grouped_ptx(weights_first: bool) -> str:
-    """The grouped kernel compiled offline for sm_90 (Triton's bundled tools, no GPU) at the 1b gate/up decode
-    config, as PTX: in a process of its own, since this one's kernels are decorated for the interpreter."""
-    import subprocess
-    import sys
-
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _GROUPED_PTX, "1" if weights_first else "0"], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
-
-
-def test_grouped_weights_first_reads_nothing_before_the_wait():
-    """Compiled for sm_90 (offline): with ``WEIGHTS_FIRST`` the only memory operations before ``griddepcontrol.wait``
-    are L2 prefetches (no load of the rows, ends or scales that the previous kernel may still be writing, no
-    store into a buffer it may still be reading); without it, no prefetch and no wait."""
-    lines = _grouped_ptx(True).splitlines()
-    wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
-    assert len(wait) == 1
-    before = [line for line in lines[: wait[0]] if line.strip() and not line.strip().startswith("//")]
-    assert sum("prefetch.global.L2" in line for line in before) >= 2  # codes and scales
-    assert not [line for line in before if any(op in line for op in ("ld.global", "st.global", "atom.", "red."))]
-    plain = _grouped_ptx(False)
-    assert "prefetch" not in plain and "griddepcontrol" not in plain
 
 
 def test_cuda_rows_per_pass_follows_the_rows_per_expert():

@@ -497,55 +497,18 @@ if HAS_TRITON:
         return y
 
     @triton.jit
-    def _prefetch_l2(ptrs):
-        """``prefetch.global.L2`` of the line holding each of ``ptrs`` (no value, no effect on what any load
-        reads: L2 is the GPU's point of coherence). Returns a dummy int32 tensor."""
-        return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _prefetch_weights(c_ptr, s_ptr, pid_n, lo, hi, N, KT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Into L2: the code and scale words of rows [pid_n BLOCK_N, + BLOCK_N) x K tiles [lo, hi) of one
-        weight (``_load_tile``'s layout: per layout tile, ``BLOCK_N * 32`` contiguous code bytes and ``BLOCK_N
-        * 4`` scale bytes), one prefetch per 128-byte line."""
-        LT: tl.constexpr = BLOCK_K // 64  # layout tiles per K tile
-        CL: tl.constexpr = BLOCK_N // 4  # code lines per layout tile (4 rows of 32 bytes a line)
-        SL: tl.constexpr = (BLOCK_N + 31) // 32  # scale lines per layout tile (32 rows of 4 bytes a line)
-        rc = pid_n * BLOCK_N + 4 * tl.arange(0, CL)  # the first row of each code line
-        rs = pid_n * BLOCK_N + 32 * tl.arange(0, SL)
-        for kt in range(lo, hi):
-            t = kt * LT + tl.arange(0, LT)
-            cm = (t < KT)[:, None] & (rc < N)[None, :]
-            cp = c_ptr + t[:, None].to(tl.int64) * (N * 8) + rc[None, :] * 8
-            _prefetch_l2(tl.where(cm, cp, c_ptr))
-            sm = (t < KT)[:, None] & (rs < N)[None, :]
-            sp = s_ptr + t[:, None].to(tl.int64) * N + rs[None, :]
-            _prefetch_l2(tl.where(sm, sp, s_ptr))
-
-    @triton.jit
     def _grouped_kernel(
         x_ptr, rows_ptr, c_ptr, s_ptr, g_ptr, ends_ptr, out_ptr, ws_ptr, scale_ptr, T, N, K, KT, E, stride_xm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         EVEN_K: tl.constexpr, INTERP: tl.constexpr, SUB_K: tl.constexpr, GATHER: tl.constexpr, SCALE: tl.constexpr,
-        WEIGHTS_FIRST: tl.constexpr = False,
     ):  # fmt: skip
         """Grid (N tiles, E + 1, SPLIT_K): program e < E runs the rows of expert e (split s: a contiguous
         range of the K tiles, into ``ws[s]``, ``_k_tile``), program E writes zeros to the rows past ``ends[E-1]``.
         ``GATHER``: product row m reads row ``rows[m]`` of ``x`` (else row m). ``SCALE`` (``SPLIT_K`` 1): output row
-        m times ``scale[m]`` (``_scaled_rows``). ``WEIGHTS_FIRST`` (launched with programmatic dependent launch,
-        compiled only: ``gdc_wait`` has no interpreter form): each program prefetches its weight slice into L2,
-        which no earlier kernel of the step writes, then waits for the previous kernel (``gdc_wait``) before
-        it reads anything else or writes."""
+        m times ``scale[m]`` (``_scaled_rows``)."""
         pid_n = tl.program_id(0)
         e = tl.program_id(1)
         pid_k = tl.program_id(2)
-        if WEIGHTS_FIRST:
-            if e < E:
-                per0 = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
-                _prefetch_weights(c_ptr + e.to(tl.int64) * KT * N * 8, s_ptr + e.to(tl.int64) * KT * N, pid_n,
-                                  pid_k * per0, tl.minimum(pid_k * per0 + per0, tl.cdiv(K, BLOCK_K)), N, KT,
-                                  BLOCK_N, BLOCK_K)  # fmt: skip
-            tl.extra.cuda.gdc_wait()
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
         if SPLIT_K == 1:
@@ -849,7 +812,6 @@ def grouped_gemm(
     backend: str | None = None,
     rows: torch.Tensor | None = None,
     row_scale: torch.Tensor | None = None,
-    weights_first: bool | None = None,
 ) -> torch.Tensor:
     """Grouped MoE W4A16 (module docstring): ``x`` ``[T, K]`` BF16 sorted by expert, packed ``w``
     ``[E, N, K]``, ``ends`` ``[E]`` int32 on the device -> ``[T, N]`` BF16. ``rows`` ``[T]`` (int64, optional):
@@ -879,15 +841,7 @@ def grouped_gemm(
     ``w4a16_cuda.rows_per_pass``) where it takes the operands
     (``w4a16_cuda.supports``: BF16 on an sm_89+ GPU with nvcc, K a multiple of 64), the Triton kernel otherwise;
     asked for explicitly where it cannot run, an error. Both give the same operands and fp32 sums in another
-    order (the GEMMs' tolerance).
-
-    ``weights_first`` (null: the config's, default false; a launch option, the same bits): the Triton kernel is
-    launched with programmatic dependent launch (sm_90+), so its programs can start while the kernel before
-    it finishes; each prefetches its weight slice into L2 (weights no kernel of the step writes), then waits
-    for the previous kernel (``gdc_wait``) before reading anything else. It reads every expert's slice,
-    rows or not, so it is for decode shapes where nearly every expert has rows. It pays only where the kernel
-    before it lets its dependents start early (Inductor's ``triton.enable_pdl``; without that, at its exit).
-    Where PDL cannot run (the CPU interpreter, a GPU before sm_90) the kernel is launched without it."""
+    order (the GEMMs' tolerance)."""
     _require_triton()
     _check_x(x, w, "w4a16.grouped_gemm", experts=True)
     e = w.experts
@@ -913,8 +867,7 @@ def grouped_gemm(
     t, k, n = (x.shape[0] if rows is None else rows.shape[0]), w.k, w.n
     case = grouped_case(t, e, n, k)
     d = _cfg("w4a16_grouped_gemm", case, block_m=block_m, block_n=block_n, block_k=block_k,
-             num_warps=num_warps, num_stages=num_stages, split_k=split_k, max_registers=max_registers, sub_k=sub_k,
-             weights_first=weights_first)  # fmt: skip
+             num_warps=num_warps, num_stages=num_stages, split_k=split_k, max_registers=max_registers, sub_k=sub_k)  # fmt: skip
     rpe = fused_max_rows_per_expert
     dequant = t > e * (rpe if rpe is not None else tuning.config("w4a16_dispatch", "grouped")["fused_max_rows_per_expert"])
     choice = backend or d.get("backend") or "triton"
@@ -940,22 +893,14 @@ def grouped_gemm(
     split = max(1, min(d["split_k"] or grouped_split_for(t, e, n, k, bn, bk), -(-k // bk)))
     ws = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out
     fuse = row_scale is not None and split == 1  # the scale in the epilogue (split partials are summed first)
-    pdl = bool(d.get("weights_first")) and pdl_supported(x)
     _grouped_kernel[(triton.cdiv(n, bn), e + 1, split)](
         x, ends if rows is None else rows, w.codes, w.scales, w.global_scale, ends, out, ws,
         row_scale if fuse else out, t, n, k, w.codes.shape[-3], e, x.stride(0), BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split,
         BLOCK_K=bk, EVEN_K=k % bk == 0, INTERP=interpreted(x), SUB_K=sk, GATHER=rows is not None, SCALE=fuse,
-        WEIGHTS_FIRST=pdl, num_warps=d["num_warps"], num_stages=d["num_stages"],
-        **_max_registers(d.get("max_registers"), x), **({"launch_pdl": True} if pdl else {}),
+        num_warps=d["num_warps"], num_stages=d["num_stages"], **_max_registers(d.get("max_registers"), x),
     )  # fmt: skip
     y = _sum_splits(ws, out, split)
     return y if fuse else scaled(y)
-
-
-def pdl_supported(x: torch.Tensor) -> bool:
-    """Whether a kernel on ``x`` can be launched with programmatic dependent launch: compiled (not the CPU
-    interpreter) for an sm_90+ GPU."""
-    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 def _max_registers(n: int | None, x: torch.Tensor) -> dict:

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Never ran: run 70 (the short form) measured the weights-first launch slower and it was removed after ea8343e;
+# this script needs that tree.
 # Issue 17's W4A16 row on the issue's card on the current default path (the shared prefill, the fused q/k/v
 # projection; only run 58 before both: 1.114x), then the same rows with programmatic dependent launch: Inductor's
 # (its kernels let the next one start early) and the grouped W4A16 kernel's weights-first launch (its weight slice

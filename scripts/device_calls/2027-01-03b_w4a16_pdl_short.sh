@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran as run 70 (docs/PERF.md) on the tree of ea8343e; the weights-first launch was removed after it (slower), so
+# --weights-first needs that tree.
 # The short form of 2027-01-03_h200_w4a16_pdl.sh for a call with little device time left: the weights-first launch's
 # GPU test first, then the 1b rollout rows bf16,w4a16 with programmatic dependent launch on (Inductor's and the
 # grouped W4A16 kernel's weights-first launch; both rows get Inductor's, so the ratio is same-run), then, with what
