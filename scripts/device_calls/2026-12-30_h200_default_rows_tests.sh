@@ -4,8 +4,8 @@
 # 1.2x on an H200 is measured only before both: run 58, 1.114x), then the fused projection's GPU test for bf16 (graph
 # = no graph, rescoring, weight updates reaching the captured graphs, with the new copy), then, with the time left,
 # the bf16 / w4a4+rac50 / w4a4+rac50-static rows (the static order: no sort in the step, last timed in run 40 at
-# 0.70x before its operand became two kernels). The Inductor and Triton caches under cache/ carry the compiles from one process to the
-# next. One GPU, <= 580 s (TOTAL=<s>); on an H100 it is a repeat of runs 64-65.
+# 0.70x before its operand became two kernels). The Inductor and Triton caches under cache/ carry the compiles from
+# one process to the next. One GPU, <= 580 s (TOTAL=<s>); on an H100 it is a repeat of runs 64-65.
 # OUT=$OUT bash scripts/device_calls/2026-12-30_h200_default_rows_tests.sh
 . scripts/device_calls/lib.sh
 git log --oneline -1 > $OUT/tree.txt 2>&1
