@@ -5,8 +5,7 @@
 Compiles, with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` in the launch configs the 1b decode step uses
 (1,024 routed rows over 64 experts; K = 1,024 for gate_up), the kernels of ``factored.operands``:
 
-- ``_group_amax_kernel`` (or ``_group_amax_rows_kernel``, ``amax_by="group"``) and ``_quantize_units_kernel`` (grouped:
-  ``group_units``), and ``_gather_amax_kernel`` with
+- ``_group_amax_kernel`` and ``_quantize_units_kernel`` (grouped: ``group_units``), and ``_gather_amax_kernel`` with
   the quantize gathering through each expert's order (``rac_static_units``), instructions per element of one pass of
   their loop body (one tile per program at the default config);
 - ``_rac_select_kernel`` (RAC's selection, one program per expert: the fp64 channel norms, then the bitonic sort of
@@ -41,8 +40,6 @@ DIV16 = ("M", "K", "W", "n", "stride_xm", "stride_um", "stride_idx", "stride_ord
 CASES = [
     ("group amax (group_units, 4 rows x 256 columns a pass)", factored_quant._group_amax_kernel,
      {"BLOCK_M": 4, "BLOCK_K": 256}, 4, 4 * 256 // 128, True),
-    ("group amax, one program per group (group_units amax_by='group', 4 rows x 256 columns a pass)",
-     factored_quant._group_amax_rows_kernel, {"BLOCK_M": 4, "BLOCK_K": 256, "SCAN": 1024}, 4, 4 * 256 // 128, True),
     ("quantize, grouped (group_units, 8 x 128 tile)", factored_quant._quantize_units_kernel,
      {"AMAX_BY": 1, "IDX_BY": 0, "GATHER": False, "RESIDUAL": False, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
      8 * 128 // 128, True),

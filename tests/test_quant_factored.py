@@ -358,8 +358,8 @@ def test_fused_rac_operands_k_not_a_power_of_two(k, per_token):
     (208, [0, 0, 3], 1, torch.bfloat16, False),
 ], ids=["K64", "K80-fp32", "K512", "K208"])
 def test_group_units_is_row_amax_row_max_and_units(k, counts, masked, dtype, residual):
-    """``factored_quant.group_units`` (the group amaxes by atomic max per row, or by one program per group, then
-    the quantize reading each row's amax through its group) writes the bits of ``row_amax`` + ``Segments.row_max`` + ``units`` and of the
+    """``factored_quant.group_units`` (the group amaxes by atomic max per row, then the quantize reading each
+    row's amax through its group) writes the bits of ``row_amax`` + ``Segments.row_max`` + ``units`` and of the
     PyTorch reference (interpreter), into a strided slot of the stacked operand, in two launch configs (one
     tile per program; several rows per amax program and several column tiles per quantize program, the last
     partial where K allows), with NaN and inf rows (an inf makes its group's scale 1, a NaN is ignored by the
@@ -383,19 +383,13 @@ def test_group_units_is_row_amax_row_max_and_units(k, counts, masked, dtype, res
         bk = 32 if k < 512 else 128
         gc, rc = factored_quant.group_units(x, segs.group, segs.groups, cols[:, slot], residual=residual,
                                             block_m=4, block_k=bk, cols=2 * bk, amax_block_m=16)
-        per = torch.full_like(want, float("nan"))  # amax_by="group": every group's amax written, none filled first
-        gp, rp = factored_quant.group_units(x, segs.group, segs.groups, per[:, slot], residual=residual,
-                                            amax_by="group", amax_block_m=2)
-        per[:, 1 - slot] = 0.0
-        for u, g, r in ((got, gg, rg), (cols, gc, rc), (per, gp, rp)):
+        for u, g, r in ((got, gg, rg), (cols, gc, rc)):
             assert _same_bits(u, want) and _same_bits(g, gw)
             assert (r is None and rw is None) or _same_bits(r, rw)
     with pytest.raises(ValueError, match="multiple of 16"):
         factored_quant.group_units(x[:, :40], segs.group, segs.groups, got[:, 0, :40])
     with pytest.raises(ValueError, match="multiple of block_k"):
         factored_quant.group_units(x, segs.group, segs.groups, got[:, 0], block_k=32, cols=48)
-    with pytest.raises(ValueError, match="amax_by"):
-        factored_quant.group_units(x, segs.group, segs.groups, got[:, 0], amax_by="token")
 
 
 def test_operands_quantize_decode_groups_in_one_launch(monkeypatch):

@@ -310,24 +310,3 @@ def test_rac_sort_equals_count_cuda(k, n, per_token):
             for a, b in zip(outs[0], got):
                 assert torch.equal(a, b), f"K={k} n={n} per_token={per_token} one_group={grp is None}"
 
-
-@pytest.mark.parametrize("k", [1024, 256])
-def test_group_units_amax_by_group_is_amax_by_row_at_the_1b_decode_shape(k):
-    """``group_units(amax_by="group")`` (one program per group, no zero fill) writes the bits of the default
-    (an atomic max per row into a zeroed buffer) at the 1b decode shape: 128 tokens x top-8 over 64 experts,
-    rows sorted by expert, a NaN and an inf among them; the residual too."""
-    from quads.kernels.factored_quant import group_units
-
-    e, tokens, topk = 64, 128, 8
-    g = torch.Generator().manual_seed(0)
-    idx = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)]).cuda()
-    segs = factored.Segments.of(static_routes(idx, e).expert, e)
-    x = torch.randn(tokens * topk, k, generator=g).cuda().bfloat16()
-    x[5, 3], x[700, 11] = float("nan"), float("inf")
-    outs = []
-    for by in ("row", "group"):
-        out = torch.full((tokens * topk, k), float("nan"), dtype=torch.bfloat16, device="cuda")
-        outs.append((out, *group_units(x, segs.group, e, out, residual=True, amax_by=by)))
-    (u0, g0, r0), (u1, g1, r1) = outs
-    assert torch.equal(u0.view(torch.int16), u1.view(torch.int16))
-    assert torch.equal(g0.view(torch.int32), g1.view(torch.int32)) and torch.equal(r0.view(torch.int32), r1.view(torch.int32))

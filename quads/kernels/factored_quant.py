@@ -14,15 +14,12 @@ arithmetic of ``nvfp4_quant._quantize_tile``, bit-exact with ``quads.formats.nvf
 consecutive indices, RAC's selection order) and scatter ``u`` back to ``out[i, index[i, j]]`` (``out``
 ``[M, K]``, zero-initialized by the caller), so the residual operand never exists in gathered form.
 Rows sorted by expert with each expert's amax as the global scale (the decode step): ``group_units``, the
-group amaxes by one atomic max per row (or by one program per group, ``amax_by="group"``), then the same
-kernel reading each row's amax through its group.
+group amaxes by one atomic max per row, then the same kernel reading each row's amax through its group.
 The kernel runs over rows x column tiles, so a decode-sized operand (1,024 x 1,024) is ~1,000 programs.
 The pure-PyTorch twin is ``quantize_units_reference``; tests compare them byte for byte.
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 import torch
 
@@ -43,7 +40,6 @@ if HAS_TRITON:
         _units_tile,
         rows_absmax,
     )
-    from quads.kernels.rac_select import _group_rows
 
     @triton.jit
     def _row_keys(group_ptr, rows, rmask, G, BY: tl.constexpr):
@@ -101,20 +97,6 @@ if HAS_TRITON:
         grp = tl.load(group_ptr + rows, mask=rmask, other=0)
         tl.atomic_max(amax_ptr + grp, row_max, mask=rmask, sem="relaxed")
 
-
-    @triton.jit
-    def _group_amax_rows_kernel(x_ptr, group_ptr, amax_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr,
-                                BLOCK_K: tl.constexpr, SCAN: tl.constexpr):  # fmt: skip
-        """``amax[g]`` = the NaN-ignoring max of ``|x|`` over the rows of group g (one program per g in ``[0, G]``;
-        rows sorted by group, so g's rows are one run, found by one vector pass over ``group``), 0 for a group
-        without rows: every entry written, no atomics, so no zero-filled buffer and no launch for it."""
-        g = tl.program_id(0)
-        start, end = _group_rows(group_ptr, g, M, False, SCAN)
-        acc = tl.zeros((BLOCK_M,), tl.float32)
-        for m0 in range(start, end, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            acc = tl.maximum(acc, rows_absmax(x_ptr + rows * stride_xm, rows < end, K, BLOCK_M, BLOCK_K))
-        tl.store(amax_ptr + g, tl.max(acc, axis=0))
 
     @triton.jit
     def _gather_amax_kernel(r_ptr, group_ptr, order_ptr, amax_ptr, M, K, n, G, stride_order, IDX_BY: tl.constexpr,
@@ -196,7 +178,6 @@ def group_units(
     cols: int | None = None,
     amax_block_m: int | None = None,
     num_warps: int | None = None,
-    amax_by: Literal["row", "group"] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``quantize_units`` of rows sorted by group (``group`` ``[M]`` in ``[0, groups]``, as ``factored.Segments``)
     with each group's NaN-ignoring amax as the global scale, writing ``u`` into ``out`` (``[M, K]``, rows may be
@@ -206,9 +187,7 @@ def group_units(
     ``quantize_units`` (three to five launches); one atomic per row into ``groups + 1`` addresses, so it is for
     few rows per group (``GROUP_UNITS_MAX_ROWS``: the decode step). ``block_m``, ``block_k``, ``cols``: the
     quantize's launch config, as ``quantize_units``; each launch setting left None comes from ``tuning.json``
-    (``group_units.decode``). ``amax_by="group"``: the group amaxes by one program per
-    group instead (``_group_amax_rows_kernel``: its rows ``amax_block_m`` at a time, no atomics, no zero fill:
-    one launch less); the same bits, a group's rows read by one program (slower where one group holds many)."""
+    (``group_units.decode``)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use row_amax, Segments.row_max and quantize_units_reference")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -220,24 +199,14 @@ def group_units(
     check_out(out, m, k, "group_units")
     group = group.contiguous()
     cfg = tuning.config("group_units", "decode", block_m=block_m, block_k=block_k, cols=cols,
-                        amax_block_m=amax_block_m, num_warps=num_warps, amax_by=amax_by)
-    block_m, block_k, cols, amax_block_m, num_warps, amax_by = (
-        cfg[key] for key in ("block_m", "block_k", "cols", "amax_block_m", "num_warps", "amax_by"))
-    block_k_amax = min(256, triton.next_power_of_2(k))
-    if amax_by == "group":
-        amax = torch.empty(groups + 1, dtype=torch.float32, device=x.device)
-        _group_amax_rows_kernel[(groups + 1,)](
-            x, group, amax, m, k, x.stride(0), BLOCK_M=amax_block_m, BLOCK_K=block_k_amax,
-            SCAN=min(1024, triton.next_power_of_2(max(m, 1))), num_warps=num_warps, **EXACT,
-        )  # fmt: skip
-    elif amax_by == "row":
-        amax = torch.zeros(groups + 1, dtype=torch.float32, device=x.device)
-        _group_amax_kernel[(triton.cdiv(m, amax_block_m),)](
-            x, group, amax, m, k, x.stride(0), BLOCK_M=amax_block_m, BLOCK_K=block_k_amax, num_warps=num_warps,
-            **EXACT,
-        )  # fmt: skip
-    else:
-        raise ValueError(f"group_units: amax_by must be 'row' or 'group', got {amax_by!r}")
+                        amax_block_m=amax_block_m, num_warps=num_warps)
+    block_m, block_k, cols, amax_block_m, num_warps = (
+        cfg[key] for key in ("block_m", "block_k", "cols", "amax_block_m", "num_warps"))
+    amax = torch.zeros(groups + 1, dtype=torch.float32, device=x.device)
+    _group_amax_kernel[(triton.cdiv(m, amax_block_m),)](
+        x, group, amax, m, k, x.stride(0), BLOCK_M=amax_block_m, BLOCK_K=min(256, triton.next_power_of_2(k)),
+        num_warps=num_warps, **EXACT,
+    )  # fmt: skip
     g, r = _launch_units(x, amax, group, groups, BY_GROUP, None, BY_ROW, out, residual, False, block_m, block_k, cols,
                          num_warps)  # fmt: skip
     return g, r[0]

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# RAN as run 73 (2026-12-07, an H100): the per-group amax was slower in the 1b step (RAC 50% 3.33 against 3.02 ms) and
+# was removed afterwards; this script needs the tree of 4e40e00 (before the removal), kept as the record.
 # Issue 17, W4A4's activation operand: group_units' group amaxes by one program per group (amax_by="group", no
 # atomics, no zero fill: one launch less a layer call; built 2026-12-07, CPU-tested, compiled offline, not yet timed)
 # against the default (amax_by="row": a zero fill, then an atomic max per row). This call: its GPU test (the same bits
