@@ -309,4 +309,3 @@ def test_rac_sort_equals_count_cuda(k, n, per_token):
         for got in outs[1:]:
             for a, b in zip(outs[0], got):
                 assert torch.equal(a, b), f"K={k} n={n} per_token={per_token} one_group={grp is None}"
-
