@@ -19,7 +19,7 @@ if [ "$P" = 1b ]; then
   run a 340 bf16,w4a16,w4a4
   run b 230 bf16,fp8
 else
-  run a 570 bf16,w4a16,fp8,w4a4,w4a4+rac50
+  run a 570 bf16,w4a16,w4a4,w4a4+rac50,fp8
 fi
 cat $OUT/gpu.txt; grep -h "rc=\|x bf16" $OUT/*.log
 true
