@@ -1,0 +1,28 @@
+import sys, time, torch
+sys.path.insert(0, "benchmarks")
+import bench_e2e as B
+from quads.quant.layers import QuantizedExperts
+torch.manual_seed(0)
+for name in sys.argv[1].split(","):
+    model = B._model("tiny", "cpu", "bfloat16").requires_grad_(False)
+    B._quantized(model, name, B.ROLLOUT_RECIPES[name], [[5]*16], "cpu")
+    ex = next(m for m in model.modules() if isinstance(m, QuantizedExperts))
+    E = ex.num_experts
+    for T in [128, 512, 1024, 2048]:
+        x = torch.randn(T, 128, dtype=torch.bfloat16)
+        logits = torch.randn(T, E)
+        w, idx = logits.softmax(-1).topk(2, dim=-1)
+        res = {}
+        for path in ["loop", "grouped", "static"]:
+            ex.grouped = path == "grouped"
+            f = (lambda: ex.forward_static(x, idx, w.to(x.dtype))) if path == "static" else (lambda: ex(x, idx, w.to(x.dtype)))
+            try:
+                with torch.no_grad():
+                    f(); ts = []
+                    for _ in range(5):
+                        t0 = time.perf_counter(); y = f(); ts.append(time.perf_counter() - t0)
+                res[path] = (round(sorted(ts)[2] * 1e3, 2), y.float())
+            except Exception as e:
+                res[path] = (str(e)[:60], None)
+        ref = res["loop"][1]
+        print(name, T, {p: (v[0], None if v[1] is None or ref is None else float((v[1] - ref).abs().max())) for p, v in res.items()}, flush=True)
