@@ -427,6 +427,24 @@ def test_sq_norms_keep_nan_and_inf_in_their_group():
     assert got[0, 3].isnan() and got[2, 7].isinf() and got[1].isfinite().all()
 
 
+def test_sq_norms_with_counts_are_each_groups_own_sum():
+    """``sq_norms(counts=)``: each group's ``sum(dim=0)`` of its rows alone, bit for bit (NaN and inf kept in
+    their group, an empty group zero); counts that do not fit the rows are refused."""
+    r = torch.randn(40, 48) * torch.rand(40, 1) * 100
+    r[1, 3], r[30, 7] = float("nan"), float("inf")
+    counts = [3, 0, 12, 25]
+    group = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
+    got = factored.Segments.of(group, 4).sq_norms(r, counts)
+    start = 0
+    for g, c in enumerate(counts):
+        want = r[start : start + c].clone().double().square().sum(dim=0)
+        assert torch.equal(got[g].nan_to_num(-1.0), want.nan_to_num(-1.0)), g
+        start += c
+    assert got[0, 3].isnan() and got[3, 7].isinf() and torch.equal(got[1], torch.zeros(48, dtype=torch.float64))
+    with pytest.raises(ValueError, match="do not cover"):
+        factored.Segments.of(group, 4).sq_norms(r, [3, 0, 12])
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 def test_fused_rac_operands_nan_and_n0():
     """A NaN in a group's residual makes its norm NaN: selected first (torch sorts NaN above every number),

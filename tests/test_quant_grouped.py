@@ -79,6 +79,54 @@ def test_grouped_matches_loop(name, dtype):
         torch.testing.assert_close(sq0, sq1, rtol=rtol, atol=0, msg=lambda m, p=proj: f"{name} {p}: {m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["w4a4", "rac50", "rac25-token"])
+def test_loop_with_shared_operands_is_the_per_expert_loop_bit_for_bit(name, dtype, monkeypatch):
+    """The CPU loop's W4A4 (+RAC) operands built once per layer call (``share_operands``, the default) give
+    each expert the outputs of the per-expert loop bit for bit: one token, a masked slot, experts without rows,
+    an outlier channel, and batches where experts get 1-20 rows."""
+    q = _experts(SPECS[name], dtype)
+    calls = []
+    shared = QuantizedExperts._forward_shared_operands
+    monkeypatch.setattr(QuantizedExperts, "_forward_shared_operands",
+                        lambda self, *a: calls.append(1) or shared(self, *a))
+    for seed, t in [(1, T), (2, 1), (3, 7), (4, 97)]:
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(t, H, generator=g) * (1 + 8 * torch.rand(t, 1, generator=g))).to(dtype)
+        x[:, 3] *= 20
+        idx = torch.stack([torch.randperm(E, generator=g)[:K_TOP] for _ in range(t)])
+        idx[0, -1] = E  # a masked slot
+        w = torch.rand(t, K_TOP, generator=g).to(dtype)
+        q.grouped, q.share_operands = False, False
+        with torch.no_grad():
+            want = q(x, idx, w)
+        q.share_operands = True
+        n = len(calls)
+        with torch.no_grad():
+            got = q(x, idx, w)
+        assert len(calls) == n + 1, "the shared-operand loop did not run"
+        assert torch.equal(got, want), f"{name} {dtype} T={t}: {(got.float() - want.float()).abs().max()}"
+
+
+def test_shared_operands_only_where_the_loop_is_exact(monkeypatch):
+    """The shared-operand loop runs only for the rollout side's canonical NVFP4 activations with dynamic RAC
+    or none, without gradients: static RAC (per-expert statistics), FP8 and the trainer side keep the loop."""
+    monkeypatch.setattr(QuantizedExperts, "_forward_shared_operands",
+                        lambda self, *a: pytest.fail(f"shared operands for {self.spec.describe()}"))
+    x, idx, w = _inputs(torch.float32)
+    for name in ("rac50-static", "fp8-row", "w4a16", "bf16"):
+        q = _experts(SPECS[name], torch.float32)
+        q.grouped = False
+        with torch.no_grad():
+            q(x, idx, w)
+    q = _experts(SPECS["rac50"], torch.float32)
+    q.grouped = False
+    q(x, idx, w)  # grad mode on: the loop (the trainer's path has gradients)
+    q.share_operands = False
+    with torch.no_grad():
+        q(x, idx, w)
+
+
 def test_grouped_masked_token_gets_only_its_valid_experts():
     q = _experts(SPECS["w4a4"], torch.float32)
     x, idx, w = _inputs(torch.float32)

@@ -85,13 +85,20 @@ class Segments:
         per_group = torch.where(self.hits, v[None, :], 0.0).amax(dim=1)  # [G+1]
         return per_group[self.group]
 
-    def sq_norms(self, r: torch.Tensor) -> torch.Tensor:
+    def sq_norms(self, r: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
         """``sum over a group's rows of r^2`` in fp64, ``[G, K]`` (``rac.residual_norms`` per group; the
         squares of fp32 values are exact in fp64, so only the fp64 summation order differs). A NaN or inf
-        square reaches its own group's norm only (in the GEMM, ``0 * inf`` would make every group's NaN)."""
+        square reaches its own group's norm only (in the GEMM, ``0 * inf`` would make every group's NaN).
+        ``counts``: the groups' row counts (rows sorted by group, known on the host): each group's norms are
+        then its own rows' ``sum(dim=0)``, the order of one group alone, so the groups' operands equal those
+        of one ``operands`` call per group bit for bit (the CPU experts loop, ``QuantizedExperts``)."""
         sq = r.double().square()
         if self.group is None:
             return sq.sum(dim=0, keepdim=True)
+        if counts is not None:
+            if len(counts) != self.groups or sum(counts) > sq.shape[0]:
+                raise ValueError(f"sq_norms: counts {counts} do not cover {self.groups} groups of {sq.shape[0]} rows")
+            return torch.cat([part.sum(dim=0, keepdim=True) for part in sq[: sum(counts)].split(counts)])
         norms = self.members @ torch.where(sq.isfinite(), sq, 0.0)  # a GEMM: deterministic, no atomics
         norms = torch.where(self.members @ sq.isinf().double() > 0, torch.inf, norms)
         return torch.where(self.members @ sq.isnan().double() > 0, torch.nan, norms)
@@ -185,6 +192,7 @@ def operands(
     fused_rac: bool = True,
     rac_method: RacMethod | None = None,
     fused_amax: bool = True,
+    counts: list[int] | None = None,
 ) -> Operands:
     """The factored W4A4 (+RAC with ``n`` = |S| channels) operands of ``x`` ``[M, K]`` (canonical NVFP4).
 
@@ -203,7 +211,9 @@ def operands(
     The activation operand of rows
     in groups (``per_token=False``) with few rows per group (the decode step) is ``quads::group_units``
     (the group amaxes by atomic max, then the quantize: two launches; ``fused_amax=False``: ``row_amax``,
-    ``Segments.row_max`` and ``units``, the same bits).
+    ``Segments.row_max`` and ``units``, the same bits). ``counts``: the groups' row counts on the host (rows
+    sorted by group), for the steps' norms (``Segments.sq_norms``): then every group's operands are those of
+    an ``operands`` call of its rows alone, bit for bit.
     """
     if selection not in ("dynamic", "static"):
         raise ValueError(f"unknown RAC selection {selection!r}; valid: dynamic, static")
@@ -234,7 +244,7 @@ def operands(
             observe(r, rac_group_norms_op(r, segs.group, segs.groups))
         gr = rac_static_units_op(r, segs.group, segs.groups, s, buf, 1, n=n, per_token=per_token)
         return Operands(buf, torch.stack([gx, gr], dim=1), s[:, :n])
-    norms = segs.sq_norms(r) if selection == "dynamic" or observe is not None else None
+    norms = segs.sq_norms(r, counts) if selection == "dynamic" or observe is not None else None
     if observe is not None:
         observe(r, norms)
     if n == 0:
@@ -269,6 +279,13 @@ def _group_units(x: torch.Tensor, segs: Segments, per_token: bool) -> bool:
 
     return (not per_token and segs.group is not None and x.shape[0] <= GROUP_UNITS_MAX_ROWS * segs.groups
             and dispatch.use_triton(x))
+
+
+def product(u: torch.Tensor, g: torch.Tensor, w_q: Weight) -> torch.Tensor:
+    """fp32 ``[M, N]``: the stacked exact values ``u`` ``[M, P, K]`` with their scales ``g`` ``[M, P]`` (an
+    ``Operands``' ``u`` and ``g``, or a group's rows of them) times one weight operand ``[N, K]``."""
+    m, p, k = u.shape
+    return scale_output(gemm(u.reshape(m * p, k), w_q).view(m, p, -1), g)
 
 
 def scale_output(y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

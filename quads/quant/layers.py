@@ -501,7 +501,10 @@ class QuantizedExperts(_QuantizedBase):
     ``pad_limit`` times the real rows. On the trainer side, for specs with unquantized activations,
     ``grouped`` likewise picks two grouped GEMMs over the slots sorted by expert (``_forward_sorted``,
     differentiable, no host sync; where ``moe.use_sorted`` allows). Otherwise the experts loop runs (the
-    reference: same operands, the GEMMs' accumulation order aside).
+    reference: same operands, the GEMMs' accumulation order aside); on the CPU's rollout side with NVFP4
+    activations it builds the activation operands once per layer call for all experts
+    (``_forward_shared_operands``, ``share_operands``): the per-expert loop's outputs bit for bit, ~1/E of its
+    quantize calls.
     """
 
     weight_names = ("gate_up_proj", "down_proj")
@@ -530,6 +533,7 @@ class QuantizedExperts(_QuantizedBase):
 
     grouped: bool | None = None  # batched expert GEMMs, either side (Recipe.expert_path); None = on CUDA only
     pad_limit: float = 8.0  # ... while E * C <= pad_limit * routed slots
+    share_operands: bool = True  # the CPU loop's W4A4 operands once per layer call (False: per expert, the reference)
 
     def _use_grouped(self, hidden_states: torch.Tensor) -> bool:
         on = hidden_states.is_cuda if self.grouped is None else self.grouped
@@ -554,12 +558,58 @@ class QuantizedExperts(_QuantizedBase):
                 return self._forward_grouped(hidden_states, layout)
         out = torch.zeros_like(hidden_states)
         gu_q, dn_q = self.stores["gate_up_proj"].get(), self.stores["down_proj"].get()
+        if self._use_shared_operands(hidden_states, gu_q):
+            return self._forward_shared_operands(hidden_states, top_k_index, top_k_weights, slots, out, gu_q, dn_q)
         # unbind once: its backward stacks the per-expert grads in one allocation, where indexing
         # p[e] per expert would allocate and add a full-size [E, N, K] gradient per expert hit
         gu_w, dn_w = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         for e, idx, w_route in expert_groups(top_k_index, top_k_weights, self.num_experts, slots):
             gate, up = self._gemm("gate_up_proj", e, hidden_states[idx], gu_q, gu_w[e]).chunk(2, dim=-1)
             y = self._gemm("down_proj", e, self.act_fn(gate) * up, dn_q, dn_w[e])
+            scatter_expert_output(out, idx, y, w_route)
+        return out
+
+    def _use_shared_operands(self, hidden_states: torch.Tensor, w_q: factored.Weight) -> bool:
+        """The loop with its activation operands built once per layer call (``_forward_shared_operands``):
+        the rollout side's canonical NVFP4 activations with dynamic RAC or none, on the CPU, no gradients."""
+        spec = self.spec
+        return (self.share_operands and self.side == "rollout" and spec.act == "nvfp4" and spec.nvfp4_mode == "te"
+                and spec.error_scale == 1.0 and not spec.static_rac and not hidden_states.is_cuda
+                and isinstance(w_q, torch.Tensor) and not torch.is_grad_enabled())
+
+    def _forward_shared_operands(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                 top_k_weights: torch.Tensor, slots: grouped.SlotOrder, out: torch.Tensor,
+                                 gu_q: torch.Tensor, dn_q: torch.Tensor) -> torch.Tensor:
+        """The experts loop, its W4A4 (+RAC) operands built once for all experts' rows: the rows sorted by
+        expert as ``factored.Segments`` (each expert's amax, RAC channels and norms in the order of its rows
+        alone: ``factored.operands(counts=)``), then each expert's GEMMs and sum as in the loop. Each expert
+        gets the operands, products and outputs of the loop bit for bit, from ~1/E of its quantize calls
+        (the loop's cost on the CPU at decode)."""
+        groups = list(expert_groups(top_k_index, top_k_weights, self.num_experts, slots))
+        if not groups:
+            return out
+        counts = [0] * self.num_experts
+        for e, idx, _ in groups:
+            counts[e] = idx.numel()
+        rows = torch.cat([idx for _, idx, _ in groups])
+        segs = factored.Segments.of(torch.repeat_interleave(torch.arange(self.num_experts), torch.tensor(counts)),
+                                    self.num_experts)
+
+        def products(x: torch.Tensor, w_q: torch.Tensor) -> list[torch.Tensor]:
+            """Each expert's ``spec_linear`` of its rows of ``x`` (sorted), from one ``operands`` call."""
+            n = rac_channels(x.shape[-1], self.spec.rac_ratio)
+            op = factored.operands(x, segs, n=n, dtype=factored.gemm_dtype(w_q), counts=counts,
+                                   per_token=self.spec.act_scale == "token")
+            ys, start = [], 0
+            for e, idx, _ in groups:
+                end = start + idx.numel()  # the expert's rows in fresh tensors, as the loop has them
+                ys.append(factored.product(op.u[start:end].clone(), op.g[start:end], w_q[e]).to(x.dtype))
+                start = end
+            return ys
+
+        gate_up = products(hidden_states[rows], gu_q)
+        h = torch.cat([self.act_fn(gate) * up for gate, up in (y.chunk(2, dim=-1) for y in gate_up)])
+        for (_, idx, w_route), y in zip(groups, products(h, dn_q), strict=True):
             scatter_expert_output(out, idx, y, w_route)
         return out
 

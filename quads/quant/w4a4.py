@@ -96,8 +96,7 @@ def w4a4_linear(
             selection=selection, static_order=static_channels,
             observe=None if observe is None else lambda r, norms: observe(r),
         )  # fmt: skip
-        m, p, kk = op.u.shape
-        y = factored.scale_output(factored.gemm(op.u.reshape(m * p, kk), w_q).view(m, p, -1), op.g)
+        y = factored.product(op.u, op.g, w_q)
         if not need:
             return y.to(x2.dtype), None, None
         return y.to(x2.dtype), op.dequantized(), factored.dense_weight(w_q)
