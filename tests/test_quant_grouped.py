@@ -8,7 +8,7 @@ import torch
 from quads.kernels import dispatch
 from quads.kernels._common import HAS_TRITON
 from quads.model.moe import MoEExperts
-from quads.quant import grouped, ops
+from quads.quant import grouped, layers, ops
 from quads.quant.layers import QuantizedExperts
 from quads.quant.recipe import LinearSpec
 
@@ -87,9 +87,8 @@ def test_loop_with_shared_operands_is_the_per_expert_loop_bit_for_bit(name, dtyp
     an outlier channel, and batches where experts get 1-20 rows."""
     q = _experts(SPECS[name], dtype)
     calls = []
-    shared = QuantizedExperts._forward_shared_operands
-    monkeypatch.setattr(QuantizedExperts, "_forward_shared_operands",
-                        lambda self, *a: calls.append(1) or shared(self, *a))
+    shared = layers.shared_operand_experts
+    monkeypatch.setattr(layers, "shared_operand_experts", lambda *a, **k: calls.append(1) or shared(*a, **k))
     for seed, t in [(1, T), (2, 1), (3, 7), (4, 97)]:
         g = torch.Generator().manual_seed(seed)
         x = (torch.randn(t, H, generator=g) * (1 + 8 * torch.rand(t, 1, generator=g))).to(dtype)
@@ -111,8 +110,8 @@ def test_loop_with_shared_operands_is_the_per_expert_loop_bit_for_bit(name, dtyp
 def test_shared_operands_only_where_the_loop_is_exact(monkeypatch):
     """The shared-operand loop runs only for the rollout side's canonical NVFP4 activations with dynamic RAC
     or none, without gradients: static RAC (per-expert statistics), FP8 and the trainer side keep the loop."""
-    monkeypatch.setattr(QuantizedExperts, "_forward_shared_operands",
-                        lambda self, *a: pytest.fail(f"shared operands for {self.spec.describe()}"))
+    monkeypatch.setattr(layers, "shared_operand_experts",
+                        lambda *a, spec, **k: pytest.fail(f"shared operands for {spec.describe()}"))
     x, idx, w = _inputs(torch.float32)
     for name in ("rac50-static", "fp8-row", "w4a16", "bf16"):
         q = _experts(SPECS[name], torch.float32)

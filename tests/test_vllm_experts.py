@@ -123,6 +123,24 @@ def test_sorted_path_is_quads_captured_experts_bit_for_bit(recipe, storage, inte
     assert not torch.equal(got, torch.zeros_like(got))
 
 
+@pytest.mark.parametrize("recipe,storage", [("quads", "master"), ("quads", "packed"), ("nvfp4", "packed")])
+def test_loop_shares_its_operands_and_is_quads_per_expert_loop_bit_for_bit(recipe, storage, monkeypatch):
+    """Reference backend: vLLM's loop builds its NVFP4 activation operands once per call
+    (``shared_operand_experts``, as quads' layer does) and gives quads' per-expert loop's bits."""
+    from quads.rollout.vllm import experts as vllm_experts
+
+    calls = []
+    shared = vllm_experts.shared_operand_experts
+    monkeypatch.setattr(vllm_experts, "shared_operand_experts", lambda *a, **k: calls.append(1) or shared(*a, **k))
+    spec, q, _, w13, w2, x, ids, wts = _setup(recipe, storage)
+    q.grouped, q.share_operands = False, False
+    with dispatch.kernels("reference"), torch.no_grad():
+        want = q(x, ids, wts)
+        got = _vllm(spec, q, w13, w2, x, ids, wts, "loop")
+    assert calls, "vLLM's loop did not share its operands"
+    assert _same_bits(got, want), f"{recipe}/{storage}: max diff {(got.float() - want.float()).abs().max():.3e}"
+
+
 def test_static_rac_orders_reach_the_sorted_path():
     """With static RAC the sorted path reads the selectors' orders: reversing them changes the output (and quads'
     layer, reading the same selectors, changes the same way)."""

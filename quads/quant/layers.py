@@ -370,6 +370,52 @@ def scatter_expert_output(out: torch.Tensor, idx: torch.Tensor, y: torch.Tensor,
     out.index_put_((idx,), (y * w_route[:, None]).to(out.dtype), accumulate=True)
 
 
+def shares_operands(spec: LinearSpec, x: torch.Tensor) -> bool:
+    """Whether an experts loop over ``x`` may build its activation operands once per layer call
+    (``shared_operand_experts``): canonical NVFP4 activations with dynamic RAC or none, the reference kernels
+    (the CPU without Triton's interpreter), no gradients."""
+    return (spec.act == "nvfp4" and spec.nvfp4_mode == "te" and spec.error_scale == 1.0 and not spec.static_rac
+            and not dispatch.use_triton(x) and not torch.is_grad_enabled())
+
+
+def shared_operand_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *, n_experts: int,
+                           spec: LinearSpec, act_fn, gate_up, down, slots: grouped.SlotOrder | None = None,
+                           ) -> torch.Tensor:  # fmt: skip
+    """The experts loop (``x`` [T, H] -> [T, H], as ``QuantizedExperts.forward``) with its W4A4 (+RAC) operands
+    built once for all experts' rows (where ``shares_operands``): the rows sorted by expert as
+    ``factored.Segments`` (each expert's amax, RAC norms and channels in the order of its rows alone:
+    ``factored.operands(counts=)``), then each expert's GEMMs and sum as in the loop. Each expert gets the
+    per-expert loop's operands, products and outputs bit for bit from ~1/E of its quantize calls (the loop's cost
+    on the CPU at decode). ``gate_up(e)`` / ``down(e)``: expert ``e``'s weight operand (a tensor)."""
+    out = torch.zeros_like(x)
+    groups = list(expert_groups(top_k_index, top_k_weights, n_experts, slots))
+    if not groups:
+        return out
+    counts = [0] * n_experts
+    for e, idx, _ in groups:
+        counts[e] = idx.numel()
+    segs = factored.Segments.of(torch.repeat_interleave(torch.arange(n_experts), torch.tensor(counts)), n_experts)
+
+    def products(a: torch.Tensor, operand) -> list[torch.Tensor]:
+        """Each expert's ``spec_linear`` of its rows of ``a`` (sorted by expert), from one ``operands`` call."""
+        first = operand(groups[0][0])  # fetched one expert at a time, as the loop does (a packed stack decodes each)
+        op = factored.operands(a, segs, n=rac_channels(a.shape[-1], spec.rac_ratio), dtype=factored.gemm_dtype(first),
+                               counts=counts, per_token=spec.act_scale == "token")
+        ys, start = [], 0
+        for i, (e, idx, _) in enumerate(groups):
+            end = start + idx.numel()  # the expert's rows in fresh tensors, as the loop has them
+            w_q = first if i == 0 else operand(e)
+            ys.append(factored.product(op.u[start:end].clone(), op.g[start:end], w_q).to(a.dtype))
+            start = end
+        return ys
+
+    gate_up_y = products(x[torch.cat([idx for _, idx, _ in groups])], gate_up)
+    h = torch.cat([act_fn(gate) * up for gate, up in (y.chunk(2, dim=-1) for y in gate_up_y)])
+    for (_, idx, w_route), y in zip(groups, products(h, down), strict=True):
+        scatter_expert_output(out, idx, y, w_route)
+    return out
+
+
 def _sum_parts(parts: torch.Tensor) -> torch.Tensor:
     """``parts`` ``[T, k, H]`` summed over k, one add at a time in that order, as the experts loop accumulates."""
     out = torch.zeros_like(parts[:, 0])
@@ -503,7 +549,7 @@ class QuantizedExperts(_QuantizedBase):
     differentiable, no host sync; where ``moe.use_sorted`` allows). Otherwise the experts loop runs (the
     reference: same operands, the GEMMs' accumulation order aside); on the CPU's rollout side with NVFP4
     activations it builds the activation operands once per layer call for all experts
-    (``_forward_shared_operands``, ``share_operands``): the per-expert loop's outputs bit for bit, ~1/E of its
+    (``shared_operand_experts``, ``share_operands``): the per-expert loop's outputs bit for bit, ~1/E of its
     quantize calls.
     """
 
@@ -558,58 +604,17 @@ class QuantizedExperts(_QuantizedBase):
                 return self._forward_grouped(hidden_states, layout)
         out = torch.zeros_like(hidden_states)
         gu_q, dn_q = self.stores["gate_up_proj"].get(), self.stores["down_proj"].get()
-        if self._use_shared_operands(hidden_states, gu_q):
-            return self._forward_shared_operands(hidden_states, top_k_index, top_k_weights, slots, out, gu_q, dn_q)
+        if (self.share_operands and self.side == "rollout" and isinstance(gu_q, torch.Tensor)
+                and shares_operands(self.spec, hidden_states)):
+            return shared_operand_experts(hidden_states, top_k_index, top_k_weights, n_experts=self.num_experts,
+                                          spec=self.spec, act_fn=self.act_fn, gate_up=gu_q.__getitem__,
+                                          down=dn_q.__getitem__, slots=slots)
         # unbind once: its backward stacks the per-expert grads in one allocation, where indexing
         # p[e] per expert would allocate and add a full-size [E, N, K] gradient per expert hit
         gu_w, dn_w = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         for e, idx, w_route in expert_groups(top_k_index, top_k_weights, self.num_experts, slots):
             gate, up = self._gemm("gate_up_proj", e, hidden_states[idx], gu_q, gu_w[e]).chunk(2, dim=-1)
             y = self._gemm("down_proj", e, self.act_fn(gate) * up, dn_q, dn_w[e])
-            scatter_expert_output(out, idx, y, w_route)
-        return out
-
-    def _use_shared_operands(self, hidden_states: torch.Tensor, w_q: factored.Weight) -> bool:
-        """The loop with its activation operands built once per layer call (``_forward_shared_operands``):
-        the rollout side's canonical NVFP4 activations with dynamic RAC or none, on the CPU, no gradients."""
-        spec = self.spec
-        return (self.share_operands and self.side == "rollout" and spec.act == "nvfp4" and spec.nvfp4_mode == "te"
-                and spec.error_scale == 1.0 and not spec.static_rac and not hidden_states.is_cuda
-                and isinstance(w_q, torch.Tensor) and not torch.is_grad_enabled())
-
-    def _forward_shared_operands(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                                 top_k_weights: torch.Tensor, slots: grouped.SlotOrder, out: torch.Tensor,
-                                 gu_q: torch.Tensor, dn_q: torch.Tensor) -> torch.Tensor:
-        """The experts loop, its W4A4 (+RAC) operands built once for all experts' rows: the rows sorted by
-        expert as ``factored.Segments`` (each expert's amax, RAC channels and norms in the order of its rows
-        alone: ``factored.operands(counts=)``), then each expert's GEMMs and sum as in the loop. Each expert
-        gets the operands, products and outputs of the loop bit for bit, from ~1/E of its quantize calls
-        (the loop's cost on the CPU at decode)."""
-        groups = list(expert_groups(top_k_index, top_k_weights, self.num_experts, slots))
-        if not groups:
-            return out
-        counts = [0] * self.num_experts
-        for e, idx, _ in groups:
-            counts[e] = idx.numel()
-        rows = torch.cat([idx for _, idx, _ in groups])
-        segs = factored.Segments.of(torch.repeat_interleave(torch.arange(self.num_experts), torch.tensor(counts)),
-                                    self.num_experts)
-
-        def products(x: torch.Tensor, w_q: torch.Tensor) -> list[torch.Tensor]:
-            """Each expert's ``spec_linear`` of its rows of ``x`` (sorted), from one ``operands`` call."""
-            n = rac_channels(x.shape[-1], self.spec.rac_ratio)
-            op = factored.operands(x, segs, n=n, dtype=factored.gemm_dtype(w_q), counts=counts,
-                                   per_token=self.spec.act_scale == "token")
-            ys, start = [], 0
-            for e, idx, _ in groups:
-                end = start + idx.numel()  # the expert's rows in fresh tensors, as the loop has them
-                ys.append(factored.product(op.u[start:end].clone(), op.g[start:end], w_q[e]).to(x.dtype))
-                start = end
-            return ys
-
-        gate_up = products(hidden_states[rows], gu_q)
-        h = torch.cat([self.act_fn(gate) * up for gate, up in (y.chunk(2, dim=-1) for y in gate_up)])
-        for (_, idx, w_route), y in zip(groups, products(h, dn_q), strict=True):
             scatter_expert_output(out, idx, y, w_route)
         return out
 

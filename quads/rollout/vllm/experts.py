@@ -6,7 +6,9 @@ Two paths compute the same function (``QuantizedExperts``'), chosen per call by 
 - ``experts_forward``, the loop (the reference, and the CPU's default): slots grouped by expert (stable sort),
   per expert ``act(x @ Wg.T) * (x @ Wu.T) @ Wd.T`` with ``spec_linear`` (activation global scales over that
   expert's tokens), weighted by the routing weights and summed in ascending expert order. Its launches grow with
-  the experts hit: ~10 per expert and layer at decode.
+  the experts hit: ~10 per expert and layer at decode. Where ``shares_operands`` (NVFP4 activations on the
+  reference kernels, dynamic RAC or none) it builds the activation operands once per call for all experts
+  (``quads.quant.layers.shared_operand_experts``, as quads' own layer does): the same bits, fewer quantize calls.
 - ``sorted_experts`` (``quads.quant.layers``: quads' own captured decode step computes with it), over
   ``VllmExpertOperands``: the slots sorted by expert on the device, one grouped GEMM per projection, no host
   sync. With packed storage on a Triton device, W4A16 and W4A4(+RAC) read the stored 4-bit weight with quads'
@@ -23,7 +25,14 @@ import torch
 
 from quads.kernels import dispatch, w4a16
 from quads.quant import grouped
-from quads.quant.layers import expert_groups, reads_packed_weight, scatter_expert_output, sorted_experts
+from quads.quant.layers import (
+    expert_groups,
+    reads_packed_weight,
+    scatter_expert_output,
+    shared_operand_experts,
+    shares_operands,
+    sorted_experts,
+)
 from quads.quant.linear import spec_linear
 from quads.quant.rac import StaticChannelSelector, rac_channels
 from quads.quant.recipe import LinearSpec
@@ -53,6 +62,9 @@ def experts_forward(
     ``gate_up(e)`` / ``down(e)``: expert ``e``'s ``(master, operand)``, fetched only for the experts hit;
     ``selectors``: ``{"w13": ..., "w2": ...}`` static RAC selectors (empty without static RAC).
     """
+    if not selectors and shares_operands(spec, x):  # the same bits, the operands once per call (quads' layer too)
+        return shared_operand_experts(x, top_k_index, top_k_weights, n_experts=n_experts, spec=spec, act_fn=act_fn,
+                                      gate_up=lambda e: gate_up(e)[1], down=lambda e: down(e)[1])
     out = torch.zeros_like(x)
     sel13, sel2 = selectors.get("w13"), selectors.get("w2")
     for e, idx, w_route in expert_groups(top_k_index, top_k_weights, n_experts):
