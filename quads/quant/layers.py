@@ -372,10 +372,10 @@ def scatter_expert_output(out: torch.Tensor, idx: torch.Tensor, y: torch.Tensor,
 
 def shares_operands(spec: LinearSpec, x: torch.Tensor) -> bool:
     """Whether an experts loop over ``x`` may build its activation operands once per layer call
-    (``shared_operand_experts``): canonical NVFP4 activations with dynamic RAC or none, the reference kernels
-    (the CPU without Triton's interpreter), no gradients."""
+    (``shared_operand_experts``): canonical NVFP4 activations with dynamic RAC or none, on the CPU with the
+    reference kernels (not Triton's interpreter), no gradients."""
     return (spec.act == "nvfp4" and spec.nvfp4_mode == "te" and spec.error_scale == 1.0 and not spec.static_rac
-            and not dispatch.use_triton(x) and not torch.is_grad_enabled())
+            and x.device.type == "cpu" and not dispatch.use_triton(x) and not torch.is_grad_enabled())
 
 
 def shared_operand_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *, n_experts: int,
@@ -394,7 +394,8 @@ def shared_operand_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_wei
     counts = [0] * n_experts
     for e, idx, _ in groups:
         counts[e] = idx.numel()
-    segs = factored.Segments.of(torch.repeat_interleave(torch.arange(n_experts), torch.tensor(counts)), n_experts)
+    sizes = torch.tensor(counts, device=x.device)
+    segs = factored.Segments.of(torch.repeat_interleave(torch.arange(n_experts, device=x.device), sizes), n_experts)
 
     def products(a: torch.Tensor, operand) -> list[torch.Tensor]:
         """Each expert's ``spec_linear`` of its rows of ``a`` (sorted by expert), from one ``operands`` call."""
