@@ -2,10 +2,14 @@
 (share_operands=False, the reference) and once per layer call (True, the default): tiny preset, random
 weights, 64 prompts x 8 samples, 16-token prompts, 32 new tokens, ignore_eos, median of 3 generations after a
 warm-up. Run from the repo root: PYTHONPATH=. .venv/bin/python results/cpu/make-run-2026-12-07-shared-operands/engine_cpu.py"""
-import json, sys, time
+import json
+import sys
+
 import torch
+
 sys.path.insert(0, "benchmarks")
 import bench_e2e as B
+
 from quads.quant.layers import QuantizedExperts
 from quads.rollout.engine import RolloutEngine, SamplingParams
 
