@@ -388,14 +388,13 @@ def shared_operand_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_wei
     per-expert loop's operands, products and outputs bit for bit from ~1/E of its quantize calls (the loop's cost
     on the CPU at decode). ``gate_up(e)`` / ``down(e)``: expert ``e``'s weight operand (a tensor)."""
     out = torch.zeros_like(x)
+    slots = slots if slots is not None else grouped.sort_slots(top_k_index, n_experts)
     groups = list(expert_groups(top_k_index, top_k_weights, n_experts, slots))
     if not groups:
         return out
-    counts = [0] * n_experts
-    for e, idx, _ in groups:
-        counts[e] = idx.numel()
-    sizes = torch.tensor(counts, device=x.device)
-    segs = factored.Segments.of(torch.repeat_interleave(torch.arange(n_experts, device=x.device), sizes), n_experts)
+    counts = slots.counts.tolist()  # the rows of each expert, as expert_groups visits them
+    segs = factored.Segments.of(torch.repeat_interleave(torch.arange(n_experts, device=x.device), slots.counts),
+                                n_experts)
 
     def products(a: torch.Tensor, operand) -> list[torch.Tensor]:
         """Each expert's ``spec_linear`` of its rows of ``a`` (sorted by expert), from one ``operands`` call."""

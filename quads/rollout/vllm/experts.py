@@ -62,7 +62,7 @@ def experts_forward(
     ``gate_up(e)`` / ``down(e)``: expert ``e``'s ``(master, operand)``, fetched only for the experts hit;
     ``selectors``: ``{"w13": ..., "w2": ...}`` static RAC selectors (empty without static RAC).
     """
-    if not selectors and shares_operands(spec, x):  # the same bits, the operands once per call (quads' layer too)
+    if shares_operands(spec, x):  # the same bits, the operands once per call (quads' layer too; no static RAC)
         return shared_operand_experts(x, top_k_index, top_k_weights, n_experts=n_experts, spec=spec, act_fn=act_fn,
                                       gate_up=lambda e: gate_up(e)[1], down=lambda e: down(e)[1])
     out = torch.zeros_like(x)
