@@ -20,6 +20,9 @@ Weight operands (``WeightStore``):
   packed 4-bit weight (``quads.kernels.w4a16``; W4A4 as the weight operand of the factored GEMM,
   ``quads.quant.factored``), its layout built at sync time, in place on re-sync, and ``get()`` decodes
   the operand from those bytes when asked (weight-sync fingerprints, static RAC priors, diagnostics).
+  FP8 W8A8 (``fp8_scaled.supports``) on a GPU with FP8 tensor cores keeps only the E4M3 codes and FP32
+  scales (``fp8.FP8Tensor``), which ``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` read
+  (``quads.quant.fp8_scaled``), likewise in place on re-sync, ``get()`` their dequantized operand.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from quads.formats import fp8
 from quads.kernels import dispatch, w4a16
 from quads.kernels.expert_routes import expert_rank
 from quads.model import moe
-from quads.quant import factored, grouped, ops, qat
+from quads.quant import factored, fp8_scaled, grouped, ops, qat
 from quads.quant.amplify import amplify_weight
 from quads.quant.linear import spec_linear
 from quads.quant.rac import StaticChannelSelector, rac_channels
@@ -62,6 +66,7 @@ class WeightStore:
         self.w_amp: torch.Tensor | None = None  # the amplified fp32 operand (``get_amplified``; rollout side)
         self.packed = None  # NVFP4Tensor for NVFP4 weights (codes, scales, global scales), beside w_q
         self.kernel: w4a16.W4A16Weight | None = None  # rollout packed GEMMs: the weight (no w_q, no packed)
+        self.fp8: fp8.FP8Tensor | None = None  # rollout FP8 tensor-core GEMMs: codes and scales (no w_q)
         self.key: tuple | None = None
         self.n_quantize = 0  # how many times this weight was quantized (tests, benchmarks)
         # trainer side: the stores refreshed together when this one is found stale (``link_stores``)
@@ -82,7 +87,7 @@ class WeightStore:
 
     def _set(self, w_q: torch.Tensor) -> None:
         """Trainer side: cache the operand ``w_q`` of the parameter as it is now."""
-        self.w_q, self.packed, self.kernel, self.w_q32, self.w_amp = w_q, None, None, None, None
+        self.w_q, self.packed, self.kernel, self.w_q32, self.w_amp, self.fp8 = w_q, None, None, None, None, None
         self.key = self._key()
         self.n_quantize += 1
 
@@ -98,10 +103,19 @@ class WeightStore:
             new = w4a16.pack(ops.nvfp4_weight(self.param, self.spec, self.dtype))
             if self.kernel is None or not self.kernel.copy_(new):
                 self.kernel = new
-            self.packed, self.w_q, self.w_q32, self.w_amp = None, None, None, None  # unpack(kernel): the codes
+            self.packed, self.w_q, self.w_q32, self.w_amp, self.fp8 = None, None, None, None, None  # unpack: codes
             self.key = self._key()
             self.n_quantize += 1
             return None
+        if self.fp8_gemm():
+            new8 = fp8_scaled.quantize_weight(self.param, self.spec, self.dtype)
+            if self.fp8 is None or not fp8_scaled.copy_(self.fp8, new8):
+                self.fp8 = new8
+            self.packed, self.kernel, self.w_q, self.w_q32, self.w_amp = None, None, None, None, None
+            self.key = self._key()
+            self.n_quantize += 1
+            return None
+        self.fp8 = None
         if self.side == "trainer":
             self._set(ops.qat_weights([self.param], self.spec, self.dtype)[0])
             return self.w_q
@@ -155,6 +169,24 @@ class WeightStore:
         return (self.side == "rollout" and reads_packed_weight(self.spec, self.dtype) and p.dtype == torch.bfloat16
                 and dispatch.use_triton(p))  # fmt: skip
 
+    def fp8_gemm(self) -> bool:
+        """Whether this weight's GEMMs read its FP8 codes and scales on FP8 tensor cores (``fp8_scaled``): rollout
+        side, a spec ``fp8_scaled.supports``, a GPU that has them."""
+        p = self.param
+        return (self.side == "rollout" and fp8_scaled.supports(self.spec, p.dim())
+                and fp8_scaled.on_tensor_cores(p, p.dim()))
+
+    def use_fp8(self, x: torch.Tensor) -> bool:
+        """Whether a GEMM of activations ``x`` runs ``fp8_scaled`` (FP8 codes kept, BF16 ``x`` on their device)."""
+        return (self.fp8 is not None and x.dtype == torch.bfloat16 and x.device == self.fp8.data.device
+                and fp8_scaled.on_tensor_cores(x, self.fp8.data.dim()))
+
+    def get_fp8(self) -> fp8.FP8Tensor:
+        """The FP8 codes and scales (refreshed first if the parameter moved device)."""
+        if self.fp8 is None or self.fp8.data.device != self.param.device:
+            self.refresh()
+        return self.fp8
+
     def use_packed(self, x: torch.Tensor) -> bool:
         """Whether a GEMM of activations ``x`` reads the packed weight (a packed weight is kept, x is
         BF16, and the kernel backend runs Triton on x)."""
@@ -177,9 +209,13 @@ class WeightStore:
             return self.w_q
         if self.kernel is not None:  # the operand, decoded from the bytes the packed GEMM reads
             return _decode(self.get_packed())
+        if self.fp8 is not None:  # ops.quantize_weight's operand, from the codes and scales the FP8 GEMM reads
+            return fp8.dequantize(self.get_fp8(), self.dtype)
         if self.w_q is None:
             w_q = self.refresh()
-            return w_q if w_q is not None else _decode(self.kernel)
+            if w_q is not None:
+                return w_q
+            return _decode(self.kernel) if self.kernel is not None else fp8.dequantize(self.fp8, self.dtype)
         if self.w_q.device != self.param.device:
             return self.refresh()
         return self.w_q
@@ -336,6 +372,8 @@ class QuantizedLinear(_QuantizedBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         store = self.stores["weight"]
+        if store.use_fp8(x):  # FP8 W8A8 on FP8 tensor cores
+            return fp8_scaled.linear(x, store.get_fp8(), self.bias)
         if not store.use_packed(x):
             return self._gemm("weight", None, x, store.get())
         if self.spec.act == "nvfp4":  # W4A4(+RAC): the factored GEMM reads the packed weight
@@ -443,6 +481,10 @@ class ExpertOperands(Protocol):
 
     def get_packed(self) -> w4a16.W4A16Weight: ...
 
+    def use_fp8(self, x: torch.Tensor) -> bool: ...  # GEMMs of ``x`` read ``get_fp8()`` (``fp8_scaled``)
+
+    def get_fp8(self) -> fp8.FP8Tensor: ...
+
     def get(self) -> torch.Tensor: ...  # the dequantized operand QDQ(W)
 
     def get_f32(self) -> torch.Tensor: ...
@@ -465,7 +507,9 @@ def sorted_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
     on the sorted rows (per-expert global scales and RAC channel sets by masked reductions, one
     grouped GEMM of the exact NVFP4 values per projection, fp32 global scales on its output; the
     quantized operands are the loop's bit for bit, see ``quads.quant.factored``; a packed weight is
-    read by the grouped W4A16 kernel). FP8 activations, and any spec under the mismatch amplifier
+    read by the grouped W4A16 kernel). FP8 W8A8 with the weight's codes kept (``use_fp8``: FP8 tensor cores):
+    ``fp8_scaled.grouped`` over the sorted rows (``torch._scaled_grouped_mm``). Other FP8 activations, and any
+    spec under the mismatch amplifier
     (``error_scale != 1``: the operands of ``quads.quant.amplify``, the weight's kept amplified by its
     store): the padded layout of ``quads.quant.grouped`` at the fixed capacity C = T (zero rows change
     no amax) and ``grouped_linear``. Outputs summed per token in ascending expert order, as the loop does.
@@ -485,6 +529,9 @@ def sorted_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
         ``[T*k]``: each output row times it, eager ``y * scale[:, None].to(y.dtype)``'s bits (the grouped W4A16
         kernel in its epilogue: no ``[T*k, N]`` pass of its own)."""
         store = stores[name]
+        if spec.act == "fp8" and store.use_fp8(a):  # FP8 W8A8 on FP8 tensor cores, the sorted rows as they are
+            y = fp8_scaled.grouped(a if rows is None else a[rows], store.get_fp8(), routes)
+            return y if scale is None else y * scale[:, None].to(y.dtype)
         if spec.act == "none" and not amplified and store.use_packed(a):  # the kernel gathers the rows itself
             return w4a16.grouped_op(a, store.get_packed(), routes.ends, rows,
                                     None if scale is None else scale.to(a.dtype))
@@ -593,8 +640,9 @@ class QuantizedExperts(_QuantizedBase):
                 and moe.use_sorted(self.grouped, hidden_states, self.gate_up_proj, self.down_proj))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if self.stores["gate_up_proj"].use_packed(hidden_states):
-            return self.forward_static(hidden_states, top_k_index, top_k_weights)  # the packed GEMMs
+        gate_up = self.stores["gate_up_proj"]
+        if gate_up.use_packed(hidden_states) or gate_up.use_fp8(hidden_states):
+            return self.forward_static(hidden_states, top_k_index, top_k_weights)  # the packed / FP8 GEMMs
         if self._use_sorted(hidden_states):
             return self._forward_sorted(hidden_states, top_k_index, top_k_weights)
         slots = grouped.sort_slots(top_k_index, self.num_experts)  # read by both paths below

@@ -110,6 +110,7 @@ def weights_key(model: torch.nn.Module) -> tuple:
         if isinstance(m, _QuantizedBase):
             for store in m.stores.values():
                 packed = store.kernel.tensors() if store.kernel is not None else ()
+                packed += (store.fp8.data, store.fp8.scale) if store.fp8 is not None else ()
                 key += [None if t is None else t.data_ptr() for t in (store.w_q, store.w_q32, store.w_amp, *packed)]
             key += [bool(getattr(sel, "observing", False)) for sel in m.selectors.values()]
     return tuple(key)

@@ -105,6 +105,13 @@ class VllmExpertOperands:
     def get_packed(self) -> w4a16.W4A16Weight:
         return self.rw.kernel()
 
+    def use_fp8(self, x: torch.Tensor) -> bool:
+        """Never: vLLM's quads method keeps no FP8 codes (``fp8_scaled`` is quads' own engine's)."""
+        return False
+
+    def get_fp8(self):
+        raise ValueError(f"{self.rw.units[0].name}: vLLM's quads method keeps no FP8 codes and scales")
+
     def get(self) -> torch.Tensor:
         return self.rw.full_operand()
 
