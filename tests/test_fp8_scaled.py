@@ -24,6 +24,7 @@ from quads.rollout.score import score_rollout
 SPEC = LinearSpec.of(weight="fp8", act="fp8")
 U32 = 2.0**-24  # fp32 unit roundoff
 U_BF16 = 2.0**-8
+HOPPER_FP8_ACC = 2.0**-11  # the GPU tests' allowance for Hopper's FP8 accumulation (test_gpu_kernels_are_the_fp8_product)
 
 
 def _bound(a: fp8.FP8Tensor, w: fp8.FP8Tensor, sw_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,11 +53,31 @@ def _grouped_stand_in(a, b, scale_a, scale_b, offs=None, out_dtype=torch.bfloat1
     return out
 
 
+def _dense_stand_in(a, b, scale_a, scale_b, out_dtype=torch.bfloat16, **_):
+    """CPU stand-in for ``torch._scaled_mm`` where the CPU build takes per-tensor scales only (torch 2.11): codes
+    ``[M, K]`` times ``[K, N]`` column-major, scales ``[]`` / ``[M, 1]`` and ``[]`` / ``[1, N]``."""
+    assert a.dtype == b.dtype == fp8.F8E4M3_DTYPE and b.stride(0) == 1
+    assert scale_a.numel() in (1, a.shape[0]) and scale_b.numel() in (1, b.shape[1])
+    return ((a.float() @ b.float()) * scale_a * scale_b).to(out_dtype)
+
+
+def _cpu_rowwise_scaled_mm() -> bool:
+    a = torch.ones(16, 16).to(fp8.F8E4M3_DTYPE)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
 @pytest.fixture
 def tensor_cores(monkeypatch):
-    """The tensor-core branch on the CPU (module docstring)."""
+    """The tensor-core branch on the CPU (module docstring); ``torch._scaled_mm`` itself where this CPU build takes
+    row scales (torch 2.13), its stand-in where it does not."""
     monkeypatch.setattr(fp8_scaled, "on_tensor_cores", lambda t, weight_dims=2: True)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _grouped_stand_in, raising=False)
+    if not _cpu_rowwise_scaled_mm():
+        monkeypatch.setattr(torch, "_scaled_mm", _dense_stand_in)
 
 
 def _routes(T=24, k=2, E=5, masked=3, seed=0):
@@ -226,7 +247,10 @@ sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_devi
 @pytest.mark.parametrize("shape", [(128, 1024, 1024), (1024, 512, 1024), (1024, 1024, 512)])
 def test_gpu_kernels_are_the_fp8_product(shape):
     """``torch._scaled_mm`` and ``torch._scaled_grouped_mm`` at decode sizes (64 experts, top-8, masked slots)
-    within fp32 accumulation and BF16 rounding of the exact product, and inside a CUDA graph the same bits."""
+    within BF16 rounding of the exact product plus Hopper's FP8 accumulation, and inside a CUDA graph the same
+    bits. Hopper's FP8 MMA keeps fewer accumulator bits than fp32 (the kernels promote to fp32 between K blocks):
+    run 77 measured at most 2^-13.2 of ``sum_k |q_x q_w| s_x s_w`` beyond the BF16 rounding at these shapes
+    (``scripts/device_calls/fp8_accum_probe.py``); the test allows ``HOPPER_FP8_ACC`` = 2^-11."""
     M, N, K = shape
     torch.manual_seed(4)
     x = (torch.randn(M, K, device="cuda") * 2).bfloat16()
@@ -234,7 +258,8 @@ def test_gpu_kernels_are_the_fp8_product(shape):
     a = fp8.quantize(x, granularity="row")
     got = fp8_scaled.linear(x, w)
     exact = _exact(a, w)
-    assert ((got.double() - exact).abs() <= _bound(a, w) + U_BF16 * exact.abs()).all()
+    mag = (a.data.double().abs() @ w.data.double().abs().T) * a.scale.double() * w.scale.double().T
+    assert ((got.double() - exact).abs() <= HOPPER_FP8_ACC * mag + U_BF16 * exact.abs()).all()
     E, k = 64, 8
     T = M // k
     idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
@@ -249,7 +274,7 @@ def test_gpu_kernels_are_the_fp8_product(shape):
     exact = routes.unpad(torch.bmm(routes.pad(a.data.double()), codes.mT)) * a.scale.double() * sw
     mag = routes.unpad(torch.bmm(routes.pad(a.data.double().abs()), codes.abs().mT)) * a.scale.double() * sw
     assert torch.equal(y[~routes.valid], torch.zeros_like(y[~routes.valid]))
-    assert ((y.double() - exact).abs() <= (K + 2) * U32 * 1.01 * mag + U_BF16 * exact.abs()).all()
+    assert ((y.double() - exact).abs() <= HOPPER_FP8_ACC * mag + U_BF16 * exact.abs()).all()
     graph = torch.cuda.CUDAGraph()
     out = fp8_scaled.grouped(xs, ws, routes)  # warm
     with torch.cuda.graph(graph):
