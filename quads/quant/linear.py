@@ -6,7 +6,8 @@
 | nvfp4    | ``w4a4_linear`` (RAC when ``rac_ratio > 0``)      | fp32       |
 | fp8      | ``fp8_linear``                                    | fp32       |
 
-With ``spec.error_scale != 1`` (the mismatch amplifier) every row goes through ``amplified_linear``
+The rollout's FP8 W8A8 layers on FP8 tensor cores bypass this for ``quads.quant.fp8_scaled`` (the weight's codes
+and scales, ``quads.quant.layers``). With ``spec.error_scale != 1`` (the mismatch amplifier) every row goes through ``amplified_linear``
 (fp32 GEMM of ``x + alpha (Q(x) - x)`` operands, ``quads.quant.amplify``).
 
 The weight operand ``w_q`` comes from the caller (a per-step cache on the trainer side, the
