@@ -18,8 +18,9 @@ this GEMM's output. tests/test_fp8_scaled.py bounds both against an fp64 referen
 Where it runs (``supports``): the rollout side, schemes ``row`` (per-output-channel weights, per-token
 activations: dense layers and expert stacks) and ``tensor`` (dense layers only; an expert stack's tensor scheme
 has one activation scale per expert, which the grouped GEMM cannot take), no mismatch amplifier, BF16
-activations, CUDA tensors under a kernel backend other than ``reference``, FP8 tensor cores (compute capability
-8.9 and up; the grouped GEMM: 9.x, where torch implements it). Everywhere else the emulated path runs.
+activations, CUDA tensors under a kernel backend other than ``reference`` on Hopper (compute capability 9.x: FP8
+tensor cores, and torch's grouped FP8 GEMM with row scales; the GPUs these kernels were verified on). Everywhere
+else the emulated path runs.
 """
 
 from __future__ import annotations
@@ -52,14 +53,13 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def on_tensor_cores(t: torch.Tensor, weight_dims: int = 2) -> bool:
-    """Whether FP8 GEMMs of CUDA tensor ``t`` run on tensor cores here (module docstring); an expert stack
-    (``weight_dims`` 3) needs the grouped GEMM (compute capability 9.x)."""
+    """Whether FP8 GEMMs of CUDA tensor ``t`` run on tensor cores here (module docstring): Hopper (compute
+    capability 9.x), where both kernels are verified (tests/test_fp8_scaled.py; torch's grouped FP8 GEMM with row
+    scales exists for 9.x only); other GPUs keep the emulated path."""
     if not t.is_cuda or dispatch.backend() == "reference":
         return False
-    major, minor = _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    if weight_dims == 3:
-        return major == 9 and hasattr(torch, "_scaled_grouped_mm")
-    return (major, minor) >= (8, 9)
+    major, _ = _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return major == 9 and (weight_dims == 2 or hasattr(torch, "_scaled_grouped_mm"))
 
 
 def quantize_weight(w: torch.Tensor, spec: LinearSpec, dtype: torch.dtype) -> fp8.FP8Tensor:
