@@ -171,9 +171,9 @@ class WeightStore:
 
     def fp8_gemm(self) -> bool:
         """Whether this weight's GEMMs read its FP8 codes and scales on FP8 tensor cores (``fp8_scaled``): rollout
-        side, a spec ``fp8_scaled.supports``, a GPU that has them."""
+        side, a spec ``fp8_scaled.supports``, a BF16 parameter (BF16 activations), a GPU that has them."""
         p = self.param
-        return (self.side == "rollout" and fp8_scaled.supports(self.spec, p.dim())
+        return (self.side == "rollout" and fp8_scaled.supports(self.spec, p.dim()) and p.dtype == torch.bfloat16
                 and fp8_scaled.on_tensor_cores(p, p.dim()))
 
     def use_fp8(self, x: torch.Tensor) -> bool:
