@@ -164,14 +164,20 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def operand_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weight operands the quantized layers hold for their GEMMs (what the step reads of
     them): the packed NVFP4 layout on the kernel path (W4A16, W4A4(+RAC) on a Triton device: codes,
-    scales, global scales, K padded to 64), else the dequantized ``QDQ(W)`` and its fp32 copy when made."""
+    scales, global scales, K padded to 64), FP8 on FP8 tensor cores its E4M3 codes and row scales, else the
+    dequantized ``QDQ(W)`` and its fp32 copy when made."""
     from quads.quant.layers import _QuantizedBase
 
     total = 0
     for m in model.modules():
         if isinstance(m, _QuantizedBase):
             for st in m.stores.values():
-                held = st.kernel.tensors() if st.kernel is not None else (st.w_q, st.w_q32)
+                if st.kernel is not None:
+                    held = st.kernel.tensors()
+                elif st.fp8 is not None:
+                    held = (st.fp8.data, st.fp8.scale)
+                else:
+                    held = (st.w_q, st.w_q32)
                 total += sum(t.numel() * t.element_size() for t in held if t is not None)
     return total
 

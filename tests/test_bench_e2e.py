@@ -129,6 +129,28 @@ def test_operand_bytes_count_the_packed_weights(reference_quantizer):
     assert held["reference"] == 2 * (ex.gate_up_proj.numel() + ex.down_proj.numel())
 
 
+def test_operand_bytes_count_the_fp8_codes(monkeypatch):
+    """FP8 rollout layers on FP8 tensor cores (the branch patched on, tests/test_fp8_scaled.py) hold 1 byte a weight
+    and a 4-byte scale a row; emulated, the BF16 QDQ(W)."""
+    from conftest import tiny_model
+
+    from quads.quant import fp8_scaled, quantize_model
+    from quads.quant.recipe import LinearSpec, Recipe
+
+    held = {}
+    for cores in (True, False):
+        monkeypatch.setattr(fp8_scaled, "on_tensor_cores", lambda t, weight_dims=2, _on=cores: _on)
+        model = tiny_model(hidden_size=64, dtype="bfloat16").requires_grad_(False)
+        quantize_model(model, Recipe("t", rollout=LinearSpec.of(weight="fp8", act="fp8")), side="rollout", verbose=False)
+        held[cores] = _bench().operand_bytes(model)
+    ex = model.model.layers[0].mlp.experts
+    weights = ex.gate_up_proj.numel() + ex.down_proj.numel()
+    rows = ex.gate_up_proj.shape[0] * (ex.gate_up_proj.shape[1] + ex.down_proj.shape[1])
+    layers = len(model.model.layers)
+    assert held[True] == layers * (weights + 4 * rows)
+    assert held[False] == layers * 2 * weights
+
+
 def test_bench_trainer_phases_cpu(tmp_path):
     """``--trainer-phases``: per configuration the phase steps' statistics (median, IQR) of every phase in
     order, each step the sum of its phases; QAT's refresh phase does the work
