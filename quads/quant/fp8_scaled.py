@@ -117,14 +117,3 @@ def reference_grouped(a: fp8.FP8Tensor, w: fp8.FP8Tensor, routes: moe.StaticRout
     sw = w.scale.squeeze(-1)[routes.expert.clamp_max(E - 1)]  # [M, N]: each row's expert's channel scales
     return y * a.scale * sw
 
-
-def copy_(dst: fp8.FP8Tensor, src: fp8.FP8Tensor) -> bool:
-    """``dst``'s codes and scales overwritten with ``src``'s in place (a captured step keeps reading them);
-    False (nothing copied) when their layouts differ."""
-    same = all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-               for a, b in ((dst.data, src.data), (dst.scale, src.scale)))
-    if same and dst.granularity == src.granularity:
-        dst.data.copy_(src.data)
-        dst.scale.copy_(src.scale)
-        return True
-    return False

@@ -108,8 +108,12 @@ class WeightStore:
             self.n_quantize += 1
             return None
         if self.fp8_gemm():
-            new8 = fp8_scaled.quantize_weight(self.param, self.spec, self.dtype)
-            if self.fp8 is None or not fp8_scaled.copy_(self.fp8, new8):
+            new8, old = fp8_scaled.quantize_weight(self.param, self.spec, self.dtype), self.fp8
+            if (old is not None and old.granularity == new8.granularity and _same_layout(old.data, new8.data)
+                    and _same_layout(old.scale, new8.scale)):
+                old.data.copy_(new8.data)  # in place: a captured step keeps reading them
+                old.scale.copy_(new8.scale)
+            else:
                 self.fp8 = new8
             self.packed, self.kernel, self.w_q, self.w_q32, self.w_amp = None, None, None, None, None
             self.key = self._key()
@@ -213,9 +217,7 @@ class WeightStore:
             return fp8.dequantize(self.get_fp8(), self.dtype)
         if self.w_q is None:
             w_q = self.refresh()
-            if w_q is not None:
-                return w_q
-            return _decode(self.kernel) if self.kernel is not None else fp8.dequantize(self.fp8, self.dtype)
+            return w_q if w_q is not None else self.get()  # None: the packed or FP8 codes kept, decoded above
         if self.w_q.device != self.param.device:
             return self.refresh()
         return self.w_q
@@ -529,7 +531,7 @@ def sorted_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
         ``[T*k]``: each output row times it, eager ``y * scale[:, None].to(y.dtype)``'s bits (the grouped W4A16
         kernel in its epilogue: no ``[T*k, N]`` pass of its own)."""
         store = stores[name]
-        if spec.act == "fp8" and store.use_fp8(a):  # FP8 W8A8 on FP8 tensor cores, the sorted rows as they are
+        if store.use_fp8(a):  # FP8 W8A8 on FP8 tensor cores, the sorted rows as they are
             y = fp8_scaled.grouped(a if rows is None else a[rows], store.get_fp8(), routes)
             return y if scale is None else y * scale[:, None].to(y.dtype)
         if spec.act == "none" and not amplified and store.use_packed(a):  # the kernel gathers the rows itself
