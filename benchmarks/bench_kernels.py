@@ -436,10 +436,11 @@ RAC_SELECT_WARPS = (None, 16)  # rac_units' select_warps (None: its default, KP 
 RAC_SORT_RUNS = (None, 256, 128)  # rac_units' sort_run (None: one sorted run of all K; runs of 64 spill at K = 1024)
 
 
-# group_units launch configs (block_m, block_k, cols, amax_block_m, num_warps); the first is its default. (Run 73
-# timed the group amaxes by one program per group beside these, slower in the 1b step, and that path was removed.)
-GROUP_UNITS_CONFIGS = [(8, 128, None, 4, 4), (16, 128, None, 4, 4), (4, 128, None, 4, 4), (8, 64, None, 4, 4),
-                       (16, 256, None, 8, 4), (8, 256, None, 2, 4), (4, 64, None, 2, 2), (8, 128, 256, 4, 4)]
+# group_units launch configs (block_m, block_k, cols, num_warps); the first is its default. (Run 73 timed the group
+# amaxes by one program per group, slower in the 1b step; until 2026-12-07 (j) they were an atomic max per row into a
+# zero-filled buffer, two launches in front of the quantize.)
+GROUP_UNITS_CONFIGS = [(8, 128, None, 4), (16, 128, None, 4), (4, 128, None, 4), (8, 64, None, 4),
+                       (16, 256, None, 4), (8, 256, None, 4), (4, 64, None, 2), (8, 128, 256, 4)]
 
 
 def bench_rac(rows: list) -> None:
@@ -447,7 +448,7 @@ def bench_rac(rows: list) -> None:
     top-8 over 64 experts (M = 1024 sorted rows), the residual operand by the fused ``quads::rac_units``
     with each selection method (``sort``: a bitonic sort per expert; ``count``: K x K rank counting; ``us``
     is the default method's) against the step-by-step path (same Triton quantize kernels, torch
-    selection), W4A4 alone (``w4a4_us``: the one-launch operand, ``factored_quant.group_units``;
+    selection), W4A4 alone (``w4a4_us``: the decode operand, ``factored_quant.group_units`` after the row maxima;
     ``w4a4_steps_us``: row amax, group max and quantize as three steps), RAC 50% with a calibrated channel order
     (``static_us``: ``quads::rac_static_units`` and the norms it observes), the residual operand alone on W4A4's
     residual per sorted run and warps of the select kernel (``residual_sort_run_us``: ``[sort_run, select_warps,
@@ -465,7 +466,7 @@ def bench_rac(rows: list) -> None:
     g = torch.Generator(device="cpu").manual_seed(0)
     idx = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)]).cuda()
     routes = static_routes(idx, e)
-    segs = factored.Segments.of(routes.expert, e)
+    segs = factored.Segments.of(routes.expert, e, routes.offsets)
     cases = (("sort", None, True, "sort", True), ("count", None, True, "count", True),
              ("unfused", None, False, None, True), ("w4a4", 0, True, None, True),
              ("w4a4_steps", 0, True, None, False))  # name, n (None: K/2), fused RAC, selection method, fused amax
@@ -493,11 +494,13 @@ def bench_rac(rows: list) -> None:
                             lambda r=r, run=run, w=warps: rac_units(r, segs.group, e, res_out, n=k // 2, method="sort",
                                                                     sort_run=run, select_warps=w)
                             for r in rs])  # fmt: skip
-            # the W4A4 operand's kernels alone (group amax + quantize), per launch config
+            # the W4A4 operand's quantize alone (the group amaxes from given row maxima), per launch config
             out = torch.empty(tokens * topk, k, dtype=torch.bfloat16, device="cuda")
+            rmax = [factored.row_amax(x) for x in xs]
             for cfg in GROUP_UNITS_CONFIGS:
-                kw = dict(zip(("block_m", "block_k", "cols", "amax_block_m", "num_warps"), cfg))
-                t[cfg] = time_graph([lambda x=x, kw=kw: group_units(x, segs.group, e, out, **kw) for x in xs])
+                kw = dict(zip(("block_m", "block_k", "cols", "num_warps"), cfg))
+                t[cfg] = time_graph([lambda x=x, m=m, kw=kw: group_units(x, m, segs.group, segs.offsets, e, out, **kw)
+                                     for x, m in zip(xs, rmax, strict=True)])  # fmt: skip
         default = default_method(k)
         rows.append({"bench": "RAC 50% operands (1b decode)", "shape": f"{what} M={tokens * topk} E={e} K={k} "
                      f"n={k // 2}", "us": t[default] * 1e6, "method": default, "sort_us": t["sort"] * 1e6,

@@ -5,7 +5,7 @@
 Compiles, with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` in the launch configs the 1b decode step uses
 (1,024 routed rows over 64 experts; K = 1,024 for gate_up), the kernels of ``factored.operands``:
 
-- ``_group_amax_kernel`` and ``_quantize_units_kernel`` (grouped: ``group_units``), and ``_gather_amax_kernel`` with
+- ``_quantize_units_kernel`` (grouped: ``group_units``, its group amaxes from the row maxima), and ``_gather_amax_kernel`` with
   the quantize gathering through each expert's order (``rac_static_units``), instructions per element of one pass of
   their loop body (one tile per program at the default config);
 - ``_rac_select_kernel`` (RAC's selection, one program per expert: the fp64 channel norms, then the bitonic sort of
@@ -30,7 +30,7 @@ from sass_w4a16 import add_output_args, compile_sass, kernel_instructions, write
 from quads.kernels import factored_quant, rac_select  # noqa: E402
 
 # pointer element types by argument name; the other non-constexpr arguments are i32
-PTR = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "group_ptr": "*i64", "idx_ptr": "*i64", "order_ptr": "*i64", "u_ptr": "*bf16",
+PTR = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "group_ptr": "*i64", "offs_ptr": "*i64", "idx_ptr": "*i64", "order_ptr": "*i64", "u_ptr": "*bf16",
        "g_ptr": "*fp32",
        "r_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8", "s_ptr": "*i64", "rank_ptr": "*i32",
        "gmax_ptr": "*fp32", "sk_ptr": "*i64", "si_ptr": "*i32"}  # fmt: skip
@@ -38,13 +38,11 @@ PTR = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "group_ptr": "*i64", "idx_ptr": "*
 DIV16 = ("M", "K", "W", "n", "stride_xm", "stride_um", "stride_idx", "stride_order", "COLS")
 # (what, kernel, constexprs, num_warps, elements per thread in one pass of the body or None, exact: no FMA contraction)
 CASES = [
-    ("group amax (group_units, 4 rows x 256 columns a pass)", factored_quant._group_amax_kernel,
-     {"BLOCK_M": 4, "BLOCK_K": 256}, 4, 4 * 256 // 128, True),
     ("quantize, grouped (group_units, 8 x 128 tile)", factored_quant._quantize_units_kernel,
-     {"AMAX_BY": 1, "IDX_BY": 0, "GATHER": False, "RESIDUAL": False, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
+     {"AMAX_BY": 4, "IDX_BY": 0, "GATHER": False, "RESIDUAL": False, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
      8 * 128 // 128, True),
     ("quantize, grouped, residual written (RAC's first step)", factored_quant._quantize_units_kernel,
-     {"AMAX_BY": 1, "IDX_BY": 0, "GATHER": False, "RESIDUAL": True, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
+     {"AMAX_BY": 4, "IDX_BY": 0, "GATHER": False, "RESIDUAL": True, "CODES": False, "BLOCK_M": 8, "BLOCK_K": 128}, 4,
      8 * 128 // 128, True),
     ("static RAC: gathered amax (rac_static_units, 4 rows x 256 channels a pass)", factored_quant._gather_amax_kernel,
      {"IDX_BY": 2, "AMAX_BY": 1, "BLOCK_M": 4, "BLOCK_N": 256}, 4, 4 * 256 // 128, True),

@@ -174,7 +174,7 @@ def test_tuning_table_has_every_case():
         assert set(tuning.config("weight_qdq", case)) == {"block_m", "block_k", "num_warps"}
     assert set(tuning.config("rac_quantize", "pass2")) == {"block_m", "block_k", "num_warps", "target_programs"}
     assert set(tuning.config("rac_quantize", "pass4")) == {"block_m", "block_s", "num_warps"}
-    assert set(tuning.config("group_units", "decode")) == {"block_m", "block_k", "cols", "amax_block_m", "num_warps"}
+    assert set(tuning.config("group_units", "decode")) == {"block_m", "block_k", "cols", "num_warps"}
     with pytest.raises(ValueError, match="no launch config w4a16_gemm.m3"):
         tuning.config("w4a16_gemm", "m3")
 

@@ -356,20 +356,25 @@ def test_fused_rac_operands_k_not_a_power_of_two(k, per_token):
     (80, [0, 17, 2, 0], 0, torch.float32, False),  # empty groups first and last, a partial K block
     (512, [40], 5, torch.bfloat16, True),  # two K blocks of 256, a group of three row blocks
     (208, [0, 0, 3], 1, torch.bfloat16, False),
-], ids=["K64", "K80-fp32", "K512", "K208"])
+    (32, [2, 150, 0, 5], 70, torch.bfloat16, True),  # groups of several row-maxima chunks (64) and programs
+], ids=["K64", "K80-fp32", "K512", "K208", "K32-long-groups"])
 def test_group_units_is_row_amax_row_max_and_units(k, counts, masked, dtype, residual):
-    """``factored_quant.group_units`` (the group amaxes by atomic max per row, then the quantize reading each
-    row's amax through its group) writes the bits of ``row_amax`` + ``Segments.row_max`` + ``units`` and of the
-    PyTorch reference (interpreter), into a strided slot of the stacked operand, in two launch configs (one
-    tile per program; several rows per amax program and several column tiles per quantize program, the last
-    partial where K allows), with NaN and inf rows (an inf makes its group's scale 1, a NaN is ignored by the
-    amax)."""
+    """``factored_quant.group_units`` (each program takes its rows' group amaxes from the groups' row maxima,
+    then quantizes) writes the bits of ``row_amax`` + ``Segments.row_max`` + ``units`` and of the PyTorch
+    reference (interpreter), into a strided slot of the stacked operand, in two launch configs (one tile per
+    program; several rows and column tiles per program, the last partial where K allows), with NaN and inf
+    rows (an inf makes its group's scale 1, a NaN is ignored by the amax), groups longer than a chunk of row
+    maxima, and the rows of no group taking their own amax."""
     from quads.kernels import factored_quant
 
     x, segs = _rac_rows(k + len(counts), k, counts, masked)
-    if x.shape[0] > 3:
-        x[1, 3], x[2, 5] = float("nan"), float("inf")
-    amax = segs.row_max(factored.row_amax(x))
+    ends = torch.cat([segs.offsets[1:], torch.tensor([x.shape[0]])])
+    last = ends[ends > segs.offsets] - 1  # each non-empty group's last row, the rows of no group's too
+    x[last, 0] *= 100  # its amax: past the first chunk of row maxima in a long group
+    if x.shape[0] > 3:  # in the first group, not the long one
+        x[1, 3], x[0, 5] = float("nan"), float("inf")
+    rmax = factored.row_amax(x)
+    amax = segs.row_max(rmax)
     ref_u, ref_g, ref_r = factored_quant.quantize_units_reference(x, amax, dtype=dtype, residual=residual)
     for slot in (1,) if k >= 512 else (0, 1):  # the second slot: rows strided and offset in the stacked operand
         want = torch.zeros(x.shape[0], 2, k, dtype=dtype)
@@ -378,18 +383,47 @@ def test_group_units_is_row_amax_row_max_and_units(k, counts, masked, dtype, res
         assert _same_bits(want[:, slot], ref_u) and _same_bits(gw, ref_g)
         assert (rw is None and ref_r is None) or _same_bits(rw, ref_r)
         got = torch.zeros_like(want)
-        gg, rg = factored_quant.group_units_op(x, segs.group, segs.groups, got, slot, residual=residual)
+        gg, rg = factored_quant.group_units_op(x, rmax, segs.group, segs.offsets, segs.groups, got, slot,
+                                               residual=residual)
         cols = torch.zeros_like(want)
-        bk = 32 if k < 512 else 128
-        gc, rc = factored_quant.group_units(x, segs.group, segs.groups, cols[:, slot], residual=residual,
-                                            block_m=4, block_k=bk, cols=2 * bk, amax_block_m=16)
+        bk = 16 if k < 64 else 32 if k < 512 else 128
+        gc, rc = factored_quant.group_units(x, rmax, segs.group, segs.offsets, segs.groups, cols[:, slot],
+                                            residual=residual, block_m=4, block_k=bk, cols=2 * bk)
         for u, g, r in ((got, gg, rg), (cols, gc, rc)):
             assert _same_bits(u, want) and _same_bits(g, gw)
             assert (r is None and rw is None) or _same_bits(r, rw)
+    args = (segs.group, segs.offsets, segs.groups)
     with pytest.raises(ValueError, match="multiple of 16"):
-        factored_quant.group_units(x[:, :40], segs.group, segs.groups, got[:, 0, :40])
+        factored_quant.group_units(x[:, : k - 8], rmax, *args, got[:, 0, : k - 8])
     with pytest.raises(ValueError, match="multiple of block_k"):
-        factored_quant.group_units(x, segs.group, segs.groups, got[:, 0], block_k=32, cols=48)
+        factored_quant.group_units(x, rmax, *args, got[:, 0], block_k=32, cols=48)
+    with pytest.raises(ValueError, match="offsets"):
+        factored_quant.group_units(x, rmax, segs.group, segs.offsets[1:], segs.groups, got[:, 0])
+    with pytest.raises(ValueError, match="fp32"):
+        factored_quant.group_units(x, rmax.double(), *args, got[:, 0])
+
+
+def test_operands_decode_groups_compiled_and_eager_and_the_routes_offsets():
+    """The decode operand's row maxima as ATen ops under ``torch.compile`` (for Inductor to fuse into the kernel
+    that makes the rows) and as ``row_amax`` eagerly give the same bits; the groups' offsets counted by
+    ``Segments.of`` are the routes' own (``moe.StaticRoutes.offsets``, what the decode step passes)."""
+    xs, routes, _, _, _ = _case(3)
+    segs = factored.Segments.of(routes.expert, E, routes.offsets)
+    assert torch.equal(factored.Segments.of(routes.expert, E).offsets, routes.offsets)
+    with pytest.raises(ValueError, match="offsets"):
+        factored.Segments.of(routes.expert, E, routes.offsets[1:])
+
+    def operand(x):
+        op = factored.operands(x, segs, n=0, dtype=torch.bfloat16)
+        return op.u, op.g
+
+    with dispatch.kernels("triton"):
+        eager = operand(xs)
+        torch._dynamo.reset()
+        compiled = torch.compile(operand, backend="aot_eager", fullgraph=True)(xs)
+    for a, b in zip(eager, compiled, strict=True):
+        assert _same_bits(a, b)
+    assert eager[1].unique().numel() > 2  # several groups' own scales
 
 
 def test_operands_quantize_decode_groups_in_one_launch(monkeypatch):

@@ -14,7 +14,9 @@ arithmetic of ``nvfp4_quant._quantize_tile``, bit-exact with ``quads.formats.nvf
 consecutive indices, RAC's selection order) and scatter ``u`` back to ``out[i, index[i, j]]`` (``out``
 ``[M, K]``, zero-initialized by the caller), so the residual operand never exists in gathered form.
 Rows sorted by expert with each expert's amax as the global scale (the decode step): ``group_units``, the
-group amaxes by one atomic max per row, then the same kernel reading each row's amax through its group.
+same kernel given each row's NaN-ignoring max (computed where the rows are made: Inductor fuses it into the
+kernel that writes them) and the groups' row offsets; each program takes its rows' group amaxes as the max of
+their groups' row maxima, so the group amax needs no launch (no zero fill, no atomics).
 The kernel runs over rows x column tiles, so a decode-sized operand (1,024 x 1,024) is ~1,000 programs.
 The pure-PyTorch twin is ``quantize_units_reference``; tests compare them byte for byte.
 """
@@ -38,7 +40,6 @@ if HAS_TRITON:
         _store_codes_scales,
         _store_units,
         _units_tile,
-        rows_absmax,
     )
 
     @triton.jit
@@ -55,18 +56,44 @@ if HAS_TRITON:
             return tl.minimum(grp, G - 1) if BY == 2 else grp
 
     @triton.jit
+    def _group_rows_max(rmax_ptr, group_ptr, offs_ptr, r0, rows, rmask, M, G, CHUNK: tl.constexpr):
+        """Each row's group amax from the row maxima ``rmax`` ``[M]`` (>= 0, NaN-free) of rows sorted by group
+        (``rows`` from ``r0 < M`` on): the max of ``rmax[offs[g], offs[g + 1])`` for the row's group g < G, of
+        ``rmax[offs[G], M)`` for the rows of no group (G); 0 for an empty range, as
+        ``factored.Segments.row_max``. Exact (a max). The span read is from the first row's group's start to the
+        last row's group's end (scalar loads: the groups are sorted)."""
+        grp = tl.load(group_ptr + rows, mask=rmask, other=0)
+        start = tl.load(offs_ptr + grp, mask=rmask, other=0)
+        end = tl.where(grp < G, tl.load(offs_ptr + grp + 1, mask=rmask & (grp < G), other=0), M)
+        g_lo = tl.load(group_ptr + r0)
+        g_hi = tl.load(group_ptr + tl.minimum(r0 + rows.shape[0], M) - 1)
+        lo = tl.load(offs_ptr + g_lo)
+        hi = tl.where(g_hi < G, tl.load(offs_ptr + tl.minimum(g_hi + 1, G)), M)
+        acc = tl.zeros(rows.shape, tl.float32)
+        for j0 in range(lo, hi, CHUNK):
+            j = j0 + tl.arange(0, CHUNK)
+            v = tl.load(rmax_ptr + j, mask=j < hi, other=0.0)
+            inside = (j[None, :] >= start[:, None]) & (j[None, :] < end[:, None])
+            acc = tl.maximum(acc, tl.max(tl.where(inside, v[None, :], 0.0), axis=1))
+        return acc
+
+    @triton.jit
     def _quantize_units_kernel(
-        x_ptr, amax_ptr, group_ptr, idx_ptr, u_ptr, g_ptr, r_ptr, codes_ptr, scales_ptr, M, K, W, G, stride_xm,
-        stride_um, stride_idx, COLS, AMAX_BY: tl.constexpr, IDX_BY: tl.constexpr, GATHER: tl.constexpr,
+        x_ptr, amax_ptr, group_ptr, offs_ptr, idx_ptr, u_ptr, g_ptr, r_ptr, codes_ptr, scales_ptr, M, K, W, G,
+        stride_xm, stride_um, stride_idx, COLS, AMAX_BY: tl.constexpr, IDX_BY: tl.constexpr, GATHER: tl.constexpr,
         RESIDUAL: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Program (i, c): rows ``[i BLOCK_M, (i + 1) BLOCK_M)`` x columns ``[c COLS, (c + 1) COLS)`` of the
         quantized width W (K, or n gathered channels) in steps of BLOCK_K. The row's amax is
-        ``amax[_row_keys(AMAX_BY)]``; gathered, its channels ``idx[_row_keys(IDX_BY), :W]`` (rows of
-        ``stride_idx``)."""
+        ``amax[_row_keys(AMAX_BY)]``, or for ``AMAX_BY`` 4 (``BY_GROUP_ROWS``) the max of its group's row maxima
+        ``amax`` (``_group_rows_max``, the groups' row offsets ``offs``); gathered, its channels
+        ``idx[_row_keys(IDX_BY), :W]`` (rows of ``stride_idx``)."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
-        amax = tl.load(amax_ptr + _row_keys(group_ptr, rows, rmask, G, AMAX_BY), mask=rmask, other=0.0)
+        if AMAX_BY == 4:
+            amax = _group_rows_max(amax_ptr, group_ptr, offs_ptr, tl.program_id(0) * BLOCK_M, rows, rmask, M, G, 64)
+        else:
+            amax = tl.load(amax_ptr + _row_keys(group_ptr, rows, rmask, G, AMAX_BY), mask=rmask, other=0.0)
         irow = _row_keys(group_ptr, rows, rmask, G, IDX_BY)
         s_enc, s_dec = _global_scales(amax)
         c0 = tl.program_id(1) * COLS
@@ -84,18 +111,6 @@ if HAS_TRITON:
                 _store_codes_scales(codes_ptr, scales_ptr, packed, s_byte, rows, rmask, k0, W, 1, 1, 1,
                                     False, BLOCK_K)
             _store_units(u_ptr, r_ptr, x, u, s_dec, rows, ch, m, stride_um, K, RESIDUAL)
-
-
-    @triton.jit
-    def _group_amax_kernel(x_ptr, group_ptr, amax_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr,
-                           BLOCK_K: tl.constexpr):  # fmt: skip
-        """``amax[group[r]] = max(amax[group[r]], max |x[r, :]|)`` for rows ``[i BLOCK_M, (i + 1) BLOCK_M)``,
-        NaN ignored (``amax`` zero-filled by the caller; one atomic max per row, exact and order-free)."""
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        row_max = rows_absmax(x_ptr + rows * stride_xm, rmask, K, BLOCK_M, BLOCK_K)
-        grp = tl.load(group_ptr + rows, mask=rmask, other=0)
-        tl.atomic_max(amax_ptr + grp, row_max, mask=rmask, sem="relaxed")
 
 
     @triton.jit
@@ -121,6 +136,7 @@ if HAS_TRITON:
 
 
 BY_ROW, BY_GROUP, BY_CHANNEL_GROUP, BY_ONE = 0, 1, 2, 3  # _row_keys' modes
+BY_GROUP_ROWS = 4  # the quantize kernel's amax: the max of the row's group's row maxima (_group_rows_max)
 
 
 def quantize_units(
@@ -168,7 +184,9 @@ GROUP_UNITS_MAX_ROWS = 64  # group_units when the groups hold at most this many 
 
 def group_units(
     x: torch.Tensor,
+    row_max: torch.Tensor,
     group: torch.Tensor,
+    offsets: torch.Tensor,
     groups: int,
     out: torch.Tensor,
     *,
@@ -176,17 +194,17 @@ def group_units(
     block_m: int | None = None,
     block_k: int | None = None,
     cols: int | None = None,
-    amax_block_m: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``quantize_units`` of rows sorted by group (``group`` ``[M]`` in ``[0, groups]``, as ``factored.Segments``)
-    with each group's NaN-ignoring amax as the global scale, writing ``u`` into ``out`` (``[M, K]``, rows may be
-    strided) -> ``(g [M], r [M, K] fp32 or None)``. Two launches: the group amaxes (one program per
-    ``amax_block_m`` rows, an atomic max per row into a zeroed ``[groups + 1]``), then ``quantize_units``'
-    kernel reading each row's amax through its group. The same bits as ``row_amax``, ``Segments.row_max`` and
-    ``quantize_units`` (three to five launches); one atomic per row into ``groups + 1`` addresses, so it is for
-    few rows per group (``GROUP_UNITS_MAX_ROWS``: the decode step). ``block_m``, ``block_k``, ``cols``: the
-    quantize's launch config, as ``quantize_units``; each launch setting left None comes from ``tuning.json``
+    """``quantize_units`` of rows sorted by group (``group`` ``[M]`` in ``[0, groups]``, as ``factored.Segments``;
+    ``offsets`` ``[groups + 1]``: the first row of each group and of the rows of no group) with each group's
+    NaN-ignoring amax as the global scale, writing ``u`` into ``out`` (``[M, K]``, rows may be strided) -> ``(g
+    [M], r [M, K] fp32 or None)``. ``row_max`` ``[M]`` fp32: each row's NaN-ignoring ``max |x|``
+    (``factored.row_amax``'s values, computed by the caller where the rows are made). One launch: each program
+    takes its rows' group amaxes as the max of their groups' row maxima, then quantizes. The same bits as
+    ``row_amax``, ``Segments.row_max`` and ``quantize_units``; each program reads its groups' row maxima, so it
+    is for few rows per group (``GROUP_UNITS_MAX_ROWS``: the decode step). ``block_m``, ``block_k``, ``cols``:
+    the quantize's launch config, as ``quantize_units``; each launch setting left None comes from ``tuning.json``
     (``group_units.decode``)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use row_amax, Segments.row_max and quantize_units_reference")
@@ -194,21 +212,16 @@ def group_units(
     m, k = x.shape
     if k % NVFP4_BLOCK:
         raise ValueError(f"group_units needs a width multiple of {NVFP4_BLOCK}, got {k}")
-    if group.shape != (m,):
-        raise ValueError(f"group_units: expected group [{m}], got {tuple(group.shape)}")
+    if group.shape != (m,) or row_max.shape != (m,) or offsets.shape != (groups + 1,):
+        raise ValueError(f"group_units: expected group [{m}], row_max [{m}] and offsets [{groups + 1}], got "
+                         f"{tuple(group.shape)}, {tuple(row_max.shape)} and {tuple(offsets.shape)}")
+    if row_max.dtype != torch.float32:
+        raise ValueError(f"group_units: row_max must be fp32 (the row maxima), got {row_max.dtype}")
     check_out(out, m, k, "group_units")
-    group = group.contiguous()
-    cfg = tuning.config("group_units", "decode", block_m=block_m, block_k=block_k, cols=cols,
-                        amax_block_m=amax_block_m, num_warps=num_warps)
-    block_m, block_k, cols, amax_block_m, num_warps = (
-        cfg[key] for key in ("block_m", "block_k", "cols", "amax_block_m", "num_warps"))
-    amax = torch.zeros(groups + 1, dtype=torch.float32, device=x.device)
-    _group_amax_kernel[(triton.cdiv(m, amax_block_m),)](
-        x, group, amax, m, k, x.stride(0), BLOCK_M=amax_block_m, BLOCK_K=min(256, triton.next_power_of_2(k)),
-        num_warps=num_warps, **EXACT,
-    )  # fmt: skip
-    g, r = _launch_units(x, amax, group, groups, BY_GROUP, None, BY_ROW, out, residual, False, block_m, block_k, cols,
-                         num_warps)  # fmt: skip
+    cfg = tuning.config("group_units", "decode", block_m=block_m, block_k=block_k, cols=cols, num_warps=num_warps)
+    block_m, block_k, cols, num_warps = (cfg[key] for key in ("block_m", "block_k", "cols", "num_warps"))
+    g, r = _launch_units(x, row_max.contiguous(), group.contiguous(), groups, BY_GROUP_ROWS, None, BY_ROW, out,
+                         residual, False, block_m, block_k, cols, num_warps, offsets=offsets.contiguous())
     return g, r[0]
 
 
@@ -259,9 +272,10 @@ def rac_static_units(
 
 
 def _launch_units(x, amax, group, groups, amax_by, index, idx_by, u, residual, codes, block_m, block_k, cols, num_warps,
-                  width=None):  # fmt: skip
+                  width=None, offsets=None):  # fmt: skip
     """``_quantize_units_kernel`` over ``x`` into ``u`` -> ``(g, (r or None,) + (codes, scales) if codes)``;
-    ``width``: the gathered channels per row (None: ``index``'s columns, or K)."""
+    ``width``: the gathered channels per row (None: ``index``'s columns, or K); ``offsets``: the groups' first
+    rows (``BY_GROUP_ROWS``)."""
     m, k = x.shape
     width = width or (k if index is None else index.shape[1])
     g = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -274,7 +288,8 @@ def _launch_units(x, amax, group, groups, amax_by, index, idx_by, u, residual, c
     if cols % bk:
         raise ValueError(f"quantize launch: cols={cols} must be a multiple of block_k={bk}")
     _quantize_units_kernel[(triton.cdiv(m, block_m), triton.cdiv(width, cols))](
-        x, amax, amax if group is None else group, idx, u, g, r, cd, sc, m, k, width, groups, x.stride(0), u.stride(0),
+        x, amax, amax if group is None else group, amax if offsets is None else offsets, idx, u, g, r, cd, sc, m, k,
+        width, groups, x.stride(0), u.stride(0),
         idx.stride(0) if index is not None else 0, cols, AMAX_BY=amax_by, IDX_BY=idx_by, GATHER=index is not None,
         RESIDUAL=residual, CODES=codes, BLOCK_M=block_m, BLOCK_K=bk, num_warps=num_warps, **EXACT,
     )  # fmt: skip
@@ -337,23 +352,23 @@ def units_op(x: torch.Tensor, amax: torch.Tensor, out: torch.Tensor, slot: int, 
 
 
 @torch.library.custom_op("quads::group_units", mutates_args=("out",))
-def _group_units_op(x: torch.Tensor, group: torch.Tensor, groups: int, out: torch.Tensor, slot: int,
-                    residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    g, r = group_units(x, group, groups, out[:, slot], residual=residual)
+def _group_units_op(x: torch.Tensor, row_max: torch.Tensor, group: torch.Tensor, offsets: torch.Tensor, groups: int,
+                    out: torch.Tensor, slot: int, residual: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    g, r = group_units(x, row_max, group, offsets, groups, out[:, slot], residual=residual)
     return g, (r if residual else g.new_empty(0))
 
 
 @_group_units_op.register_fake
-def _(x, group, groups, out, slot, residual):
+def _(x, row_max, group, offsets, groups, out, slot, residual):
     m, k = x.shape
     return x.new_empty(m, dtype=torch.float32), x.new_empty((m, k) if residual else (0,), dtype=torch.float32)
 
 
-def group_units_op(x: torch.Tensor, group: torch.Tensor, groups: int, out: torch.Tensor, slot: int, *,
-                   residual: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def group_units_op(x: torch.Tensor, row_max: torch.Tensor, group: torch.Tensor, offsets: torch.Tensor, groups: int,
+                   out: torch.Tensor, slot: int, *, residual: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``group_units`` writing ``u`` into ``out[:, slot]`` (``out`` ``[M, P, K]``), as the custom op
     ``quads::group_units`` -> ``(g [M], r [M, K] or None)``."""
-    g, r = torch.ops.quads.group_units(x, group, groups, out, slot, residual)
+    g, r = torch.ops.quads.group_units(x, row_max, group, offsets, groups, out, slot, residual)
     return g, (r if residual else None)
 
 

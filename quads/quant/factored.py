@@ -63,20 +63,28 @@ from quads.model import moe
 class Segments:
     """Row groups: ``group`` ``[M]`` long in ``[0, G]`` (G: rows of no group), sorted ascending (each group
     one contiguous run of rows, as ``moe.static_routes`` orders them; the fused RAC kernels,
-    ``quads.kernels.rac_select``, rely on it), ``hits`` ``[G+1, M]`` bool (``hits[g, i]``: row i is in
-    group g); ``groups`` = G. ``group=None``: all rows one group."""
+    ``quads.kernels.rac_select``, and ``group_units`` rely on it), ``hits`` ``[G+1, M]`` bool (``hits[g, i]``:
+    row i is in group g); ``groups`` = G; ``offsets`` ``[G+1]``: the first row of each group and of the rows of
+    no group (``moe.StaticRoutes.offsets``). ``group=None``: all rows one group."""
 
     group: torch.Tensor | None
     hits: torch.Tensor | None
     groups: int
     members: torch.Tensor | None = None  # hits[:G] in fp64 (the per-group sum as a GEMM)
+    offsets: torch.Tensor | None = None
 
     @staticmethod
-    def of(group: torch.Tensor | None, groups: int = 1) -> Segments:
+    def of(group: torch.Tensor | None, groups: int = 1, offsets: torch.Tensor | None = None) -> Segments:
+        """``offsets``: the groups' first rows when the caller has them (the routes' offsets), else counted from
+        ``group``."""
         if group is None:
             return Segments(None, None, 1)
         hits = torch.arange(groups + 1, device=group.device)[:, None] == group[None, :]
-        return Segments(group, hits, groups, hits[:groups].double())
+        if offsets is None:
+            offsets = F.pad(hits[:groups].sum(dim=1).cumsum(0), (1, 0))
+        if offsets.shape != (groups + 1,):
+            raise ValueError(f"Segments: expected offsets [{groups + 1}], got {tuple(offsets.shape)}")
+        return Segments(group, hits, groups, hits[:groups].double(), offsets)
 
     def row_max(self, v: torch.Tensor) -> torch.Tensor:
         """``v`` ``[M]`` (>= 0) -> the max over each row's group, per row ``[M]`` (exact: a max)."""
@@ -219,10 +227,15 @@ def operands(
         raise ValueError(f"unknown RAC selection {selection!r}; valid: dynamic, static")
     need_r = n > 0 or observe is not None
     buf = torch.empty(x.shape[0], 2 if n else 1, x.shape[1], dtype=dtype, device=x.device)  # [M, P, K]
-    if fused_amax and _group_units(x, segs, per_token):  # group amax + quantize (decode)
+    if fused_amax and _group_units(x, segs, per_token):  # the group amaxes inside the quantize (decode)
         from quads.kernels.factored_quant import group_units_op
 
-        gx, r = group_units_op(x, segs.group, segs.groups, buf, 0, residual=need_r)
+        # the row maxima as ATen ops under torch.compile (Inductor fuses them into the kernel that makes x)
+        if torch.compiler.is_compiling():
+            rmax = nvfp4.nan_ignoring_amax(x.float(), dim=-1).squeeze(-1)
+        else:
+            rmax = row_amax(x)
+        gx, r = group_units_op(x, rmax, segs.group, segs.offsets, segs.groups, buf, 0, residual=need_r)
     else:
         amax = row_amax(x)
         gx, r = units(x, amax if per_token else segs.row_max(amax), buf, 0, residual=need_r)

@@ -256,7 +256,7 @@ def sorted_linear(
     fp32 global scales applied to its output. ``w_q`` is the stored weight operand: a tensor, used in
     ``factored.gemm_dtype(w_q)`` (pass its fp32 copy on the CPU to avoid a conversion per call) by
     ``moe.grouped_mm``, or the packed ``w4a16.W4A16Weight`` (the grouped W4A16 kernel, same operand values).
-    ``segs``: the experts as row groups (``factored.Segments.of(routes.expert, E)``; built here when
+    ``segs``: the experts as row groups (``factored.Segments.of(routes.expert, E, routes.offsets)``; built here when
     None); ``stacked``: ``stacked_routes(routes, P)`` for the spec's P (1, or 2 with RAC; built here when
     None; a caller running several projections builds it once); ``static_order`` ``[E, >= |S|]``;
     ``observe(r, norms)``: see ``factored.operands``.
@@ -266,7 +266,7 @@ def sorted_linear(
                          f"(mode {spec.nvfp4_mode!r}); use grouped_linear on the padded layout")
     ops.check_k(xs.shape[-1], "NVFP4 activation")
     E = routes.n_experts
-    segs = segs if segs is not None else factored.Segments.of(routes.expert, E)
+    segs = segs if segs is not None else factored.Segments.of(routes.expert, E, routes.offsets)
     dtype = factored.gemm_dtype(w_q)
     op = factored.operands(xs, segs, n=rac_channels(xs.shape[-1], spec.rac_ratio), dtype=dtype,
                            per_token=spec.act_scale == "token", selection=spec.rac_selection,

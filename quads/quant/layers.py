@@ -522,7 +522,7 @@ def sorted_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
 
     amplified = spec.amplified
     sorted_rows = spec.act == "nvfp4" and spec.nvfp4_mode == "te" and not amplified
-    segs = factored.Segments.of(routes.expert, num_experts) if sorted_rows else None
+    segs = factored.Segments.of(routes.expert, num_experts, routes.offsets) if sorted_rows else None
     stacked = grouped.stacked_routes(routes, 2 if spec.rac_ratio > 0 else 1) if sorted_rows else None
 
     def gemm(name: str, a: torch.Tensor, rows: torch.Tensor | None = None,
