@@ -218,8 +218,9 @@ def operands(
     the norms of ``quads::rac_group_norms`` (row by row in fp64: the GEMM's values up to summation order).
     The activation operand of rows
     in groups (``per_token=False``) with few rows per group (the decode step) is ``quads::group_units``
-    (the group amaxes by atomic max, then the quantize: two launches; ``fused_amax=False``: ``row_amax``,
-    ``Segments.row_max`` and ``units``, the same bits). ``counts``: the groups' row counts on the host (rows
+    (one launch after the row maxima: each program takes its rows' group amaxes from their groups' row maxima,
+    ``segs.offsets``; under ``torch.compile`` the row maxima are ATen ops, which Inductor fuses into the kernel that
+    makes ``x``; ``fused_amax=False``: ``row_amax``, ``Segments.row_max`` and ``units``, the same bits). ``counts``: the groups' row counts on the host (rows
     sorted by group), for the steps' norms (``Segments.sq_norms``): then every group's operands are those of
     an ``operands`` call of its rows alone, bit for bit.
     """
