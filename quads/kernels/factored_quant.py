@@ -14,7 +14,7 @@ arithmetic of ``nvfp4_quant._quantize_tile``, bit-exact with ``quads.formats.nvf
 consecutive indices, RAC's selection order) and scatter ``u`` back to ``out[i, index[i, j]]`` (``out``
 ``[M, K]``, zero-initialized by the caller), so the residual operand never exists in gathered form.
 Rows sorted by expert with each expert's amax as the global scale (the decode step): ``group_units``, the
-same kernel given each row's NaN-ignoring max (computed where the rows are made: Inductor fuses it into the
+same kernel given each row's NaN-ignoring max (computed where the rows are made: Inductor can fuse it into the
 kernel that writes them) and the groups' row offsets; each program takes its rows' group amaxes as the max of
 their groups' row maxima, so the group amax needs no launch (no zero fill, no atomics).
 The kernel runs over rows x column tiles, so a decode-sized operand (1,024 x 1,024) is ~1,000 programs.
