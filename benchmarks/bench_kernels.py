@@ -496,10 +496,10 @@ def bench_rac(rows: list) -> None:
                             for r in rs])  # fmt: skip
             # the W4A4 operand's quantize alone (the group amaxes from given row maxima), per launch config
             out = torch.empty(tokens * topk, k, dtype=torch.bfloat16, device="cuda")
-            rmax = [factored.row_amax(x) for x in xs]
+            rmax, offs = [factored.row_amax(x) for x in xs], segs.row_offsets()
             for cfg in GROUP_UNITS_CONFIGS:
                 kw = dict(zip(("block_m", "block_k", "cols", "num_warps"), cfg))
-                t[cfg] = time_graph([lambda x=x, m=m, kw=kw: group_units(x, m, segs.group, segs.offsets, e, out, **kw)
+                t[cfg] = time_graph([lambda x=x, m=m, kw=kw: group_units(x, m, segs.group, offs, e, out, **kw)
                                      for x, m in zip(xs, rmax, strict=True)])  # fmt: skip
         default = default_method(k)
         rows.append({"bench": "RAC 50% operands (1b decode)", "shape": f"{what} M={tokens * topk} E={e} K={k} "

@@ -368,8 +368,9 @@ def test_group_units_is_row_amax_row_max_and_units(k, counts, masked, dtype, res
     from quads.kernels import factored_quant
 
     x, segs = _rac_rows(k + len(counts), k, counts, masked)
-    ends = torch.cat([segs.offsets[1:], torch.tensor([x.shape[0]])])
-    last = ends[ends > segs.offsets] - 1  # each non-empty group's last row, the rows of no group's too
+    offs = segs.row_offsets()
+    ends = torch.cat([offs[1:], torch.tensor([x.shape[0]])])
+    last = ends[ends > offs] - 1  # each non-empty group's last row, the rows of no group's too
     x[last, 0] *= 100  # its amax: past the first chunk of row maxima in a long group
     if x.shape[0] > 3:  # in the first group, not the long one
         x[1, 3], x[0, 5] = float("nan"), float("inf")
@@ -383,22 +384,22 @@ def test_group_units_is_row_amax_row_max_and_units(k, counts, masked, dtype, res
         assert _same_bits(want[:, slot], ref_u) and _same_bits(gw, ref_g)
         assert (rw is None and ref_r is None) or _same_bits(rw, ref_r)
         got = torch.zeros_like(want)
-        gg, rg = factored_quant.group_units_op(x, rmax, segs.group, segs.offsets, segs.groups, got, slot,
+        gg, rg = factored_quant.group_units_op(x, rmax, segs.group, segs.row_offsets(), segs.groups, got, slot,
                                                residual=residual)
         cols = torch.zeros_like(want)
         bk = 16 if k < 64 else 32 if k < 512 else 128
-        gc, rc = factored_quant.group_units(x, rmax, segs.group, segs.offsets, segs.groups, cols[:, slot],
+        gc, rc = factored_quant.group_units(x, rmax, segs.group, segs.row_offsets(), segs.groups, cols[:, slot],
                                             residual=residual, block_m=4, block_k=bk, cols=2 * bk)
         for u, g, r in ((got, gg, rg), (cols, gc, rc)):
             assert _same_bits(u, want) and _same_bits(g, gw)
             assert (r is None and rw is None) or _same_bits(r, rw)
-    args = (segs.group, segs.offsets, segs.groups)
+    args = (segs.group, segs.row_offsets(), segs.groups)
     with pytest.raises(ValueError, match="multiple of 16"):
         factored_quant.group_units(x[:, : k - 8], rmax, *args, got[:, 0, : k - 8])
     with pytest.raises(ValueError, match="multiple of block_k"):
         factored_quant.group_units(x, rmax, *args, got[:, 0], block_k=32, cols=48)
     with pytest.raises(ValueError, match="offsets"):
-        factored_quant.group_units(x, rmax, segs.group, segs.offsets[1:], segs.groups, got[:, 0])
+        factored_quant.group_units(x, rmax, segs.group, segs.row_offsets()[1:], segs.groups, got[:, 0])
     with pytest.raises(ValueError, match="fp32"):
         factored_quant.group_units(x, rmax.double(), *args, got[:, 0])
 
@@ -406,10 +407,10 @@ def test_group_units_is_row_amax_row_max_and_units(k, counts, masked, dtype, res
 def test_operands_decode_groups_compiled_and_eager_and_the_routes_offsets():
     """The decode operand's row maxima as ATen ops under ``torch.compile`` (for Inductor to fuse into the kernel
     that makes the rows) and as ``row_amax`` eagerly give the same bits; the groups' offsets counted by
-    ``Segments.of`` are the routes' own (``moe.StaticRoutes.offsets``, what the decode step passes)."""
+    ``Segments.row_offsets`` are the routes' own (``moe.StaticRoutes.offsets``, what the decode step passes)."""
     xs, routes, _, _, _ = _case(3)
     segs = factored.Segments.of(routes.expert, E, routes.offsets)
-    assert torch.equal(factored.Segments.of(routes.expert, E).offsets, routes.offsets)
+    assert torch.equal(factored.Segments.of(routes.expert, E).row_offsets(), routes.offsets)
     with pytest.raises(ValueError, match="offsets"):
         factored.Segments.of(routes.expert, E, routes.offsets[1:])
 

@@ -65,7 +65,8 @@ class Segments:
     one contiguous run of rows, as ``moe.static_routes`` orders them; the fused RAC kernels,
     ``quads.kernels.rac_select``, and ``group_units`` rely on it), ``hits`` ``[G+1, M]`` bool (``hits[g, i]``:
     row i is in group g); ``groups`` = G; ``offsets`` ``[G+1]``: the first row of each group and of the rows of
-    no group (``moe.StaticRoutes.offsets``). ``group=None``: all rows one group."""
+    no group when the caller has them (``moe.StaticRoutes.offsets``; ``row_offsets`` counts them otherwise).
+    ``group=None``: all rows one group."""
 
     group: torch.Tensor | None
     hits: torch.Tensor | None
@@ -75,16 +76,18 @@ class Segments:
 
     @staticmethod
     def of(group: torch.Tensor | None, groups: int = 1, offsets: torch.Tensor | None = None) -> Segments:
-        """``offsets``: the groups' first rows when the caller has them (the routes' offsets), else counted from
-        ``group``."""
+        """``offsets``: the groups' first rows when the caller has them (the routes' offsets)."""
         if group is None:
             return Segments(None, None, 1)
-        hits = torch.arange(groups + 1, device=group.device)[:, None] == group[None, :]
-        if offsets is None:
-            offsets = F.pad(hits[:groups].sum(dim=1).cumsum(0), (1, 0))
-        if offsets.shape != (groups + 1,):
+        if offsets is not None and offsets.shape != (groups + 1,):
             raise ValueError(f"Segments: expected offsets [{groups + 1}], got {tuple(offsets.shape)}")
+        hits = torch.arange(groups + 1, device=group.device)[:, None] == group[None, :]
         return Segments(group, hits, groups, hits[:groups].double(), offsets)
+
+    def row_offsets(self) -> torch.Tensor:
+        """``[G+1]``: the first row of each group and of the rows of no group (the given ``offsets``, else
+        counted)."""
+        return self.offsets if self.offsets is not None else F.pad(self.counts().cumsum(0), (1, 0))
 
     def row_max(self, v: torch.Tensor) -> torch.Tensor:
         """``v`` ``[M]`` (>= 0) -> the max over each row's group, per row ``[M]`` (exact: a max)."""
@@ -119,8 +122,10 @@ class Segments:
 
 
 def row_amax(x: torch.Tensor) -> torch.Tensor:
-    """NaN-ignoring ``max |x|`` of each row of ``x`` ``[M, K]`` -> fp32 ``[M]`` (Triton on CUDA)."""
-    if dispatch.use_triton(x):
+    """NaN-ignoring ``max |x|`` of each row of ``x`` ``[M, K]`` -> fp32 ``[M]``: Triton on CUDA, ATen ops under
+    ``torch.compile`` (Inductor can compute them in the kernel that makes ``x``, where the custom op would be a
+    launch of its own; a max, so the same bits)."""
+    if dispatch.use_triton(x) and not torch.compiler.is_compiling():
         from quads.kernels.factored_quant import row_amax_op
 
         return row_amax_op(x)
@@ -218,9 +223,8 @@ def operands(
     the norms of ``quads::rac_group_norms`` (row by row in fp64: the GEMM's values up to summation order).
     The activation operand of rows
     in groups (``per_token=False``) with few rows per group (the decode step) is ``quads::group_units``
-    (one launch after the row maxima: each program takes its rows' group amaxes from their groups' row maxima,
-    ``segs.offsets``; under ``torch.compile`` the row maxima are ATen ops, which Inductor fuses into the kernel that
-    makes ``x``; ``fused_amax=False``: ``row_amax``, ``Segments.row_max`` and ``units``, the same bits). ``counts``: the groups' row counts on the host (rows
+    (one launch after ``row_amax``: each program takes its rows' group amaxes from their groups' row maxima,
+    ``segs.row_offsets()``; ``fused_amax=False``: ``row_amax``, ``Segments.row_max`` and ``units``, the same bits). ``counts``: the groups' row counts on the host (rows
     sorted by group), for the steps' norms (``Segments.sq_norms``): then every group's operands are those of
     an ``operands`` call of its rows alone, bit for bit.
     """
@@ -231,12 +235,7 @@ def operands(
     if fused_amax and _group_units(x, segs, per_token):  # the group amaxes inside the quantize (decode)
         from quads.kernels.factored_quant import group_units_op
 
-        # the row maxima as ATen ops under torch.compile (Inductor fuses them into the kernel that makes x)
-        if torch.compiler.is_compiling():
-            rmax = nvfp4.nan_ignoring_amax(x.float(), dim=-1).squeeze(-1)
-        else:
-            rmax = row_amax(x)
-        gx, r = group_units_op(x, rmax, segs.group, segs.offsets, segs.groups, buf, 0, residual=need_r)
+        gx, r = group_units_op(x, row_amax(x), segs.group, segs.row_offsets(), segs.groups, buf, 0, residual=need_r)
     else:
         amax = row_amax(x)
         gx, r = units(x, amax if per_token else segs.row_max(amax), buf, 0, residual=need_r)

@@ -531,13 +531,13 @@ def sorted_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
         ``[T*k]``: each output row times it, eager ``y * scale[:, None].to(y.dtype)``'s bits (the grouped W4A16
         kernel in its epilogue: no ``[T*k, N]`` pass of its own)."""
         store = stores[name]
-        if store.use_fp8(a):  # FP8 W8A8 on FP8 tensor cores, the sorted rows as they are
-            y = fp8_scaled.grouped(a if rows is None else a[rows], store.get_fp8(), routes)
-            return y if scale is None else y * scale[:, None].to(y.dtype)
         if spec.act == "none" and not amplified and store.use_packed(a):  # the kernel gathers the rows itself
             return w4a16.grouped_op(a, store.get_packed(), routes.ends, rows,
                                     None if scale is None else scale.to(a.dtype))
-        y = product(name, a, rows)
+        if store.use_fp8(a):  # FP8 W8A8 on FP8 tensor cores, the sorted rows as they are
+            y = fp8_scaled.grouped(a if rows is None else a[rows], store.get_fp8(), routes)
+        else:
+            y = product(name, a, rows)
         return y if scale is None else y * scale[:, None].to(y.dtype)
 
     def product(name: str, a: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
