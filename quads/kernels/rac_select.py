@@ -69,6 +69,7 @@ from quads.kernels import tuning
 from quads.kernels._common import EXACT, HAS_TRITON, check_out, interpreted
 
 RacMethod = Literal["sort", "count"]  # the selection algorithm (module docstring); same channels either way
+SelectBackend = Literal["triton", "cuda"]  # the sort path's selection kernel (``rac_units``); same bits either way
 SORT_MAX_K = 4096  # the sort path holds a group's K norms (padded to a power of two) in one program
 
 if HAS_TRITON:
@@ -461,6 +462,7 @@ def rac_units(
     select_warps: int | None = None,
     select_rows: int | None = None,
     split_runs: bool | None = None,
+    select_backend: SelectBackend | None = None,
     block_m: int | None = None,
     block_k: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -476,7 +478,10 @@ def rac_units(
     in the same row order either way). ``split_runs`` (with runs shorter than KP): each run's norms and sort by a
     program of its own (grid groups x runs, ``_rac_run_sort_kernel``), the ranks merged by a second launch of as
     many programs (``_rac_run_rank_kernel``), where the select kernel runs one program per group; ``select_warps``
-    are then the run kernels' (null: L / 64 for runs of L, within 2..8). These four, None: ``tuning.json``
+    are then the run kernels' (null: L / 64 for runs of L, within 2..8). ``select_backend``: ``"cuda"`` runs the
+    selection as the CUDA kernel ``rac_select_cuda`` (rows in groups on a CUDA GPU, K a multiple of 16 up to 1,024;
+    elsewhere the Triton kernels run): one block per group, ``select_warps`` its warps (null:
+    ``rac_select_cuda.default_warps``), ``sort_run`` and ``split_runs`` unused. These five, None: ``tuning.json``
     ``rac_select`` for KP (launch options, the same bits under each). ``block_m``: rows per
     program of the units kernel (None: 16 for ``count``; for ``sort`` 1 on the GPU, 16 under the
     interpreter, whose cost is per program); ``block_k``: the count path's units tile width."""
@@ -498,6 +503,9 @@ def rac_units(
         raise ValueError(f"rac_units: select_rows must be >= 1, got {select_rows}")
     if split_runs and method != "sort":
         raise ValueError(f"rac_units: split_runs needs method='sort', got method={method!r}")
+    if select_backend is not None and select_backend not in get_args(SelectBackend):
+        raise ValueError(f"rac_units: unknown select_backend {select_backend!r}; valid: "
+                         f"{', '.join(get_args(SelectBackend))}")
     one = group is None
     n_sel = 1 if one else groups  # groups that own a channel set (the masked rows' group G does not)
     grp = r if one else group.contiguous()  # a placeholder pointer for one group
@@ -507,10 +515,17 @@ def rac_units(
     if method == "sort":
         tuned = tuning.config("rac_select", tuning.case("rac_select", f"k{kp}", "sort"),  # per padded K
                               sort_run=sort_run, select_warps=select_warps, select_rows=select_rows,
-                              split_runs=split_runs)
+                              split_runs=split_runs, select_backend=select_backend)
         run, warps, rows = tuned["sort_run"], tuned["select_warps"], tuned["select_rows"]
         split = bool(tuned["split_runs"])
         bm = (16 if interpreted(r) else 1) if block_m is None else block_m
+        if tuned.get("select_backend") == "cuda":
+            from quads.kernels import rac_select_cuda
+
+            cuda_warps = rac_select_cuda.default_warps(k) if warps is None else warps
+            if rac_select_cuda.supports(r, group, cuda_warps):
+                _cuda_units(r, grp, n_sel, out, s, rank, g, n, per_token, bm, cuda_warps)
+                return g, s
         log_w = 0 if run is None or run >= kp else (kp // run).bit_length() - 1
         if split and not log_w:
             raise ValueError(f"rac_units: split_runs needs runs shorter than K padded to a power of two ({kp}), "
@@ -565,10 +580,25 @@ def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, log_
             r, grp, s, rank, gmax, sk, si, m, k, n, n_sel, ROWS=rows, LOG_W=log_w, INTERP=interpreted(r),
             num_warps=warps, **common,
         )  # fmt: skip
+    _units_after_select(r, grp, one, n_sel, out, s, rank, gmax, g, n, per_token, block_m, parts)
+
+
+def _cuda_units(r, grp, n_sel, out, s, rank, g, n, per_token, block_m, warps) -> None:
+    """The sort path with its selection as the CUDA kernel (``rac_select_cuda``), then the same units kernel."""
+    from quads.kernels import rac_select_cuda
+
+    gmax = torch.empty(n_sel + 1, dtype=torch.float32, device=r.device)
+    rac_select_cuda.select(r, grp, s, rank, gmax, n=n, groups=n_sel, per_token=per_token, warps=warps)
+    _units_after_select(r, grp, False, n_sel, out, s, rank, gmax, g, n, per_token, block_m, 1)
+
+
+def _units_after_select(r, grp, one, n_sel, out, s, rank, gmax, g, n, per_token, block_m, parts) -> None:
+    """The sort path's second launch, ``_rac_units_sel_kernel``, over the selection's S, rank and gmax."""
+    m, k = r.shape
     bn = max(NVFP4_BLOCK, triton.next_power_of_2(n))
     _rac_units_sel_kernel[(triton.cdiv(m, block_m),)](
         r, grp, s, rank, gmax, out, g, m, k, n, n_sel, out.stride(0), ONE_GROUP=one, PER_TOKEN=per_token,
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=min(kp, 1024), GMAX_PARTS=parts,
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=min(triton.next_power_of_2(k), 1024), GMAX_PARTS=parts,
         num_warps=4 if block_m * bn <= 1024 else 8, **EXACT,
     )  # fmt: skip
 

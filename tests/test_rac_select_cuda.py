@@ -1,0 +1,161 @@
+"""RAC's CUDA channel selection (``quads.kernels.rac_select_cuda``) against the Triton sort and count paths.
+
+The GPU tests (skipped without CUDA) compare ``rac_units`` with ``select_backend="cuda"`` byte for byte (u, S_dec,
+S) with the Triton selection, for every instantiated warp count of each K, and the replay of the CUDA path in a
+CUDA graph. The CPU tests hold the launcher's contract: the instantiations the Python side asks for are the ones
+the extension compiles, and where the kernel cannot run (no GPU, one group) the Triton kernels run instead.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from quads.kernels import rac_select_cuda
+from quads.kernels._common import HAS_TRITON
+
+cuda = pytest.mark.skipif(not (torch.cuda.is_available() and rac_select_cuda.available()),
+                          reason="needs a CUDA GPU and nvcc")  # fmt: skip
+
+
+def test_configs_are_the_extension_instantiations():
+    """``CONFIGS`` (what ``supports`` admits) is exactly the ``QUADS_CASE`` list of ``rac_select.cu`` (a config
+    missing there would fail at launch), each with 1, 2, 4 or 8 pairs a thread, and the default warps of every
+    K up to ``MAX_K`` is among them."""
+    text = (rac_select_cuda.CSRC / "rac_select.cu").read_text()
+    cases = tuple((int(a), int(b)) for a, b in re.findall(r"^\s*QUADS_CASE\((\d+), (\d+)\)", text, flags=re.M))
+    assert cases == rac_select_cuda.CONFIGS
+    for log_kp, warps in cases:
+        assert (1 << log_kp) // (32 * warps) in (1, 2, 4, 8)
+    for k in range(16, rac_select_cuda.MAX_K + 1, 16):
+        assert (rac_select_cuda.log_kp(k), rac_select_cuda.default_warps(k)) in rac_select_cuda.CONFIGS, k
+    assert rac_select_cuda.log_kp(1024) == 10 and rac_select_cuda.log_kp(1000) == 10 and rac_select_cuda.log_kp(16) == 5
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+def test_cuda_backend_falls_back_to_triton_where_it_cannot_run():
+    """On the CPU (Triton's interpreter) and for one group, ``select_backend="cuda"`` runs the Triton kernels: the
+    same bytes as ``"triton"``; an unknown backend is a ValueError naming the valid ones."""
+    from quads.kernels import rac_select
+
+    g = torch.Generator().manual_seed(3)
+    group = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 3], dtype=torch.long)  # group 3: rows of no group
+    r = torch.randn(9, 64, generator=g)
+    assert not rac_select_cuda.supports(r, group, 2)
+    for grp, groups in ((group, 3), (None, 1)):
+        outs = []
+        for backend in ("triton", "cuda"):
+            out = torch.full_like(r, 7.0)
+            gs, s = rac_select.rac_units(r, grp, groups, out, n=32, method="sort", select_backend=backend)
+            outs.append((out, gs, s))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="valid: triton, cuda"):
+        rac_select.rac_units(r, group, 3, torch.empty_like(r), n=32, method="sort", select_backend="cub")
+
+
+def _rows(k: int, counts: list[int], masked: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual [M, K] on the GPU with rows sorted by group (``counts[g]`` rows each, then ``masked`` rows of no
+    group): norms spread over four decades, exact ties (channels 16..31 repeat 0..15; 40..47 zero in every row,
+    so many keys 0), a NaN row in group 1, an inf and a NaN element elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    group = torch.cat([torch.full((c,), i) for i, c in enumerate(counts + [masked])]).long()
+    r = torch.randn(len(group), k, generator=g) * torch.logspace(-3, 1, k)[torch.randperm(k, generator=g)]
+    r[:, 16:32] = r[:, :16]
+    r[:, 40:48] = 0.0
+    if counts[1]:
+        r[counts[0]] = float("nan")
+    r[-1, 5], r[len(group) // 2, 9] = float("inf"), float("nan")
+    return r.cuda(), group.cuda()
+
+
+@cuda
+@pytest.mark.parametrize("k,n", [(1024, 512), (1024, 16), (256, 128), (208, 208), (64, 32), (16, 16)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
+def test_cuda_selection_is_the_triton_selection_bit_for_bit(k, n, per_token):
+    """u (BF16), S_dec and S of the CUDA selection, under every instantiated warp count of this K, equal the
+    Triton sort path's (one run, and runs of 128 merged where K allows) and the count path's, byte for byte:
+    empty experts, a lone row, 40 rows in one expert, masked rows, NaN / inf, exact ties, K not a power of two."""
+    from quads.kernels.rac_select import rac_units
+
+    counts = [5, 3, 0, 1, 40, 0, 17, 2]
+    r, group = _rows(k, counts, masked=3, seed=k + n)
+    groups = len(counts)
+
+    def run(**kw):
+        out = torch.full(r.shape, 7.0, device=r.device, dtype=torch.bfloat16)
+        gs, s = rac_units(r, group, groups, out, n=n, per_token=per_token, **kw)
+        return out.view(torch.int16), gs.view(torch.int32), s
+
+    want = run(method="count")
+    refs = [run(method="sort", select_backend="triton")]
+    if k >= 256:
+        refs.append(run(method="sort", sort_run=128, select_backend="triton"))
+    for ref in refs:
+        for a, b in zip(ref, want):
+            assert torch.equal(a, b)
+    warps = [w for lk, w in rac_select_cuda.CONFIGS if lk == rac_select_cuda.log_kp(k)]
+    assert warps
+    for w in warps:
+        assert rac_select_cuda.supports(r, group, w)
+        got = run(method="sort", select_backend="cuda", select_warps=w)
+        for a, b, what in zip(got, want, ("u", "S_dec", "S")):
+            assert torch.equal(a, b), f"{what}: K={k} n={n} per_token={per_token} warps={w}"
+
+
+@cuda
+def test_cuda_selection_rank_and_gmax_equal_the_triton_kernel():
+    """The kernel's own outputs, not only what the units kernel makes of them: S, rank and gmax (group G's too)
+    equal ``_rac_select_kernel``'s at the 1b decode shape (1,024 rows over 64 experts, K = 1,024, n = 512)."""
+    import triton
+
+    from quads.kernels import rac_select
+
+    k, n, e = 1024, 512, 64
+    g = torch.Generator().manual_seed(0)
+    group = torch.sort(torch.randint(0, e + 1, (1024,), generator=g)).values.cuda()
+    r = (torch.randn(1024, k, generator=g) * torch.logspace(-3, 1, k)).cuda()
+    outs = []
+    for backend in ("triton", "cuda"):
+        s = torch.empty(e, n, dtype=torch.long, device="cuda")
+        rank = torch.empty(e, k, dtype=torch.int32, device="cuda")
+        gmax = torch.empty(e + 1, dtype=torch.float32, device="cuda")
+        if backend == "cuda":
+            rac_select_cuda.select(r, group, s, rank, gmax, n=n, groups=e, per_token=False,
+                                   warps=rac_select_cuda.default_warps(k))  # fmt: skip
+        else:
+            rac_select._rac_select_kernel[(e,)](
+                r, group, s, rank, gmax, gmax, gmax, 1024, k, n, e, ONE_GROUP=False, PER_TOKEN=False, ROWS=4,
+                BLOCK_G=1024, LOG_K=triton.next_power_of_2(k).bit_length() - 1, LOG_W=0, INTERP=False, num_warps=8,
+            )  # fmt: skip
+        outs.append((s, rank, gmax))
+    for a, b, what in zip(*outs, ("S", "rank", "gmax")):
+        assert torch.equal(a, b), what
+
+
+@cuda
+def test_cuda_selection_replays_in_a_graph():
+    """``rac_units`` on the CUDA selection captured in a CUDA graph, replayed on new values in the same buffers,
+    gives the eager call's bytes (no host sync, no allocation outside the capture)."""
+    from quads.kernels.rac_select import rac_units
+
+    counts = [12, 0, 30, 7]
+    r, group = _rows(1024, counts, masked=2, seed=1)
+    out = torch.zeros(r.shape, device=r.device, dtype=torch.bfloat16)
+
+    def call():
+        return rac_units(r, group, len(counts), out, n=512, method="sort", select_backend="cuda")
+
+    call()  # the build and Triton's compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gs, s = call()
+    r.copy_(torch.randn(r.shape, generator=torch.Generator().manual_seed(9)).cuda())
+    graph.replay()
+    got = (out.clone(), gs.clone(), s.clone())
+    want = call()
+    assert torch.equal(got[0].view(torch.int16), out.view(torch.int16))
+    assert torch.equal(got[1], want[0]) and torch.equal(got[2], want[1])
