@@ -17,7 +17,8 @@ template <int LOG_KP, int WARPS>
 void launch(const at::Tensor& r, const at::Tensor& group, at::Tensor& s, at::Tensor& rank, at::Tensor& gmax,
             int64_t n, int64_t groups, bool per_token) {
   quads_rac::select_kernel<LOG_KP, WARPS><<<(unsigned)groups, WARPS * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
-      r.data_ptr<float>(), group.data_ptr<int64_t>(), s.data_ptr<int64_t>(), rank.data_ptr<int>(),
+      r.data_ptr<float>(), reinterpret_cast<const long long*>(group.data_ptr<int64_t>()),
+      reinterpret_cast<long long*>(s.data_ptr<int64_t>()), rank.data_ptr<int>(),
       gmax.data_ptr<float>(), (int)r.size(0), (int)r.size(1), (int)n, (int)groups, per_token);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
