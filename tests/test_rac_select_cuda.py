@@ -36,8 +36,8 @@ def test_configs_are_the_extension_instantiations():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 def test_cuda_backend_falls_back_to_triton_where_it_cannot_run():
-    """On the CPU (Triton's interpreter) and for one group, ``select_backend="cuda"`` runs the Triton kernels: the
-    same bytes as ``"triton"``; an unknown backend is a ValueError naming the valid ones."""
+    """On the CPU (Triton's interpreter) and for one group, ``select_backend="cuda"`` and ``"cuda_fused"`` run the
+    Triton kernels: the same bytes as ``"triton"``; an unknown backend is a ValueError naming the valid ones."""
     from quads.kernels import rac_select
 
     g = torch.Generator().manual_seed(3)
@@ -46,13 +46,14 @@ def test_cuda_backend_falls_back_to_triton_where_it_cannot_run():
     assert not rac_select_cuda.supports(r, group, 2)
     for grp, groups in ((group, 3), (None, 1)):
         outs = []
-        for backend in ("triton", "cuda"):
+        for backend in ("triton", "cuda", "cuda_fused"):
             out = torch.full_like(r, 7.0)
             gs, s = rac_select.rac_units(r, grp, groups, out, n=32, method="sort", select_backend=backend)
             outs.append((out, gs, s))
-        for a, b in zip(*outs):
-            assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="valid: triton, cuda"):
+        for got in outs[1:]:
+            for a, b in zip(outs[0], got):
+                assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="valid: triton, cuda, cuda_fused"):
         rac_select.rac_units(r, group, 3, torch.empty_like(r), n=32, method="sort", select_backend="cub")
 
 
@@ -75,35 +76,43 @@ def _rows(k: int, counts: list[int], masked: int, seed: int) -> tuple[torch.Tens
 @pytest.mark.parametrize("k,n", [(1024, 512), (1024, 16), (256, 128), (208, 208), (64, 32), (16, 16)],
                          ids=lambda v: str(v))
 @pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
-def test_cuda_selection_is_the_triton_selection_bit_for_bit(k, n, per_token):
-    """u (BF16), S_dec and S of the CUDA selection, under every instantiated warp count of this K, equal the
-    Triton sort path's (one run, and runs of 128 merged where K allows) and the count path's, byte for byte:
-    empty experts, a lone row, 40 rows in one expert, masked rows, NaN / inf, exact ties, K not a power of two."""
-    from quads.kernels.rac_select import rac_units
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cuda_selection_is_the_triton_selection_bit_for_bit(k, n, per_token, dtype):
+    """u (BF16 or fp32, written into a strided slot of a stacked operand), S_dec and S of the CUDA selection, with
+    the Triton units kernel after it and with the units in its own blocks (``cuda_fused``), under every
+    instantiated warp count of this K, equal the Triton sort path's (one run, and runs of 128 merged where K
+    allows) and the count path's, byte for byte: empty experts, a lone row, 40 rows in one expert, masked rows,
+    NaN / inf, exact ties, K not a power of two; and ``cuda_fused`` over groups of more than ``FUSED_ROWS`` rows
+    on average (the units kernel then runs) likewise."""
+    from quads.kernels.rac_select import FUSED_ROWS, rac_units
 
-    counts = [5, 3, 0, 1, 40, 0, 17, 2]
-    r, group = _rows(k, counts, masked=3, seed=k + n)
-    groups = len(counts)
+    for counts, masked in (([5, 3, 0, 1, 40, 0, 17, 2], 3), ([150, 0, 400, 120], 7)):
+        r, group = _rows(k, counts, masked=masked, seed=k + n)
+        groups = len(counts)
+        fused_runs = len(group) <= FUSED_ROWS * groups
 
-    def run(**kw):
-        out = torch.full(r.shape, 7.0, device=r.device, dtype=torch.bfloat16)
-        gs, s = rac_units(r, group, groups, out, n=n, per_token=per_token, **kw)
-        return out.view(torch.int16), gs.view(torch.int32), s
+        def run(r=r, group=group, groups=groups, **kw):
+            stacked = torch.full((r.shape[0], 2, k), 7.0, device=r.device, dtype=dtype)
+            gs, s = rac_units(r, group, groups, stacked[:, 1], n=n, per_token=per_token, **kw)
+            assert (stacked[:, 0] == 7.0).all()  # the other slot untouched
+            return stacked[:, 1].contiguous().view(torch.int16), gs.view(torch.int32), s
 
-    want = run(method="count")
-    refs = [run(method="sort", select_backend="triton")]
-    if k >= 256:
-        refs.append(run(method="sort", sort_run=128, select_backend="triton"))
-    for ref in refs:
-        for a, b in zip(ref, want):
-            assert torch.equal(a, b)
-    warps = [w for lk, w in rac_select_cuda.CONFIGS if lk == rac_select_cuda.log_kp(k)]
-    assert warps
-    for w in warps:
-        assert rac_select_cuda.supports(r, group, w)
-        got = run(method="sort", select_backend="cuda", select_warps=w)
-        for a, b, what in zip(got, want, ("u", "S_dec", "S")):
-            assert torch.equal(a, b), f"{what}: K={k} n={n} per_token={per_token} warps={w}"
+        want = run(method="count")
+        refs = [run(method="sort", select_backend="triton")]
+        if k >= 256:
+            refs.append(run(method="sort", sort_run=128, select_backend="triton"))
+        for ref in refs:
+            for a, b in zip(ref, want):
+                assert torch.equal(a, b)
+        warps = [w for lk, w in rac_select_cuda.CONFIGS if lk == rac_select_cuda.log_kp(k)]
+        assert warps
+        for w in warps:
+            assert rac_select_cuda.supports(r, group, w)
+            for backend in ("cuda", "cuda_fused"):
+                got = run(method="sort", select_backend=backend, select_warps=w)
+                for a, b, what in zip(got, want, ("u", "S_dec", "S")):
+                    assert torch.equal(a, b), (f"{what}: K={k} n={n} per_token={per_token} warps={w} {backend} "
+                                               f"fused={fused_runs and backend == 'cuda_fused'}")
 
 
 @cuda
@@ -138,8 +147,8 @@ def test_cuda_selection_rank_and_gmax_equal_the_triton_kernel():
 
 @cuda
 def test_cuda_selection_replays_in_a_graph():
-    """``rac_units`` on the CUDA selection captured in a CUDA graph, replayed on new values in the same buffers,
-    gives the eager call's bytes (no host sync, no allocation outside the capture)."""
+    """``rac_units`` on the CUDA selection with its units (``cuda_fused``) captured in a CUDA graph, replayed on new
+    values in the same buffers, gives the eager call's bytes (no host sync, no allocation outside the capture)."""
     from quads.kernels.rac_select import rac_units
 
     counts = [12, 0, 30, 7]
@@ -147,7 +156,7 @@ def test_cuda_selection_replays_in_a_graph():
     out = torch.zeros(r.shape, device=r.device, dtype=torch.bfloat16)
 
     def call():
-        return rac_units(r, group, len(counts), out, n=512, method="sort", select_backend="cuda")
+        return rac_units(r, group, len(counts), out, n=512, method="sort", select_backend="cuda_fused")
 
     call()  # the build and Triton's compile outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -71,11 +71,15 @@ def supports(r: torch.Tensor, group: torch.Tensor | None, warps: int) -> bool:
 
 
 def select(r: torch.Tensor, group: torch.Tensor, s: torch.Tensor, rank: torch.Tensor, gmax: torch.Tensor, *, n: int,
-           groups: int, per_token: bool, warps: int) -> None:
+           groups: int, per_token: bool, warps: int, units: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Writes ``s`` int64 [G, n], ``rank`` int32 [G, K] and (unless ``per_token``) ``gmax`` fp32 [G + 1], as
-    ``rac_select._rac_select_kernel`` with one run (its docstring); ``r`` fp32 [M, K], ``group`` int64 [M]."""
+    ``rac_select._rac_select_kernel`` with one run (its docstring); ``r`` fp32 [M, K], ``group`` int64 [M].
+    ``units`` = ``(out, s_dec)``: also RAC's operand rows into ``out`` (BF16 or fp32 [M, K], rows strided) and
+    S_dec [M], as ``_rac_units_sel_kernel`` writes them (every row, masked rows included)."""
     if (log_kp(r.shape[-1]), warps) not in CONFIGS:
         raise ValueError(f"rac_select_cuda.select: (log2 padded K, warps) must be one of {CONFIGS}, got "
                          f"{(log_kp(r.shape[-1]), warps)}")
     build()
-    torch.ops.quads_rac_cuda.rac_select(r, group, s, rank, gmax, n, groups, per_token, warps)
+    out, s_dec = units if units is not None else (gmax, gmax)  # unread placeholders without units
+    torch.ops.quads_rac_cuda.rac_select(r, group, s, rank, gmax, out, s_dec, n, groups, per_token, units is not None,
+                                        warps)

@@ -2,8 +2,8 @@
 # RAC's selection as a CUDA kernel (quads.kernels.rac_select_cuda, 2026-12-07 (k)), on the tree with the W4A4 decode
 # operand's group amaxes from the row maxima ((j), queue item 0): the CUDA selection's GPU tests (bit for bit against
 # the Triton selection), the probe (the operand alone in a CUDA graph, both selections, each warp count), then the 1b
-# rows in two processes: b) bf16, w4a4+rac50 with tuning.json's rac_select set to the CUDA selection (a copy of the
-# file, restored after); a) bf16, w4a4, w4a4+rac50 on the committed tuning (the Triton selection; item 0's rows).
+# rows in two processes: b) bf16, w4a4+rac50 with tuning.json's rac_select set to the CUDA selection with its units
+# (cuda_fused; a copy of the file, restored after); a) bf16, w4a4, w4a4+rac50 on the committed tuning (the Triton selection; item 0's rows).
 # One GPU, <= 580 s (TOTAL=<s>). OUT=$OUT TOTAL=570 bash scripts/device_calls/2027-01-09_rac_select_cuda.sh
 . scripts/device_calls/lib.sh
 git log --oneline -1 > $OUT/tree.txt 2>&1
@@ -18,7 +18,7 @@ import json
 p = "quads/kernels/tuning.json"
 d = json.load(open(p))
 for case in d["rac_select"].values():
-    case["select_backend"] = "cuda"
+    case["select_backend"] = "cuda_fused"
 json.dump(d, open(p, "w"), indent=1)
 PY
 cp quads/kernels/tuning.json $OUT/tuning_cuda_select.json
