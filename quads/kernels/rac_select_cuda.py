@@ -1,7 +1,7 @@
 """RAC's channel selection as a CUDA kernel (``csrc/rac_select.cuh``), built on first use, beside the Triton one.
 
 ``rac_select.rac_units`` runs it in place of ``_rac_select_kernel`` (the sort path's first launch, one run) when its
-launch config says ``select_backend: cuda`` (``tuning.json`` ``rac_select``, or the explicit argument) and
+launch config says ``select_backend: cuda`` or ``cuda_fused`` (``tuning.json`` ``rac_select``, or the explicit argument) and
 ``supports`` holds; it writes the same ``S``, ``rank`` and ``gmax`` bit for bit, and the Triton units kernel that
 follows is unchanged. The Triton kernel and the PyTorch reference (``factored.operands`` under the reference
 backend) stay the references it is tested against (tests/test_rac_select_cuda.py, GPU only).
@@ -10,7 +10,10 @@ Why a CUDA kernel: the selection is one program per expert, a latency chain (PER
 over the expert's rows, then the bitonic sort of its K (key, channel) pairs. In Triton each compare-and-swap step
 of the sort is a reshape and a reduction over a pair axis, 155 barriers at K = 1,024 (11.1 us a call, run 66's
 profile); here the pairs stay in registers, partners up to 32 E positions apart are exchanged by warp shuffles and
-only the farther ones through shared memory, 12 barriers for the whole selection (``scripts/sass_rac_cuda.py``).
+only the farther ones through shared memory: 14 barriers in the whole kernel at K = 1,024 and 8 warps, units
+included (``scripts/sass_rac_cuda.py``, sm_90 offline; raw ``benchmarks/results/2026-12-07_rac_select_cuda_sass_sm90_offline/``).
+With ``units`` (``select_backend: cuda_fused``) the same block also writes its group's operand rows, the units
+kernel's work, so RAC's residual operand is one launch a layer call instead of two.
 
 Built with ``torch.utils.cpp_extension.load`` (nvcc and ninja, on the device's image) for the current GPU's
 architecture; the build directory is PyTorch's extension cache. Op: ``torch.ops.quads_rac_cuda.rac_select``.
