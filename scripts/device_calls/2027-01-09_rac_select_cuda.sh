@@ -25,8 +25,10 @@ cp quads/kernels/tuning.json $OUT/tuning_cuda_select.json
 timeout $(cap 230) python3 -u $E2E --recipes bf16,w4a4+rac50 --json $OUT/e2e_1b_b_cuda_select.json > $OUT/e2e_1b_b_cuda_select.log 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e_1b_b_cuda_select.log
 cp $OUT/tuning_committed.json quads/kernels/tuning.json
+R=bf16,w4a4,w4a4+rac50
+grep -q H200 $OUT/gpu.txt && R=bf16,w4a16,w4a4,w4a4+rac50  # on the issue's card W4A16's row too (queue item 1)
 if [ "$(left)" -gt 120 ]; then
-  timeout $(cap 300) python3 -u $E2E --recipes bf16,w4a4,w4a4+rac50 --json $OUT/e2e_1b_a.json > $OUT/e2e_1b_a.log 2>&1
+  timeout $(cap 300) python3 -u $E2E --recipes $R --json $OUT/e2e_1b_a.json > $OUT/e2e_1b_a.log 2>&1
   echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e_1b_a.log
 fi
 cat $OUT/gpu.txt; tail -n 3 $OUT/gpu_tests_rac_cuda.log; cat $OUT/probe.jsonl; tail -n 3 $OUT/probe.err
