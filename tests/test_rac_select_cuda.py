@@ -73,11 +73,11 @@ def _rows(k: int, counts: list[int], masked: int, seed: int) -> tuple[torch.Tens
 
 
 @cuda
-@pytest.mark.parametrize("k,n", [(1024, 512), (1024, 16), (256, 128), (208, 208), (64, 32), (16, 16)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("k,n,dtype", [(1024, 512, torch.bfloat16), (256, 128, torch.bfloat16), (1024, 16, torch.float32),
+                                       (208, 208, torch.bfloat16), (64, 32, torch.float32), (16, 16, torch.bfloat16)],
+                         ids=lambda v: str(v).replace("torch.", ""))  # fmt: skip
 @pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_cuda_selection_is_the_triton_selection_bit_for_bit(k, n, per_token, dtype):
+def test_cuda_selection_is_the_triton_selection_bit_for_bit(k, n, dtype, per_token):
     """u (BF16 or fp32, written into a strided slot of a stacked operand), S_dec and S of the CUDA selection, with
     the Triton units kernel after it and with the units in its own blocks (``cuda_fused``), under every
     instantiated warp count of this K, equal the Triton sort path's (one run, and runs of 128 merged where K
