@@ -9,6 +9,9 @@ the extension compiles, and where the kernel cannot run (no GPU, one group) the 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +58,55 @@ def test_cuda_backend_falls_back_to_triton_where_it_cannot_run():
                 assert torch.equal(a, b)
     with pytest.raises(ValueError, match="valid: triton, cuda, cuda_fused"):
         rac_select.rac_units(r, group, 3, torch.empty_like(r), n=32, method="sort", select_backend="cub")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (host code only, no GPU)")
+def test_cuda_cast_on_the_host_is_the_reference_cast(tmp_path):
+    """The CUDA kernel's NVFP4 cast (``rac_select.cuh``'s global_scales, block_cast, unit, bf16_bits), built for the
+    host by nvcc (``tests/csrc/rac_cast_host.cu``), gives ``factored_quant.quantize_units_reference``'s units (fp32
+    and BF16) and S_dec bit for bit, NaN where it has NaN: values over 80 binades with subnormals, zeros and
+    negative zeros, blocks at E4M3's largest and smallest scales, every E2M1 midpoint (ties to even), a NaN
+    element, an all-NaN block, +-inf, rows of amax 0 and of an amax above the row's max (the group amax), a
+    subnormal amax."""
+    from quads.kernels.factored_quant import quantize_units_reference
+
+    exe = tmp_path / "rac_cast_host"
+    subprocess.run(["nvcc", "-O2", "-std=c++17", f"-I{rac_select_cuda.CSRC}", "-o", str(exe),
+                    str(Path(__file__).with_name("csrc") / "rac_cast_host.cu")], check=True)  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    m, k = 40, 64
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-40, 40, (m, k), generator=g).float())
+    x[0] = 0.0
+    x[1, :16] = -0.0
+    x[2] = torch.randn(k, generator=g) * 1e-42  # subnormal fp32
+    x[3, 5], x[4, 16:32], x[5, 7], x[5, 40] = float("nan"), float("nan"), float("inf"), float("-inf")
+    x[6, :16] = 448.0 * 6 * torch.rand(16, generator=g)
+    x[7, 16:32] = 2.0**-9 * torch.rand(16, generator=g)
+    amax = torch.where(x.isnan(), 0.0, x.abs()).amax(dim=1)
+    amax[8:16] *= 1 + 7 * torch.rand(8, generator=g)  # a group's amax: above the row's own
+    amax[16] = 0.0
+    amax[17] = 1e-40
+    x[16] = 0.0
+    x[17] = 1e-40 * torch.rand(k, generator=g)
+    # amax 2688: S_enc 1, and a block of max 6 gets scale 1, so x * enc = x: every E2M1 midpoint, ties to even
+    x[18] = 0.0
+    x[18, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -2.5, -0.25, 6.0, -0.75, 1.0, -5.0, 4.0, -1.75, 1.5])
+    amax[18] = 2688.0
+    data = torch.tensor([m, k], dtype=torch.int32).numpy().tobytes() + x.numpy().tobytes() + amax.numpy().tobytes()
+    got = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
+    u = torch.frombuffer(bytearray(got[: 4 * m * k]), dtype=torch.float32).view(m, k)
+    ub = torch.frombuffer(bytearray(got[4 * m * k : 6 * m * k]), dtype=torch.int16).view(m, k)
+    s_dec = torch.frombuffer(bytearray(got[6 * m * k :]), dtype=torch.float32)
+    want_u, want_g, _ = quantize_units_reference(x, amax, dtype=torch.float32)
+    want_ub, want_gb, _ = quantize_units_reference(x, amax, dtype=torch.bfloat16)
+    assert u.isnan().any() and torch.equal(u.isnan(), want_u.isnan())  # NaN bits: the host's, not the GPU's
+    assert torch.equal(torch.where(u.isnan(), 0.0, u).view(torch.int32),
+                       torch.where(want_u.isnan(), 0.0, want_u).view(torch.int32))  # fmt: skip
+    nan_b = want_ub.isnan()
+    assert torch.equal(ub.view(torch.bfloat16).isnan(), nan_b)
+    assert torch.equal(torch.where(nan_b, 0, ub), torch.where(nan_b, 0, want_ub.view(torch.int16)))
+    assert torch.equal(s_dec.view(torch.int32), want_g.view(torch.int32))
+    assert torch.equal(want_g, want_gb)
 
 
 def _rows(k: int, counts: list[int], masked: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace quads_rac {
 
@@ -62,55 +63,101 @@ __device__ __forceinline__ void load_row(const float* p, float (&v)[E]) {
   }
 }
 
+// The scalar steps of the cast, host and device (the host build is tests/csrc/rac_cast_host.cu's check on the CPU).
+#define QUADS_HD __host__ __device__ __forceinline__
+
+QUADS_HD int as_int(float v) {
+#ifdef __CUDA_ARCH__
+  return __float_as_int(v);
+#else
+  int i;
+  memcpy(&i, &v, 4);
+  return i;
+#endif
+}
+
+QUADS_HD float as_float(unsigned u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+QUADS_HD float div_rn(float a, float b) {  // IEEE division, round to nearest even
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
 // nvfp4_quant._global_scales: amax (fp32) -> (S_enc, S_dec)
-__device__ __forceinline__ void global_scales(float amax, float& s_enc, float& s_dec) {
-  s_enc = fminf(__fdiv_rn(2688.f, amax), 3.4028234663852886e38f);
+QUADS_HD void global_scales(float amax, float& s_enc, float& s_dec) {
+  s_enc = fminf(div_rn(2688.f, amax), 3.4028234663852886e38f);
   if (amax == 0.f || s_enc == 0.f) s_enc = 1.f;
-  s_dec = __fdiv_rn(1.f, s_enc);
+  s_dec = div_rn(1.f, s_enc);
 }
 
 // _common.e4m3_rne: v in [0, 448] (no NaN) -> the E4M3 byte of v, round to nearest even; `val` its value
-__device__ __forceinline__ int e4m3_rne(float v, float& val) {
-  const int bits = __float_as_int(v);
+QUADS_HD int e4m3_rne(float v, float& val) {
+  const int bits = as_int(v);
   const int rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576;
   const float sub = (v + 16384.f) - 16384.f;  // multiples of 2^-9 below 2^-6
   if (v < 0.015625f) {
     val = sub;
     return (int)(sub * 512.f);
   }
-  val = __int_as_float(rb);
+  val = as_float((unsigned)rb);
   return ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7);
 }
 
 // _common.e4m3_to_f32 of a byte of e4m3_rne or 0x7F (NaN, bits 0x7FC00000 as Triton's constant)
-__device__ __forceinline__ float e4m3_value(int b) {
+QUADS_HD float e4m3_value(int b) {
   const int e = (b >> 3) & 0xF, m = b & 7;
-  if ((b & 0x7F) == 0x7F) return __int_as_float(0x7FC00000);
-  return e == 0 ? (float)m * 0.001953125f : __int_as_float(((e + 120) << 23) | (m << 20));
+  if ((b & 0x7F) == 0x7F) return as_float(0x7FC00000u);
+  return e == 0 ? (float)m * 0.001953125f : as_float((unsigned)(((e + 120) << 23) | (m << 20)));
 }
 
 // _common.e2m1_code_bits: y = x * enc (enc > 0) -> the 4-bit E2M1 code, RNE, sign from x, NaN x -> 0
-__device__ __forceinline__ int e2m1_code(float y, float x) {
-  const unsigned b = (unsigned)__float_as_int(y) & 0x7FFFFFFFu;
-  const float m = __uint_as_float(b);
-  const int sub = __float_as_int(m + 4194304.f) - 0x4A800000;
-  const int nrm = min((int)((b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22) - 252, 7);
-  const int c = (m < 1.f ? sub : nrm) | ((__float_as_int(x) >> 28) & 8);
+QUADS_HD int e2m1_code(float y, float x) {
+  const unsigned b = (unsigned)as_int(y) & 0x7FFFFFFFu;
+  const float m = as_float(b);
+  const int sub = as_int(m + 4194304.f) - 0x4A800000;
+  const int nrm = (int)((b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22) - 252;
+  const int c = (m < 1.f ? sub : (nrm < 7 ? nrm : 7)) | ((as_int(x) >> 28) & 8);
   return x != x ? 0 : c;
 }
 
 // the signed E2M1 value of code c, times the block's scale: _common.e2m1_times_scale's product (exact, the same
 // FMUL where the scale is NaN)
-__device__ __forceinline__ float e2m1_times(int c, float scale) {
+QUADS_HD float e2m1_times(int c, float scale) {
   const unsigned e = (c >> 1) & 3, m = c & 1;
   unsigned bits = e ? (((126u + e) << 23) | (m << 22)) : (m ? 0x3F000000u : 0u);
   bits |= (unsigned)(c & 8) << 28;
-  return __uint_as_float(bits) * scale;
+  return as_float(bits) * scale;
 }
 
+// one block of 16's cast (nvfp4_quant._quantize_tile): from its max |x| with NaN ignored (`bm`), whether it holds a
+// NaN (`bn`) and its row's scales -> its E4M3 byte (0x7F for a NaN block), the byte's value `scale` and the factor
+// `enc` its elements are multiplied by before their E2M1 rounding
+QUADS_HD int block_cast(float bm, bool bn, float s_enc, float s_dec, float& scale, float& enc) {
+  float s_val;
+  const int b0 = e4m3_rne(fminf(bm * (s_enc * 0.16666667163372040f), 448.f), s_val);
+  enc = fminf(div_rn(1.f, s_val * s_dec), 3.4028234663852886e38f);
+  const int byte = bn ? 0x7F : b0;
+  scale = e4m3_value(byte);
+  return byte;
+}
+
+// an element's unit u = e2m1 * scale (the exact value; u * S_dec is the dequantized one)
+QUADS_HD float unit(float x, float enc, float scale) { return e2m1_times(e2m1_code(x * enc, x), scale); }
+
 // _common.f32_to_bf16_rne: fp32 -> BF16 bits, round to nearest even, NaN stays a quiet NaN
-__device__ __forceinline__ unsigned short bf16_bits(float v) {
-  const unsigned bits = (unsigned)__float_as_int(v);
+QUADS_HD unsigned short bf16_bits(float v) {
+  const unsigned bits = (unsigned)as_int(v);
   const unsigned r = v != v ? (bits | 0x400000u) : bits + 0x7FFFu + ((bits >> 16) & 1u);
   return (unsigned short)(r >> 16);
 }
@@ -363,17 +410,14 @@ __global__ void __launch_bounds__(WARPS * 32) select_kernel(
         bm = fmaxf(bm, __shfl_xor_sync(kFull, bm, o));
         bn |= __shfl_xor_sync(kFull, bn, o);
       }
-      float s_val;  // the block scale's value; the stored byte is 0x7F (NaN) for a block holding a NaN
-      const int b0 = e4m3_rne(fminf(bm * (s_enc * 0.16666667163372040f), 448.f), s_val);
-      const int byte = bn ? 0x7F : b0;
-      const float enc = fminf(__fdiv_rn(1.f, s_val * s_dec), 3.4028234663852886e38f);
-      const float scale = e4m3_value(byte);
+      float scale, enc;
+      block_cast(bm, bn != 0, s_enc, s_dec, scale, enc);
       if (i < last) {
 #pragma unroll
         for (int e = 0; e < E; ++e) {
           const int p = c0 + e;
           if (idx[e] >= K) continue;  // padding positions
-          const float u = p < n ? e2m1_times(e2m1_code(x[q][e] * enc, x[q][e]), scale) : 0.f;
+          const float u = p < n ? unit(x[q][e], enc, scale) : 0.f;
           const long long off = (long long)i * stride_um + idx[e];
           if (u_bf16) {
             reinterpret_cast<unsigned short*>(u_out)[off] = bf16_bits(u);
