@@ -60,6 +60,53 @@ def test_cuda_backend_falls_back_to_triton_where_it_cannot_run():
         rac_select.rac_units(r, group, 3, torch.empty_like(r), n=32, method="sort", select_backend="cub")
 
 
+def _network(log_kp: int, warps: int, keys: list[int]) -> list[int]:
+    """The CUDA kernel's bitonic network re-stated in Python with its position-to-thread mapping: thread t holds
+    positions [t E, (t + 1) E); a step with partners D apart swaps in the thread (D < E) or takes the partner
+    thread t ^ (D / E)'s pair (shuffle or shared memory), keeping the first pair where its slot is the lower one of
+    an ascending run. Returns the channels in the final order."""
+    kp, t_n = 1 << log_kp, warps * 32
+    e_n = kp // t_n
+
+    def before(a, b):  # (key, channel): key descending, ties by channel ascending
+        return a[0] > b[0] or (a[0] == b[0] and a[1] < b[1])
+
+    pairs = [[(keys[t * e_n + e], t * e_n + e) for e in range(e_n)] for t in range(t_n)]
+    for s in range(1, log_kp + 1):
+        for j in range(s - 1, -1, -1):
+            d = 1 << j
+            if d < e_n:
+                for t in range(t_n):
+                    for e in range(e_n):
+                        if e & d == 0:
+                            asc = ((t * e_n + e) >> s) & 1 == 0
+                            if before(pairs[t][e + d], pairs[t][e]) == asc:
+                                pairs[t][e], pairs[t][e + d] = pairs[t][e + d], pairs[t][e]
+            else:
+                old = [row[:] for row in pairs]
+                for t in range(t_n):
+                    for e in range(e_n):
+                        p, partner = t * e_n + e, old[t ^ (d // e_n)][e]
+                        want_first = ((p & d) == 0) == (((p >> s) & 1) == 0)
+                        if before(partner, old[t][e]) == want_first:
+                            pairs[t][e] = partner
+    return [c for row in pairs for _, c in row]
+
+
+def test_the_kernels_bitonic_network_is_the_stable_descending_order():
+    """For every instantiated (padded K, warps), the network as the kernel runs it orders (key, channel) pairs as
+    ``torch.argsort(descending=True, stable=True)``: keys with many ties, the NaN key above +inf, padding -1."""
+    g = torch.Generator().manual_seed(2)
+    nan_key = 0x7FF8000000000000
+    for log_kp, warps in rac_select_cuda.CONFIGS:
+        kp = 1 << log_kp
+        k = kp - 16 if kp > 32 else kp
+        pool = torch.tensor([0, 1, 5, 2**62, nan_key, 7, 3])
+        keys = pool[torch.randint(len(pool), (k,), generator=g)].tolist() + [-1] * (kp - k)
+        want = torch.argsort(torch.tensor(keys), descending=True, stable=True).tolist()
+        assert _network(log_kp, warps, keys) == want, (log_kp, warps)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (host code only, no GPU)")
 def test_cuda_cast_on_the_host_is_the_reference_cast(tmp_path):
     """The CUDA kernel's NVFP4 cast (``rac_select.cuh``'s global_scales, block_cast, unit, bf16_bits), built for the
