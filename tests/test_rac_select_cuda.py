@@ -40,13 +40,16 @@ def test_configs_are_the_extension_instantiations():
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 def test_cuda_backend_falls_back_to_triton_where_it_cannot_run():
     """On the CPU (Triton's interpreter) and for one group, ``select_backend="cuda"`` and ``"cuda_fused"`` run the
-    Triton kernels: the same bytes as ``"triton"``; an unknown backend is a ValueError naming the valid ones."""
+    Triton kernels: the same bytes as ``"triton"`` (on a GPU the grouped rows run the CUDA kernel, the same bytes
+    too); an unknown backend is a ValueError naming the valid ones."""
     from quads.kernels import rac_select
 
     g = torch.Generator().manual_seed(3)
     group = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 3], dtype=torch.long)  # group 3: rows of no group
     r = torch.randn(9, 64, generator=g)
-    assert not rac_select_cuda.supports(r, group, 2)
+    assert not rac_select_cuda.supports(r, group, 2)  # a CPU tensor
+    if torch.cuda.is_available():  # compiled Triton takes CUDA tensors only; there the grouped rows run CUDA
+        r, group = r.cuda(), group.cuda()
     for grp, groups in ((group, 3), (None, 1)):
         outs = []
         for backend in ("triton", "cuda", "cuda_fused"):

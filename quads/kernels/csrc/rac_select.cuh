@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(WARPS * 32) select_kernel(
   constexpr int KP = 1 << LOG_KP;
   constexpr int T = WARPS * 32;
   constexpr int E = KP / T;  // pairs per thread
-  constexpr int ROWS = E >= 8 ? 2 : 8 / E;
+  constexpr int ROWS = E >= 8 ? 8 : 16;  // rows whose loads are in flight together: a latency chain of end - start rows / ROWS
   static_assert(E >= 1 && E <= 8 && (E & (E - 1)) == 0, "KP / threads must be 1, 2, 4 or 8");
   __shared__ long long sk[2][KP];  // the exchanges' pairs, position p at [p % E][p / E] (conflict-free reads)
   __shared__ int si[2][KP];
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(WARPS * 32) select_kernel(
   __shared__ int cnt[2][WARPS];
   __shared__ long long kth_key;
   __shared__ int kth_idx;
-  constexpr int RB = 8;  // rows a units pass gathers together
+  constexpr int RB = E >= 2 ? 32 / E : 16;  // rows a units pass gathers together
   __shared__ float row_red[WARPS][RB];
 
   const int g = blockIdx.x;
