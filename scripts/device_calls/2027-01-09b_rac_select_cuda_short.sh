@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run 79's follow-up, for a short budget: RAC's CUDA selection with its rows' loads 16 in flight (run 79 had 2, a
 # latency chain over the expert's rows), the probe first (the operand alone in a CUDA graph, both backends, each warp
-# count, the same bits checked at the 1b decode shapes), then the GPU tests that run 79's 170 s did not reach (the
-# cheaper cases first). One GPU, <= TOTAL s. OUT=$OUT TOTAL=330 bash scripts/device_calls/2027-01-09b_rac_select_cuda_short.sh
+# count, the same bits checked at the 1b decode shapes), then the GPU tests that run 79's 170 s did not reach (K = 256
+# first: NaN, inf, ties, masked rows, per token, every warp count). One GPU, <= TOTAL s. OUT=$OUT TOTAL=330 bash scripts/device_calls/2027-01-09b_rac_select_cuda_short.sh
 . scripts/device_calls/lib.sh
 git log --oneline -1 > $OUT/tree.txt 2>&1
 timeout $(cap 110) python3 -u scripts/device_calls/rac_select_cuda_probe.py > $OUT/probe.jsonl 2> $OUT/probe.err
