@@ -5,9 +5,9 @@ offline with nvcc (no GPU):
 
 Per instantiation of ``rac_select_cuda.CONFIGS`` (log2 of the padded K, warps) it prints the static SASS
 instructions, registers, shared memory, spills (local-memory instructions), and the barriers, warp shuffles and
-shared-memory loads in the code: the whole kernel, selection and units (the units loop counted once). The Triton
-selection it replaces is ``scripts/sass_rac.py``'s (155 barriers in the select kernel at K = 1,024). Static
-counts are not timings: ``scripts/device_calls/rac_select_cuda_probe.py`` times them.
+shared-memory loads in the code (loops counted once). The Triton selection it replaces is ``scripts/sass_rac.py``'s
+(155 barriers in the select kernel at K = 1,024). Static counts are not timings:
+``scripts/device_calls/rac_select_cuda_probe.py`` times them (docs/PERF.md runs 79-80).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from sass_w4a16 import add_output_args, write_rows  # noqa: E402
 from quads.kernels import rac_select_cuda  # noqa: E402
 
 HEADER = rac_select_cuda.CSRC / "rac_select.cuh"
-SIG = "const float*, const long long*, long long*, int*, float*, int, int, int, int, bool, void*, bool, long long, float*"
+SIG = "const float*, const long long*, long long*, int*, float*, int, int, int, int, bool"
 
 
 def compile_case(log_kp: int, warps: int, nvcc: str) -> tuple[str, str]:

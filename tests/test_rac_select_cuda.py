@@ -2,16 +2,14 @@
 
 The GPU tests (skipped without CUDA) compare ``rac_units`` with ``select_backend="cuda"`` byte for byte (u, S_dec,
 S) with the Triton selection, for every instantiated warp count of each K, and the replay of the CUDA path in a
-CUDA graph. The CPU tests hold the launcher's contract: the instantiations the Python side asks for are the ones
-the extension compiles, and where the kernel cannot run (no GPU, one group) the Triton kernels run instead.
+CUDA graph. The CPU tests hold the launcher's contract (the instantiations the Python side asks for are the ones
+the extension compiles; where the kernel cannot run, no GPU or one group, the Triton kernels run instead) and the
+kernel's bitonic network, re-stated in Python with its position-to-thread mapping.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -39,9 +37,9 @@ def test_configs_are_the_extension_instantiations():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 def test_cuda_backend_falls_back_to_triton_where_it_cannot_run():
-    """On the CPU (Triton's interpreter) and for one group, ``select_backend="cuda"`` and ``"cuda_fused"`` run the
-    Triton kernels: the same bytes as ``"triton"`` (on a GPU the grouped rows run the CUDA kernel, the same bytes
-    too); an unknown backend is a ValueError naming the valid ones."""
+    """On the CPU (Triton's interpreter) and for one group, ``select_backend="cuda"`` runs the Triton kernels: the
+    same bytes as ``"triton"`` (on a GPU the grouped rows run the CUDA kernel, the same bytes too); an unknown
+    backend is a ValueError naming the valid ones."""
     from quads.kernels import rac_select
 
     g = torch.Generator().manual_seed(3)
@@ -52,14 +50,14 @@ def test_cuda_backend_falls_back_to_triton_where_it_cannot_run():
         r, group = r.cuda(), group.cuda()
     for grp, groups in ((group, 3), (None, 1)):
         outs = []
-        for backend in ("triton", "cuda", "cuda_fused"):
+        for backend in ("triton", "cuda"):
             out = torch.full_like(r, 7.0)
             gs, s = rac_select.rac_units(r, grp, groups, out, n=32, method="sort", select_backend=backend)
             outs.append((out, gs, s))
         for got in outs[1:]:
             for a, b in zip(outs[0], got):
                 assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="valid: triton, cuda, cuda_fused"):
+    with pytest.raises(ValueError, match="valid: triton, cuda"):
         rac_select.rac_units(r, group, 3, torch.empty_like(r), n=32, method="sort", select_backend="cub")
 
 
@@ -110,55 +108,6 @@ def test_the_kernels_bitonic_network_is_the_stable_descending_order():
         assert _network(log_kp, warps, keys) == want, (log_kp, warps)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (host code only, no GPU)")
-def test_cuda_cast_on_the_host_is_the_reference_cast(tmp_path):
-    """The CUDA kernel's NVFP4 cast (``rac_select.cuh``'s global_scales, block_cast, unit, bf16_bits), built for the
-    host by nvcc (``tests/csrc/rac_cast_host.cu``), gives ``factored_quant.quantize_units_reference``'s units (fp32
-    and BF16) and S_dec bit for bit, NaN where it has NaN: values over 80 binades with subnormals, zeros and
-    negative zeros, blocks at E4M3's largest and smallest scales, every E2M1 midpoint (ties to even), a NaN
-    element, an all-NaN block, +-inf, rows of amax 0 and of an amax above the row's max (the group amax), a
-    subnormal amax."""
-    from quads.kernels.factored_quant import quantize_units_reference
-
-    exe = tmp_path / "rac_cast_host"
-    subprocess.run(["nvcc", "-O2", "-std=c++17", f"-I{rac_select_cuda.CSRC}", "-o", str(exe),
-                    str(Path(__file__).with_name("csrc") / "rac_cast_host.cu")], check=True)  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-    m, k = 40, 64
-    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-40, 40, (m, k), generator=g).float())
-    x[0] = 0.0
-    x[1, :16] = -0.0
-    x[2] = torch.randn(k, generator=g) * 1e-42  # subnormal fp32
-    x[3, 5], x[4, 16:32], x[5, 7], x[5, 40] = float("nan"), float("nan"), float("inf"), float("-inf")
-    x[6, :16] = 448.0 * 6 * torch.rand(16, generator=g)
-    x[7, 16:32] = 2.0**-9 * torch.rand(16, generator=g)
-    amax = torch.where(x.isnan(), 0.0, x.abs()).amax(dim=1)
-    amax[8:16] *= 1 + 7 * torch.rand(8, generator=g)  # a group's amax: above the row's own
-    amax[16] = 0.0
-    amax[17] = 1e-40
-    x[16] = 0.0
-    x[17] = 1e-40 * torch.rand(k, generator=g)
-    # amax 2688: S_enc 1, and a block of max 6 gets scale 1, so x * enc = x: every E2M1 midpoint, ties to even
-    x[18] = 0.0
-    x[18, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -2.5, -0.25, 6.0, -0.75, 1.0, -5.0, 4.0, -1.75, 1.5])
-    amax[18] = 2688.0
-    data = torch.tensor([m, k], dtype=torch.int32).numpy().tobytes() + x.numpy().tobytes() + amax.numpy().tobytes()
-    got = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
-    u = torch.frombuffer(bytearray(got[: 4 * m * k]), dtype=torch.float32).view(m, k)
-    ub = torch.frombuffer(bytearray(got[4 * m * k : 6 * m * k]), dtype=torch.int16).view(m, k)
-    s_dec = torch.frombuffer(bytearray(got[6 * m * k :]), dtype=torch.float32)
-    want_u, want_g, _ = quantize_units_reference(x, amax, dtype=torch.float32)
-    want_ub, want_gb, _ = quantize_units_reference(x, amax, dtype=torch.bfloat16)
-    assert u.isnan().any() and torch.equal(u.isnan(), want_u.isnan())  # NaN bits: the host's, not the GPU's
-    assert torch.equal(torch.where(u.isnan(), 0.0, u).view(torch.int32),
-                       torch.where(want_u.isnan(), 0.0, want_u).view(torch.int32))  # fmt: skip
-    nan_b = want_ub.isnan()
-    assert torch.equal(ub.view(torch.bfloat16).isnan(), nan_b)
-    assert torch.equal(torch.where(nan_b, 0, ub), torch.where(nan_b, 0, want_ub.view(torch.int16)))
-    assert torch.equal(s_dec.view(torch.int32), want_g.view(torch.int32))
-    assert torch.equal(want_g, want_gb)
-
-
 def _rows(k: int, counts: list[int], masked: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual [M, K] on the GPU with rows sorted by group (``counts[g]`` rows each, then ``masked`` rows of no
     group): norms spread over four decades, exact ties (channels 16..31 repeat 0..15; 40..47 zero in every row,
@@ -180,18 +129,15 @@ def _rows(k: int, counts: list[int], masked: int, seed: int) -> tuple[torch.Tens
                          ids=lambda v: str(v).replace("torch.", ""))  # fmt: skip
 @pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
 def test_cuda_selection_is_the_triton_selection_bit_for_bit(k, n, dtype, per_token):
-    """u (BF16 or fp32, written into a strided slot of a stacked operand), S_dec and S of the CUDA selection, with
-    the Triton units kernel after it and with the units in its own blocks (``cuda_fused``), under every
-    instantiated warp count of this K, equal the Triton sort path's (one run, and runs of 128 merged where K
-    allows) and the count path's, byte for byte: empty experts, a lone row, 40 rows in one expert, masked rows,
-    NaN / inf, exact ties, K not a power of two; and ``cuda_fused`` over groups of more than ``FUSED_ROWS`` rows
-    on average (the units kernel then runs) likewise."""
-    from quads.kernels.rac_select import FUSED_ROWS, rac_units
+    """u (BF16 or fp32, written into a strided slot of a stacked operand), S_dec and S with the CUDA selection, under
+    every instantiated warp count of this K, equal the Triton sort path's (one run, and runs of 128 merged where K
+    allows) and the count path's, byte for byte: empty experts, a lone row, 40 rows in one expert, groups of
+    hundreds of rows, masked rows, NaN / inf, exact ties, K not a power of two."""
+    from quads.kernels.rac_select import rac_units
 
     for counts, masked in (([5, 3, 0, 1, 40, 0, 17, 2], 3), ([150, 0, 400, 120], 7)):
         r, group = _rows(k, counts, masked=masked, seed=k + n)
         groups = len(counts)
-        fused_runs = len(group) <= FUSED_ROWS * groups
 
         def run(r=r, group=group, groups=groups, **kw):
             stacked = torch.full((r.shape[0], 2, k), 7.0, device=r.device, dtype=dtype)
@@ -210,11 +156,9 @@ def test_cuda_selection_is_the_triton_selection_bit_for_bit(k, n, dtype, per_tok
         assert warps
         for w in warps:
             assert rac_select_cuda.supports(r, group, w)
-            for backend in ("cuda", "cuda_fused"):
-                got = run(method="sort", select_backend=backend, select_warps=w)
-                for a, b, what in zip(got, want, ("u", "S_dec", "S")):
-                    assert torch.equal(a, b), (f"{what}: K={k} n={n} per_token={per_token} warps={w} {backend} "
-                                               f"fused={fused_runs and backend == 'cuda_fused'}")
+            got = run(method="sort", select_backend="cuda", cuda_warps=w)
+            for a, b, what in zip(got, want, ("u", "S_dec", "S")):
+                assert torch.equal(a, b), f"{what}: K={k} n={n} per_token={per_token} warps={w} rows={len(group)}"
 
 
 @cuda
@@ -249,8 +193,8 @@ def test_cuda_selection_rank_and_gmax_equal_the_triton_kernel():
 
 @cuda
 def test_cuda_selection_replays_in_a_graph():
-    """``rac_units`` on the CUDA selection with its units (``cuda_fused``) captured in a CUDA graph, replayed on new
-    values in the same buffers, gives the eager call's bytes (no host sync, no allocation outside the capture)."""
+    """``rac_units`` on the CUDA selection captured in a CUDA graph, replayed on new values in the same buffers,
+    gives the eager call's bytes (no host sync, no allocation outside the capture)."""
     from quads.kernels.rac_select import rac_units
 
     counts = [12, 0, 30, 7]
@@ -258,7 +202,7 @@ def test_cuda_selection_replays_in_a_graph():
     out = torch.zeros(r.shape, device=r.device, dtype=torch.bfloat16)
 
     def call():
-        return rac_units(r, group, len(counts), out, n=512, method="sort", select_backend="cuda_fused")
+        return rac_units(r, group, len(counts), out, n=512, method="sort", select_backend="cuda")
 
     call()  # the build and Triton's compile outside the capture
     graph = torch.cuda.CUDAGraph()

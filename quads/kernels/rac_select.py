@@ -69,8 +69,7 @@ from quads.kernels import tuning
 from quads.kernels._common import EXACT, HAS_TRITON, check_out, interpreted
 
 RacMethod = Literal["sort", "count"]  # the selection algorithm (module docstring); same channels either way
-SelectBackend = Literal["triton", "cuda", "cuda_fused"]  # the sort path's selection (``rac_units``); same bits
-FUSED_ROWS = 64  # "cuda_fused" writes the units in the selection's block where groups average <= this many rows
+SelectBackend = Literal["triton", "cuda"]  # the sort path's selection kernel (``rac_units``); same bits either way
 SORT_MAX_K = 4096  # the sort path holds a group's K norms (padded to a power of two) in one program
 
 if HAS_TRITON:
@@ -464,6 +463,7 @@ def rac_units(
     select_rows: int | None = None,
     split_runs: bool | None = None,
     select_backend: SelectBackend | None = None,
+    cuda_warps: int | None = None,
     block_m: int | None = None,
     block_k: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -481,11 +481,9 @@ def rac_units(
     many programs (``_rac_run_rank_kernel``), where the select kernel runs one program per group; ``select_warps``
     are then the run kernels' (null: L / 64 for runs of L, within 2..8). ``select_backend``: ``"cuda"`` runs the
     selection as the CUDA kernel ``rac_select_cuda`` (rows in groups on a CUDA GPU, K a multiple of 16 up to 1,024;
-    elsewhere the Triton kernels run): one block per group, ``select_warps`` its warps (null:
-    ``rac_select_cuda.default_warps``), ``sort_run`` and ``split_runs`` unused; ``"cuda_fused"`` as ``"cuda"``, and
-    the same block also writes its group's units (no units kernel) where the groups average at most
-    ``FUSED_ROWS`` rows (decode; at prefill a block per group would quantize thousands of rows alone).
-    These five, None: ``tuning.json`` ``rac_select`` for KP (launch options, the same bits under each). ``block_m``: rows per
+    elsewhere the Triton kernels run): one block per group of ``cuda_warps`` warps (null:
+    ``rac_select_cuda.default_warps``); the Triton ones' settings then unused. These six, None: ``tuning.json``
+    ``rac_select`` for KP (launch options, the same bits under each). ``block_m``: rows per
     program of the units kernel (None: 16 for ``count``; for ``sort`` 1 on the GPU, 16 under the
     interpreter, whose cost is per program); ``block_k``: the count path's units tile width."""
     if not HAS_TRITON:
@@ -518,17 +516,16 @@ def rac_units(
     if method == "sort":
         tuned = tuning.config("rac_select", tuning.case("rac_select", f"k{kp}", "sort"),  # per padded K
                               sort_run=sort_run, select_warps=select_warps, select_rows=select_rows,
-                              split_runs=split_runs, select_backend=select_backend)
+                              split_runs=split_runs, select_backend=select_backend, cuda_warps=cuda_warps)
         run, warps, rows = tuned["sort_run"], tuned["select_warps"], tuned["select_rows"]
         split = bool(tuned["split_runs"])
         bm = (16 if interpreted(r) else 1) if block_m is None else block_m
-        if tuned.get("select_backend") in ("cuda", "cuda_fused"):
+        if tuned.get("select_backend") == "cuda":
             from quads.kernels import rac_select_cuda
 
-            cuda_warps = rac_select_cuda.default_warps(k) if warps is None else warps
-            if rac_select_cuda.supports(r, group, cuda_warps):
-                fused = tuned["select_backend"] == "cuda_fused" and m <= FUSED_ROWS * n_sel
-                _cuda_units(r, grp, n_sel, out, s, rank, g, n, per_token, bm, cuda_warps, fused)
+            cw = tuned.get("cuda_warps") or rac_select_cuda.default_warps(k)
+            if rac_select_cuda.supports(r, group, cw):
+                _cuda_units(r, grp, n_sel, out, s, rank, g, n, per_token, bm, cw)
                 return g, s
         log_w = 0 if run is None or run >= kp else (kp // run).bit_length() - 1
         if split and not log_w:
@@ -587,16 +584,13 @@ def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, log_
     _units_after_select(r, grp, one, n_sel, out, s, rank, gmax, g, n, per_token, block_m, parts)
 
 
-def _cuda_units(r, grp, n_sel, out, s, rank, g, n, per_token, block_m, warps, fused) -> None:
-    """The sort path with its selection as the CUDA kernel (``rac_select_cuda``), then the same units kernel, or
-    (``fused``) the units written by the selection's blocks."""
+def _cuda_units(r, grp, n_sel, out, s, rank, g, n, per_token, block_m, warps) -> None:
+    """The sort path with its selection as the CUDA kernel (``rac_select_cuda``), then the same units kernel."""
     from quads.kernels import rac_select_cuda
 
     gmax = torch.empty(n_sel + 1, dtype=torch.float32, device=r.device)
-    rac_select_cuda.select(r, grp, s, rank, gmax, n=n, groups=n_sel, per_token=per_token, warps=warps,
-                           units=(out, g) if fused else None)  # fmt: skip
-    if not fused:
-        _units_after_select(r, grp, False, n_sel, out, s, rank, gmax, g, n, per_token, block_m, 1)
+    rac_select_cuda.select(r, grp, s, rank, gmax, n=n, groups=n_sel, per_token=per_token, warps=warps)
+    _units_after_select(r, grp, False, n_sel, out, s, rank, gmax, g, n, per_token, block_m, 1)
 
 
 def _units_after_select(r, grp, one, n_sel, out, s, rank, gmax, g, n, per_token, block_m, parts) -> None:

@@ -1,19 +1,21 @@
 """RAC's channel selection as a CUDA kernel (``csrc/rac_select.cuh``), built on first use, beside the Triton one.
 
 ``rac_select.rac_units`` runs it in place of ``_rac_select_kernel`` (the sort path's first launch, one run) when its
-launch config says ``select_backend: cuda`` or ``cuda_fused`` (``tuning.json`` ``rac_select``, or the explicit argument) and
-``supports`` holds; it writes the same ``S``, ``rank`` and ``gmax`` bit for bit, and the Triton units kernel that
+launch config says ``select_backend: cuda`` (``tuning.json`` ``rac_select``, per padded K, or the explicit argument)
+and ``supports`` holds; it writes the same ``S``, ``rank`` and ``gmax`` bit for bit, and the Triton units kernel that
 follows is unchanged. The Triton kernel and the PyTorch reference (``factored.operands`` under the reference
 backend) stay the references it is tested against (tests/test_rac_select_cuda.py, GPU only).
 
-Why a CUDA kernel: the selection is one program per expert, a latency chain (PERF.md, runs 65-69): the fp64 norms
-over the expert's rows, then the bitonic sort of its K (key, channel) pairs. In Triton each compare-and-swap step
-of the sort is a reshape and a reduction over a pair axis, 155 barriers at K = 1,024 (11.1 us a call, run 66's
-profile); here the pairs stay in registers, partners up to 32 E positions apart are exchanged by warp shuffles and
-only the farther ones through shared memory: 14 barriers in the whole kernel at K = 1,024 and 8 warps, units
-included (``scripts/sass_rac_cuda.py``, sm_90 offline; raw ``benchmarks/results/2026-12-07_rac_select_cuda_sass_sm90_offline/``).
-With ``units`` (``select_backend: cuda_fused``) the same block also writes its group's operand rows, the units
-kernel's work, so RAC's residual operand is one launch a layer call instead of two.
+Why a CUDA kernel: the selection is one program per expert (PERF.md, runs 65-69): the fp64 norms over the expert's
+rows, then the bitonic sort of its K (key, channel) pairs. In Triton each compare-and-swap step of the sort is a
+reshape and a reduction over a pair axis, 155 barriers at K = 1,024; here the pairs stay in registers, partners up to
+32 E positions apart are exchanged by warp shuffles and only the farther ones through shared memory (``scripts/
+sass_rac_cuda.py``, sm_90 offline), and 16 rows' loads are in flight while the norms are summed. Runs 79-80 (H100, the
+1b decode shape, in a CUDA graph): this selection plus the units kernel 16.75-17.48 us a call at K = 1,024 (16 warps)
+against Triton's 21.39-21.41, and 7.60-7.63 against 8.60-8.82 us at K = 256 (8 warps); the selection alone takes
+10.6-11.3 us at K = 1,024 whatever its warps, so walking the expert's rows, not the sort, is most of what is left.
+A form that also quantized the units in the selection's block was slower at every warp count (28-45 us) and was
+removed.
 
 Built with ``torch.utils.cpp_extension.load`` (nvcc and ninja, on the device's image) for the current GPU's
 architecture; the build directory is PyTorch's extension cache. Op: ``torch.ops.quads_rac_cuda.rac_select``.
@@ -74,15 +76,11 @@ def supports(r: torch.Tensor, group: torch.Tensor | None, warps: int) -> bool:
 
 
 def select(r: torch.Tensor, group: torch.Tensor, s: torch.Tensor, rank: torch.Tensor, gmax: torch.Tensor, *, n: int,
-           groups: int, per_token: bool, warps: int, units: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+           groups: int, per_token: bool, warps: int) -> None:
     """Writes ``s`` int64 [G, n], ``rank`` int32 [G, K] and (unless ``per_token``) ``gmax`` fp32 [G + 1], as
-    ``rac_select._rac_select_kernel`` with one run (its docstring); ``r`` fp32 [M, K], ``group`` int64 [M].
-    ``units`` = ``(out, s_dec)``: also RAC's operand rows into ``out`` (BF16 or fp32 [M, K], rows strided) and
-    S_dec [M], as ``_rac_units_sel_kernel`` writes them (every row, masked rows included)."""
+    ``rac_select._rac_select_kernel`` with one run (its docstring); ``r`` fp32 [M, K], ``group`` int64 [M]."""
     if (log_kp(r.shape[-1]), warps) not in CONFIGS:
         raise ValueError(f"rac_select_cuda.select: (log2 padded K, warps) must be one of {CONFIGS}, got "
                          f"{(log_kp(r.shape[-1]), warps)}")
     build()
-    out, s_dec = units if units is not None else (gmax, gmax)  # unread placeholders without units
-    torch.ops.quads_rac_cuda.rac_select(r, group, s, rank, gmax, out, s_dec, n, groups, per_token, units is not None,
-                                        warps)
+    torch.ops.quads_rac_cuda.rac_select(r, group, s, rank, gmax, n, groups, per_token, warps)

@@ -3,8 +3,8 @@ selection it replaces, at the 1b decode shapes (128 tokens x top-8 over 64 exper
 n = 512 for gate_up, K = 256 n = 128 for down), the same bits checked. Each form replayed in a CUDA graph
 (benchmarks.bench_kernels.time_graph, median of 50 replays of 8 calls over distinct data): RAC's whole residual
 operand (``rac_units``: selection + units kernel) and the selection alone, Triton (the tuning.json config) and CUDA
-under each instantiated warp count, with the Triton units kernel after it (``cuda``) and with the units in its own
-blocks (``cuda_fused``). Prints JSON lines.
+under each instantiated warp count, with the Triton units kernel after it. Prints JSON lines. Runs 79-80 (trees
+1b8acbf and 729def6) also timed ``cuda_fused``, the units in the selection's blocks, removed since (slower).
 
     PYTHONPATH=. python3 -u scripts/device_calls/rac_select_cuda_probe.py
 """
@@ -51,15 +51,15 @@ def probe(k: int) -> dict:
         if lk != rac_select_cuda.log_kp(k):
             continue
         assert rac_select_cuda.supports(rs[0], group, w), (k, w)
-        for backend in ("cuda", "cuda_fused"):
+        for backend in ("cuda",):
             outs[0].fill_(7.0)
-            got = units(0, select_backend=backend, select_warps=w)
+            got = units(0, select_backend=backend, cuda_warps=w)
             same = (torch.equal(outs[0].view(torch.int16), want[0].view(torch.int16))
                     and torch.equal(got[0].view(torch.int32), want[1].view(torch.int32))
                     and torch.equal(got[1], want[2]))  # fmt: skip
             row[f"{backend}_w{w}_same_bits"] = same
             row[f"{backend}_w{w}_units_us"] = time_graph(
-                [lambda i=i, w=w, b=backend: units(i, select_backend=b, select_warps=w) for i in range(copies)]) * 1e6
+                [lambda i=i, w=w, b=backend: units(i, select_backend=b, cuda_warps=w) for i in range(copies)]) * 1e6
         bufs = (torch.empty(e, n, dtype=torch.long, device="cuda"), torch.empty(e, k, dtype=torch.int32, device="cuda"),
                 torch.empty(e + 1, dtype=torch.float32, device="cuda"))  # S, rank, gmax
         row[f"cuda_w{w}_select_us"] = time_graph(

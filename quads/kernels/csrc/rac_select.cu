@@ -1,7 +1,6 @@
 // PyTorch binding of RAC's CUDA channel selection (rac_select.cuh), built on first use by
 // quads/kernels/rac_select_cuda.py (torch.utils.cpp_extension.load). Registers quads_rac_cuda::rac_select (CUDA
-// only), which writes S, rank and gmax in place, as rac_select.py's _rac_select_kernel does, and with `units`
-// also RAC's operand rows and S_dec, as its units kernel _rac_units_sel_kernel does.
+// only), which writes S, rank and gmax in place, as rac_select.py's _rac_select_kernel does.
 #include <cstdint>
 
 #include <ATen/ATen.h>
@@ -16,20 +15,16 @@ namespace {
 
 template <int LOG_KP, int WARPS>
 void launch(const at::Tensor& r, const at::Tensor& group, at::Tensor& s, at::Tensor& rank, at::Tensor& gmax,
-            at::Tensor& out, at::Tensor& s_dec, int64_t n, int64_t groups, bool per_token, bool units) {
+            int64_t n, int64_t groups, bool per_token) {
   quads_rac::select_kernel<LOG_KP, WARPS><<<(unsigned)groups, WARPS * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
       r.data_ptr<float>(), reinterpret_cast<const long long*>(group.data_ptr<int64_t>()),
       reinterpret_cast<long long*>(s.data_ptr<int64_t>()), rank.data_ptr<int>(), gmax.data_ptr<float>(),
-      (int)r.size(0), (int)r.size(1), (int)n, (int)groups, per_token, units ? out.data_ptr() : nullptr,
-      out.scalar_type() == at::kBFloat16, (long long)out.stride(0), units ? s_dec.data_ptr<float>() : nullptr);
+      (int)r.size(0), (int)r.size(1), (int)n, (int)groups, per_token);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// units: also write RAC's operand rows into out [M, K] (BF16 or fp32, rows strided) and S_dec [M] (else both
-// unused: the Triton units kernel follows)
 void rac_select(const at::Tensor& r, const at::Tensor& group, at::Tensor& s, at::Tensor& rank, at::Tensor& gmax,
-                at::Tensor& out, at::Tensor& s_dec, int64_t n, int64_t groups, bool per_token, bool units,
-                int64_t warps) {
+                int64_t n, int64_t groups, bool per_token, int64_t warps) {
   TORCH_CHECK(r.scalar_type() == at::kFloat && r.dim() == 2 && r.is_contiguous(), "r: a contiguous fp32 [M, K]");
   const int64_t M = r.size(0), K = r.size(1);
   TORCH_CHECK(K % 16 == 0 && K <= 1024 && reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 == 0,
@@ -41,18 +36,12 @@ void rac_select(const at::Tensor& r, const at::Tensor& group, at::Tensor& s, at:
               "rank: int32 [G, K]");
   TORCH_CHECK(gmax.scalar_type() == at::kFloat && gmax.is_contiguous() && gmax.numel() >= groups + 1,
               "gmax: fp32 [G + 1]");
-  if (units) {
-    TORCH_CHECK((out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) && out.dim() == 2 &&
-                    out.size(0) == M && out.size(1) == K && out.stride(1) == 1,
-                "out: BF16 or fp32 [M, K], rows strided");
-    TORCH_CHECK(s_dec.scalar_type() == at::kFloat && s_dec.is_contiguous() && s_dec.numel() == M, "s_dec: fp32 [M]");
-  }
   const c10::cuda::CUDAGuard guard(r.device());
   int log_kp = 5;
   while ((1LL << log_kp) < K) ++log_kp;
 #define QUADS_CASE(L, W)                                      \
   if (log_kp == L && warps == W) {                            \
-    launch<L, W>(r, group, s, rank, gmax, out, s_dec, n, groups, per_token, units); \
+    launch<L, W>(r, group, s, rank, gmax, n, groups, per_token); \
     return;                                                   \
   }
   // the instantiations: rac_select_cuda.CONFIGS, the same list (2^L / (32 W) pairs a thread: 1, 2, 4 or 8)
@@ -81,8 +70,8 @@ void rac_select(const at::Tensor& r, const at::Tensor& group, at::Tensor& s, at:
 }  // namespace
 
 TORCH_LIBRARY(quads_rac_cuda, m) {
-  m.def("rac_select(Tensor r, Tensor group, Tensor(a!) s, Tensor(b!) rank, Tensor(c!) gmax, Tensor(d!) out, "
-        "Tensor(e!) s_dec, int n, int groups, bool per_token, bool units, int warps) -> ()");
+  m.def("rac_select(Tensor r, Tensor group, Tensor(a!) s, Tensor(b!) rank, Tensor(c!) gmax, int n, int groups, "
+        "bool per_token, int warps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(quads_rac_cuda, CUDA, m) { m.impl("rac_select", &rac_select); }
