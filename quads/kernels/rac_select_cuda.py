@@ -17,18 +17,17 @@ against Triton's 21.39-21.41, and 7.60-7.63 against 8.60-8.82 us at K = 256 (8 w
 A form that also quantized the units in the selection's block was slower at every warp count (28-45 us) and was
 removed.
 
-Built with ``torch.utils.cpp_extension.load`` (nvcc and ninja, on the device's image) for the current GPU's
+Built by ``cuda_build`` (``torch.utils.cpp_extension.load``: nvcc and ninja, on the device's image) for the current GPU's
 architecture; the build directory is PyTorch's extension cache. Op: ``torch.ops.quads_rac_cuda.rac_select``.
 """
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 
-CSRC = Path(__file__).with_name("csrc")
+from quads.kernels import cuda_build
+
+CSRC = cuda_build.CSRC
 MAX_K = 1024  # the instantiations' largest padded K
 # the template instantiations compiled into the extension (rac_select.cu, the same list): (log2 of the padded K,
 # warps), 2**L / (32 warps) = 1, 2, 4 or 8 pairs a thread
@@ -48,23 +47,12 @@ def default_warps(k: int) -> int:
 
 def available(device: torch.device | None = None) -> bool:
     """A CUDA GPU and a CUDA compiler for the build."""
-    if not torch.cuda.is_available():
-        return False
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    return CUDA_HOME is not None
+    return torch.cuda.is_available() and cuda_build.compiler_available()
 
 
-@functools.cache
 def build() -> None:
-    """Compile and load the extension once per process (raises with nvcc's output if the build fails)."""
-    from torch.utils.cpp_extension import load
-
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}"
-    load(name=f"quads_cuda_rac_select_sm{arch}", sources=[str(CSRC / "rac_select.cu")], extra_include_paths=[str(CSRC)],
-         extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-std=c++17"],
-         is_python_module=False, verbose=False)  # fmt: skip
+    """Compile and load the extension once per process (``cuda_build.build``)."""
+    cuda_build.build("rac_select", "rac_select.cu")
 
 
 def supports(r: torch.Tensor, group: torch.Tensor | None, warps: int) -> bool:

@@ -14,7 +14,7 @@ writes the tensor cores' A fragment in registers (the weights are the A operand,
 activations' B fragments are their rows as loaded: 3.4-4.5 instructions per weight in the K loop, compiled
 offline (``scripts/sass_w4a16_cuda.py``).
 
-Built with ``torch.utils.cpp_extension.load`` (nvcc and ninja, on the device's image) for the current GPU's
+Built by ``cuda_build`` (``torch.utils.cpp_extension.load``: nvcc and ninja, on the device's image) for the current GPU's
 architecture, sm_89 or newer (the E4M3 convert); the build directory is PyTorch's extension cache. Ops:
 ``torch.ops.quads_cuda.w4a16_grouped_decode`` and ``torch.ops.quads_cuda.w4a16_decode`` (the decode alone, for
 tests).
@@ -22,12 +22,11 @@ tests).
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 
-CSRC = Path(__file__).with_name("csrc")
+from quads.kernels import cuda_build
+
+CSRC = cuda_build.CSRC
 # the template instantiations compiled into the extension (w4a16_grouped.cu, the same list): (feature groups of 16
 # per warp, row tiles of 8 per pass, warps per block, warps sharing a feature group's K); runs 28-29 timed and
 # tested the ksplit 1 ones
@@ -50,21 +49,12 @@ def available(device: torch.device | None = None) -> bool:
     """A CUDA GPU of compute capability >= 8.9 (the E4M3 convert) and a CUDA compiler for the build."""
     if not torch.cuda.is_available():
         return False
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    return torch.cuda.get_device_capability(device) >= (8, 9) and CUDA_HOME is not None
+    return torch.cuda.get_device_capability(device) >= (8, 9) and cuda_build.compiler_available()
 
 
-@functools.cache
 def build() -> None:
-    """Compile and load the extension once per process (raises with nvcc's output if the build fails)."""
-    from torch.utils.cpp_extension import load
-
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}"
-    load(name=f"quads_cuda_w4a16_sm{arch}", sources=[str(CSRC / "w4a16_grouped.cu")], extra_include_paths=[str(CSRC)],
-         extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-std=c++17"],
-         is_python_module=False, verbose=False)  # fmt: skip
+    """Compile and load the extension once per process (``cuda_build.build``)."""
+    cuda_build.build("w4a16", "w4a16_grouped.cu")
 
 
 def supports(x: torch.Tensor, n: int, k: int, ng: int, warps: int, ksplit: int = 1) -> bool:
