@@ -13,7 +13,9 @@ reshape and a reduction over a pair axis, 155 barriers at K = 1,024; here the pa
 sass_rac_cuda.py``, sm_90 offline), and 16 rows' loads are in flight while the norms are summed. Runs 79-80 (H100, the
 1b decode shape, in a CUDA graph): this selection plus the units kernel 16.75-17.48 us a call at K = 1,024 (16 warps)
 against Triton's 21.39-21.41, and 7.60-7.63 against 8.60-8.82 us at K = 256 (8 warps); the selection alone takes
-10.6-12.7 us at K = 1,024 over 8-32 warps, so walking the expert's rows, not the sort, is most of what is left.
+10.6-12.7 us at K = 1,024 over 8-32 warps (the network's work a thread changes 4x over them), and 16 rows' loads in
+flight instead of 2 took only 0.7 us off it: what is left is a latency not yet split by a profile (the rows' count, the
+norms, the exchanges).
 A form that also quantized the units in the selection's block was slower at every warp count (28-45 us) and was
 removed.
 
