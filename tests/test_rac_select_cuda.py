@@ -61,6 +61,28 @@ def test_cuda_backend_falls_back_to_triton_where_it_cannot_run():
         rac_select.rac_units(r, group, 3, torch.empty_like(r), n=32, method="sort", select_backend="cub")
 
 
+def test_a_failed_build_warns_once_and_reports_false(monkeypatch):
+    """``cuda_build.try_build`` (what ``supports`` asks before the CUDA selection runs by default): a build that
+    raises gives False and one RuntimeWarning naming the extension and the error, and is not retried."""
+    from quads.kernels import cuda_build
+
+    calls = []
+
+    def failing(name, source):
+        calls.append(name)
+        raise RuntimeError("nvcc: version mismatch")
+
+    monkeypatch.setattr(cuda_build, "build", failing)
+    cuda_build.try_build.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="rac_select.*Triton twin.*version mismatch"):
+            assert cuda_build.try_build("rac_select", "rac_select.cu") is False
+        assert cuda_build.try_build("rac_select", "rac_select.cu") is False
+        assert calls == ["rac_select"]
+    finally:
+        cuda_build.try_build.cache_clear()
+
+
 def _network(log_kp: int, warps: int, keys: list[int]) -> list[int]:
     """The CUDA kernel's bitonic network re-stated in Python with its position-to-thread mapping: thread t holds
     positions [t E, (t + 1) E); a step with partners D apart swaps in the thread (D < E) or takes the partner

@@ -4,6 +4,7 @@ GPU's architecture, on first use in a process; PyTorch's extension cache keeps t
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,3 +30,17 @@ def build(name: str, source: str) -> None:
     load(name=f"quads_cuda_{name}_sm{arch}", sources=[str(CSRC / source)], extra_include_paths=[str(CSRC)],
          extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-std=c++17"],
          is_python_module=False, verbose=False)  # fmt: skip
+
+
+@functools.cache
+def try_build(name: str, source: str) -> bool:
+    """``build``, for a kernel with a Triton twin that computes the same bits: False (and one warning with the
+    compiler's error) where the build fails, e.g. an nvcc that does not match PyTorch's CUDA, so that the caller
+    runs the Triton kernel instead of failing."""
+    try:
+        build(name, source)
+    except Exception as err:  # noqa: BLE001 - any build or load failure means: use the Triton kernel
+        warnings.warn(f"quads: the CUDA extension {name} ({source}) did not build, so its Triton twin runs "
+                      f"instead: {err}", RuntimeWarning, stacklevel=2)  # fmt: skip
+        return False
+    return True

@@ -59,10 +59,12 @@ def build() -> None:
 
 def supports(r: torch.Tensor, group: torch.Tensor | None, warps: int) -> bool:
     """Whether the kernel takes this selection: rows in groups (``group`` int64 [M]), a CUDA fp32 residual with K a
-    multiple of 16 up to ``MAX_K``, 16-byte aligned, and an instantiated (padded K, warps)."""
+    multiple of 16 up to ``MAX_K``, 16-byte aligned, an instantiated (padded K, warps), and the extension built (a
+    failed build warns once; the Triton selection, the same bits, runs instead)."""
     k = r.shape[-1]
     return (group is not None and r.is_cuda and group.dtype == torch.long and k % 16 == 0 and 0 < k <= MAX_K
-            and r.data_ptr() % 16 == 0 and (log_kp(k), warps) in CONFIGS and available(r.device))  # fmt: skip
+            and r.data_ptr() % 16 == 0 and (log_kp(k), warps) in CONFIGS and available(r.device)
+            and cuda_build.try_build("rac_select", "rac_select.cu"))  # fmt: skip
 
 
 def select(r: torch.Tensor, group: torch.Tensor, s: torch.Tensor, rank: torch.Tensor, gmax: torch.Tensor, *, n: int,
