@@ -34,6 +34,9 @@ Shared numerics (both methods, so that they select the same channels bit for bit
    (``per_token``: NaN-ignoring max of the row; else ``gmax`` of its group), the canonical NVFP4
    quantize (``nvfp4_quant._units_tile``), ``u`` scattered to its channels, zero outside S; S_dec.
 
+   With ``select_backend="cuda"`` (``tuning.json`` at K = 1,024 and 256), step 1 is the CUDA kernel of
+   ``rac_select_cuda`` instead: the same S, rank and gmax, the pairs sorted in registers across a block's warps.
+
    With ``split_runs`` (runs shorter than KP), step 1 is two launches of a program per (group, run) instead
    of one per group: ``_rac_run_sort_kernel`` sums its run's norms and maxima and sorts the run into the
    scratch rows, ``_rac_run_rank_kernel`` ranks its run's pairs by binary searches of every run, stores S and
