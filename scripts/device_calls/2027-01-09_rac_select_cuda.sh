@@ -9,13 +9,13 @@
 . scripts/device_calls/lib.sh
 git log --oneline -1 > $OUT/tree.txt 2>&1
 T=tests/test_rac_select_cuda.py::test_cuda_selection_is_the_triton_selection_bit_for_bit
-timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -rA "$T[group-1024-512-bfloat16]" "$T[token-1024-16-float32]" \
+timeout $(cap 120) python3 -m pytest -q -p no:cacheprovider -rA "$T[group-1024-512-bfloat16]" "$T[token-1024-16-float32]" \
   "$T[group-16-16-bfloat16]" tests/test_rac_select_cuda.py > $OUT/gpu_tests_rac_cuda.log 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/gpu_tests_rac_cuda.log
 E2E="benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 --long-tokens 0 --graphs on --compile on"
 R=bf16,w4a4,w4a4+rac50
 grep -q H200 $OUT/gpu.txt && R=bf16,w4a16,w4a4,w4a4+rac50  # on the issue's card W4A16's row too (queue item 1)
-timeout $(cap 280) python3 -u $E2E --recipes $R --json $OUT/e2e_1b_a.json > $OUT/e2e_1b_a.log 2>&1
+timeout $(cap 320) python3 -u $E2E --recipes $R --json $OUT/e2e_1b_a.json > $OUT/e2e_1b_a.log 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e_1b_a.log
 cp quads/kernels/tuning.json $OUT/tuning_committed.json
 python3 - <<'PY'
