@@ -23,9 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sass_w4a16 import add_output_args, write_rows  # noqa: E402
 
-from quads.kernels import rac_select_cuda  # noqa: E402
+from quads.kernels import cuda_build, rac_select_cuda  # noqa: E402
 
-HEADER = rac_select_cuda.CSRC / "rac_select.cuh"
+HEADER = cuda_build.CSRC / "rac_select.cuh"
 SIG = "const float*, const long long*, long long*, int*, float*, int, int, int, int, bool"
 
 

@@ -175,6 +175,9 @@ def test_tuning_table_has_every_case():
     assert set(tuning.config("rac_quantize", "pass2")) == {"block_m", "block_k", "num_warps", "target_programs"}
     assert set(tuning.config("rac_quantize", "pass4")) == {"block_m", "block_s", "num_warps"}
     assert set(tuning.config("group_units", "decode")) == {"block_m", "block_k", "cols", "num_warps"}
+    for case in ("sort", "k1024_sort", "k256_sort"):  # rac_units reads every key of its case
+        assert set(tuning.config("rac_select", case)) == {"sort_run", "select_warps", "select_rows", "split_runs",
+                                                          "select_backend", "cuda_warps"}
     with pytest.raises(ValueError, match="no launch config w4a16_gemm.m3"):
         tuning.config("w4a16_gemm", "m3")
 

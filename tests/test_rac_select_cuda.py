@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from quads.kernels import rac_select_cuda
+from quads.kernels import cuda_build, rac_select_cuda
 from quads.kernels._common import HAS_TRITON
 
 cuda = pytest.mark.skipif(not (torch.cuda.is_available() and rac_select_cuda.available()),
@@ -25,7 +25,7 @@ def test_configs_are_the_extension_instantiations():
     """``CONFIGS`` (what ``supports`` admits) is exactly the ``QUADS_CASE`` list of ``rac_select.cu`` (a config
     missing there would fail at launch), each with 1, 2, 4 or 8 pairs a thread, and the default warps of every
     K up to ``MAX_K`` is among them."""
-    text = (rac_select_cuda.CSRC / "rac_select.cu").read_text()
+    text = (cuda_build.CSRC / "rac_select.cu").read_text()
     cases = tuple((int(a), int(b)) for a, b in re.findall(r"^\s*QUADS_CASE\((\d+), (\d+)\)", text, flags=re.M))
     assert cases == rac_select_cuda.CONFIGS
     for log_kp, warps in cases:

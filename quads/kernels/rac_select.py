@@ -523,10 +523,10 @@ def rac_units(
         run, warps, rows = tuned["sort_run"], tuned["select_warps"], tuned["select_rows"]
         split = bool(tuned["split_runs"])
         bm = (16 if interpreted(r) else 1) if block_m is None else block_m
-        if tuned.get("select_backend") == "cuda":
+        if tuned["select_backend"] == "cuda":
             from quads.kernels import rac_select_cuda
 
-            cw = tuned.get("cuda_warps") or rac_select_cuda.default_warps(k)
+            cw = tuned["cuda_warps"] or rac_select_cuda.default_warps(k)
             if rac_select_cuda.supports(r, group, cw):
                 _cuda_units(r, grp, n_sel, out, s, rank, g, n, per_token, bm, cw)
                 return g, s

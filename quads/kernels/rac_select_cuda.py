@@ -29,7 +29,6 @@ import torch
 
 from quads.kernels import cuda_build
 
-CSRC = cuda_build.CSRC
 MAX_K = 1024  # the instantiations' largest padded K
 # the template instantiations compiled into the extension (rac_select.cu, the same list): (log2 of the padded K,
 # warps), 2**L / (32 warps) = 1, 2, 4 or 8 pairs a thread
@@ -47,7 +46,7 @@ def default_warps(k: int) -> int:
     return max(1, (1 << log_kp(k)) // 128)
 
 
-def available(device: torch.device | None = None) -> bool:
+def available() -> bool:
     """A CUDA GPU and a CUDA compiler for the build."""
     return torch.cuda.is_available() and cuda_build.compiler_available()
 
@@ -63,7 +62,7 @@ def supports(r: torch.Tensor, group: torch.Tensor | None, warps: int) -> bool:
     failed build warns once; the Triton selection, the same bits, runs instead)."""
     k = r.shape[-1]
     return (group is not None and r.is_cuda and group.dtype == torch.long and k % 16 == 0 and 0 < k <= MAX_K
-            and r.data_ptr() % 16 == 0 and (log_kp(k), warps) in CONFIGS and available(r.device)
+            and r.data_ptr() % 16 == 0 and (log_kp(k), warps) in CONFIGS and available()
             and cuda_build.try_build("rac_select", "rac_select.cu"))  # fmt: skip
 
 

@@ -26,7 +26,6 @@ import torch
 
 from quads.kernels import cuda_build
 
-CSRC = cuda_build.CSRC
 # the template instantiations compiled into the extension (w4a16_grouped.cu, the same list): (feature groups of 16
 # per warp, row tiles of 8 per pass, warps per block, warps sharing a feature group's K); runs 28-29 timed and
 # tested the ksplit 1 ones

@@ -232,12 +232,12 @@ def operands(
         raise ValueError(f"unknown RAC selection {selection!r}; valid: dynamic, static")
     need_r = n > 0 or observe is not None
     buf = torch.empty(x.shape[0], 2 if n else 1, x.shape[1], dtype=dtype, device=x.device)  # [M, P, K]
+    amax = row_amax(x)
     if fused_amax and _group_units(x, segs, per_token):  # the group amaxes inside the quantize (decode)
         from quads.kernels.factored_quant import group_units_op
 
-        gx, r = group_units_op(x, row_amax(x), segs.group, segs.row_offsets(), segs.groups, buf, 0, residual=need_r)
+        gx, r = group_units_op(x, amax, segs.group, segs.row_offsets(), segs.groups, buf, 0, residual=need_r)
     else:
-        amax = row_amax(x)
         gx, r = units(x, amax if per_token else segs.row_max(amax), buf, 0, residual=need_r)
     if not need_r:
         return Operands(buf, gx[:, None], None)

@@ -51,15 +51,13 @@ def probe(k: int) -> dict:
         if lk != rac_select_cuda.log_kp(k):
             continue
         assert rac_select_cuda.supports(rs[0], group, w), (k, w)
-        for backend in ("cuda",):
-            outs[0].fill_(7.0)
-            got = units(0, select_backend=backend, cuda_warps=w)
-            same = (torch.equal(outs[0].view(torch.int16), want[0].view(torch.int16))
-                    and torch.equal(got[0].view(torch.int32), want[1].view(torch.int32))
-                    and torch.equal(got[1], want[2]))  # fmt: skip
-            row[f"{backend}_w{w}_same_bits"] = same
-            row[f"{backend}_w{w}_units_us"] = time_graph(
-                [lambda i=i, w=w, b=backend: units(i, select_backend=b, cuda_warps=w) for i in range(copies)]) * 1e6
+        outs[0].fill_(7.0)
+        got = units(0, select_backend="cuda", cuda_warps=w)
+        row[f"cuda_w{w}_same_bits"] = (torch.equal(outs[0].view(torch.int16), want[0].view(torch.int16))
+                                       and torch.equal(got[0].view(torch.int32), want[1].view(torch.int32))
+                                       and torch.equal(got[1], want[2]))  # fmt: skip
+        row[f"cuda_w{w}_units_us"] = time_graph(
+            [lambda i=i, w=w: units(i, select_backend="cuda", cuda_warps=w) for i in range(copies)]) * 1e6
         bufs = (torch.empty(e, n, dtype=torch.long, device="cuda"), torch.empty(e, k, dtype=torch.int32, device="cuda"),
                 torch.empty(e + 1, dtype=torch.float32, device="cuda"))  # S, rank, gmax
         row[f"cuda_w{w}_select_us"] = time_graph(
