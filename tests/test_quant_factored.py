@@ -273,8 +273,8 @@ def _fused_matches_reference(x, segs, n, per_token, dtype=torch.bfloat16):
 def test_fused_static_rac_operand_bit_exact(k, per_token, monkeypatch):
     """The calibrated-order residual operand in two launches (``factored_quant.rac_static_units``, interpreter)
     against the steps (gather, row amax, group max, quantize) and the reference backend: u, g, channels byte for
-    byte; empty groups first, in the middle and last, masked rows (group G, with group G-1's channels and their own
-    amax), NaN and inf rows, n = 16 and n = K, orders longer than n, one group."""
+    byte; empty groups first, in the middle and last, masked rows (group G: zero rows), NaN and inf rows, n = 16 and
+    n = K, orders longer than n, one group."""
     from quads.kernels import factored_quant
 
     calls = []
@@ -317,6 +317,47 @@ def test_fused_static_rac_operand_bit_exact(k, per_token, monkeypatch):
     with pytest.raises(ValueError, match="channel order"):
         factored_quant.rac_static_units(x.float().contiguous(), segs.group, segs.groups, order[:2], torch.zeros_like(x),
                                         n=16)  # fmt: skip
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("per_token", [False, True], ids=["group", "token"])
+def test_rows_of_no_group_are_zero_rows(per_token):
+    """The rows of no group (group G: a fixed-slot decode's masked slots) are zero rows of both terms, whatever they
+    hold: ``factored.operands`` (reference and Triton) gives them u = 0 and S_dec = 1 and leaves every other row's
+    operand as without them; the residual kernels read them as zeros (each RAC selection method, the static order),
+    so a residual with NaN, inf and large values there gives the bytes of one with zeros there, and no kernel walks
+    them (``gmax[G]`` is written, not summed)."""
+    from quads.kernels import factored_quant, rac_select
+
+    k, counts, masked = 64, [5, 0, 7], 4
+    x, segs = _rac_rows(k + 11, k, counts, masked)
+    no_group = segs.group == segs.groups
+    x[no_group] *= 1000
+    x[no_group.nonzero()[0], :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    valid = ~no_group
+    alone = factored.Segments.of(segs.group[valid], segs.groups)
+    for backend in ("reference", "triton"):
+        with dispatch.kernels(backend):
+            got = factored.operands(x, segs, n=32, dtype=torch.bfloat16, per_token=per_token)
+            without = factored.operands(x[valid], alone, n=32, dtype=torch.bfloat16, per_token=per_token)
+        assert (got.u[no_group] == 0).all() and (got.g[no_group] == 1).all(), backend
+        assert _same_bits(got.u[valid], without.u) and _same_bits(got.g[valid], without.g), backend
+        assert torch.equal(got.channels, without.channels), backend
+    r = x.float().contiguous()
+    zeroed = torch.where(no_group[:, None], 0.0, r)
+    order = torch.stack([torch.randperm(k, generator=torch.Generator().manual_seed(g)) for g in range(segs.groups)])
+    calls = [lambda r, out, method=method: rac_select.rac_units(r, segs.group, segs.groups, out, n=32,
+                                                                 per_token=per_token, method=method)[0]
+             for method in METHODS]
+    calls.append(lambda r, out: factored_quant.rac_static_units(r, segs.group, segs.groups, order, out, n=32,
+                                                                per_token=per_token))
+    for call in calls:
+        outs = []
+        for res in (r, zeroed):
+            out = torch.zeros(r.shape, dtype=torch.bfloat16)
+            outs.append((out, call(res, out)))
+        assert _same_bits(outs[0][0], outs[1][0]) and _same_bits(outs[0][1], outs[1][1])
+        assert (outs[0][0][no_group] == 0).all() and (outs[0][1][no_group] == 1).all()
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
@@ -364,7 +405,8 @@ def test_group_units_is_row_amax_row_max_and_units(k, counts, masked, dtype, res
     reference (interpreter), into a strided slot of the stacked operand, in two launch configs (one tile per
     program; several rows and column tiles per program, the last partial where K allows), with NaN and inf
     rows (an inf makes its group's scale 1, a NaN is ignored by the amax), groups longer than a chunk of row
-    maxima, and the rows of no group taking their own amax."""
+    maxima, and the rows of no group (non-zero values and row maxima, a NaN among them) read as zero rows: u = 0,
+    r = 0, S_dec 1."""
     from quads.kernels import factored_quant
 
     x, segs = _rac_rows(k + len(counts), k, counts, masked)
@@ -374,13 +416,18 @@ def test_group_units_is_row_amax_row_max_and_units(k, counts, masked, dtype, res
     x[last, 0] *= 100  # its amax: past the first chunk of row maxima in a long group
     if x.shape[0] > 3:  # in the first group, not the long one
         x[1, 3], x[0, 5] = float("nan"), float("inf")
-    rmax = factored.row_amax(x)
-    amax = segs.row_max(rmax)
-    ref_u, ref_g, ref_r = factored_quant.quantize_units_reference(x, amax, dtype=dtype, residual=residual)
+    no_group = segs.group == segs.groups
+    x[no_group, 2] = float("nan")
+    rmax = factored.row_amax(x)  # what the kernel is given: the rows of no group's maxima non-zero
+    xz = torch.where(no_group[:, None], 0.0, x)  # the reference's zero rows
+    amax = segs.row_max(factored.row_amax(xz))
+    ref_u, ref_g, ref_r = factored_quant.quantize_units_reference(xz, amax, dtype=dtype, residual=residual)
+    if masked:
+        assert (ref_u[no_group] == 0).all() and (ref_g[no_group] == 1).all()
     for slot in (1,) if k >= 512 else (0, 1):  # the second slot: rows strided and offset in the stacked operand
         want = torch.zeros(x.shape[0], 2, k, dtype=dtype)
         with dispatch.kernels("triton"):
-            gw, rw = factored.units(x, amax, want, slot, residual=residual)
+            gw, rw = factored.units(xz, amax, want, slot, residual=residual)
         assert _same_bits(want[:, slot], ref_u) and _same_bits(gw, ref_g)
         assert (rw is None and ref_r is None) or _same_bits(rw, ref_r)
         got = torch.zeros_like(want)

@@ -58,17 +58,18 @@ if HAS_TRITON:
     @triton.jit
     def _group_rows_max(rmax_ptr, group_ptr, offs_ptr, r0, rows, rmask, M, G, CHUNK: tl.constexpr):
         """Each row's group amax from the row maxima ``rmax`` ``[M]`` (>= 0, NaN-free) of rows sorted by group
-        (``rows`` from ``r0 < M`` on): the max of ``rmax[offs[g], offs[g + 1])`` for the row's group g < G, of
-        ``rmax[offs[G], M)`` for the rows of no group (G); 0 for an empty range, as
-        ``factored.Segments.row_max``. Exact (a max). The span read is from the first row's group's start to the
-        last row's group's end (scalar loads: the groups are sorted)."""
+        (``rows`` from ``r0 < M`` on): the max of ``rmax[offs[g], offs[g + 1])`` for the row's group g < G; 0 for
+        an empty range and for the rows of no group (G: zero rows, ``factored.operands``), as
+        ``factored.Segments.row_max`` of their zeroed values. Exact (a max). The span read is from the first
+        row's group's start to the last row's group's end, the rows of no group never (scalar loads: the groups
+        are sorted)."""
         grp = tl.load(group_ptr + rows, mask=rmask, other=0)
-        start = tl.load(offs_ptr + grp, mask=rmask, other=0)
-        end = tl.where(grp < G, tl.load(offs_ptr + grp + 1, mask=rmask & (grp < G), other=0), M)
+        start = tl.load(offs_ptr + tl.minimum(grp, G), mask=rmask, other=0)
+        end = tl.where(grp < G, tl.load(offs_ptr + grp + 1, mask=rmask & (grp < G), other=0), start)
         g_lo = tl.load(group_ptr + r0)
         g_hi = tl.load(group_ptr + tl.minimum(r0 + rows.shape[0], M) - 1)
-        lo = tl.load(offs_ptr + g_lo)
-        hi = tl.where(g_hi < G, tl.load(offs_ptr + tl.minimum(g_hi + 1, G)), M)
+        lo = tl.load(offs_ptr + tl.minimum(g_lo, G))
+        hi = tl.load(offs_ptr + tl.minimum(g_hi + 1, G))
         acc = tl.zeros(rows.shape, tl.float32)
         for j0 in range(lo, hi, CHUNK):
             j = j0 + tl.arange(0, CHUNK)
@@ -82,14 +83,20 @@ if HAS_TRITON:
         x_ptr, amax_ptr, group_ptr, offs_ptr, idx_ptr, u_ptr, g_ptr, r_ptr, codes_ptr, scales_ptr, M, K, W, G,
         stride_xm, stride_um, stride_idx, COLS, AMAX_BY: tl.constexpr, IDX_BY: tl.constexpr, GATHER: tl.constexpr,
         RESIDUAL: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        NO_GROUP_ZERO: tl.constexpr = False,
     ):  # fmt: skip
         """Program (i, c): rows ``[i BLOCK_M, (i + 1) BLOCK_M)`` x columns ``[c COLS, (c + 1) COLS)`` of the
         quantized width W (K, or n gathered channels) in steps of BLOCK_K. The row's amax is
         ``amax[_row_keys(AMAX_BY)]``, or for ``AMAX_BY`` 4 (``BY_GROUP_ROWS``) the max of its group's row maxima
         ``amax`` (``_group_rows_max``, the groups' row offsets ``offs``); gathered, its channels
-        ``idx[_row_keys(IDX_BY), :W]`` (rows of ``stride_idx``)."""
+        ``idx[_row_keys(IDX_BY), :W]`` (rows of ``stride_idx``). ``NO_GROUP_ZERO``: the rows of no group (G) are
+        read as zeros (``factored.operands``' zero rows: u = 0, r = 0)."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
+        if NO_GROUP_ZERO:
+            xmask = rmask & (tl.load(group_ptr + rows, mask=rmask, other=0) < G)
+        else:
+            xmask = rmask
         if AMAX_BY == 4:
             amax = _group_rows_max(amax_ptr, group_ptr, offs_ptr, tl.program_id(0) * BLOCK_M, rows, rmask, M, G, 64)
         else:
@@ -105,7 +112,7 @@ if HAS_TRITON:
                 ch = tl.load(idx_ptr + irow[:, None] * stride_idx + j[None, :], mask=m, other=0)
             else:
                 ch = tl.broadcast_to(j[None, :], (BLOCK_M, BLOCK_K))
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ch, mask=m, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ch, mask=m & xmask[:, None], other=0.0).to(tl.float32)
             packed, s_byte, u = _units_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K)
             if CODES:  # the NVFP4 tensor itself, [M, W/2] codes and [M, W/16] scales (tests, export)
                 _store_codes_scales(codes_ptr, scales_ptr, packed, s_byte, rows, rmask, k0, W, 1, 1, 1,
@@ -118,16 +125,20 @@ if HAS_TRITON:
                             AMAX_BY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
         """NaN-ignoring max of ``|r[row, order[_row_keys(IDX_BY), :n]]|`` for rows ``[i BLOCK_M, (i + 1)
         BLOCK_M)`` into ``amax[_row_keys(AMAX_BY)]``: stored per row (AMAX_BY 0), else an atomic max (``amax``
-        zeroed by the caller; a row's group, the masked rows' group G its own as ``Segments.row_max``, or one)."""
+        zeroed by the caller; a row's group, or one). With groups (IDX_BY 2) the rows of no group (G) are read
+        as zeros (``factored.operands``' zero rows), so their amax is 0."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
+        lmask = rmask
+        if IDX_BY == 2:
+            lmask = rmask & (tl.load(group_ptr + rows, mask=rmask, other=0) < G)
         irow = _row_keys(group_ptr, rows, rmask, G, IDX_BY)
         acc = tl.zeros((BLOCK_M,), tl.float32)
         for j0 in range(0, n, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             m = rmask[:, None] & (j < n)[None, :]
             ch = tl.load(order_ptr + irow[:, None] * stride_order + j[None, :], mask=m, other=0)
-            x = tl.load(r_ptr + rows[:, None] * K + ch, mask=m, other=0.0)
+            x = tl.load(r_ptr + rows[:, None] * K + ch, mask=m & lmask[:, None], other=0.0)
             acc = tl.maximum(acc, tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1))
         if AMAX_BY == 0:
             tl.store(amax_ptr + rows, acc, mask=rmask)
@@ -201,8 +212,10 @@ def group_units(
     NaN-ignoring amax as the global scale, writing ``u`` into ``out`` (``[M, K]``, rows may be strided) -> ``(g
     [M], r [M, K] fp32 or None)``. ``row_max`` ``[M]`` fp32: each row's NaN-ignoring ``max |x|``
     (``factored.row_amax``'s values, computed by the caller where the rows are made). One launch: each program
-    takes its rows' group amaxes as the max of their groups' row maxima, then quantizes. The same bits as
-    ``row_amax``, ``Segments.row_max`` and ``quantize_units``; each program reads its groups' row maxima, so it
+    takes its rows' group amaxes as the max of their groups' row maxima, then quantizes. The rows of no group
+    (group ``groups``, the masked slots) are zero rows, as ``factored.operands`` defines them: u = 0, r = 0, S_dec
+    1, whatever ``x`` holds there. The same bits as zeroing them, then ``row_amax``, ``Segments.row_max`` and
+    ``quantize_units``; each program reads its groups' row maxima (never those of no group), so it
     is for few rows per group (``GROUP_UNITS_MAX_ROWS``: the decode step). ``block_m``, ``block_k``, ``cols``:
     the quantize's launch config, as ``quantize_units``; each launch setting left None comes from ``tuning.json``
     (``group_units.decode``)."""
@@ -239,10 +252,11 @@ def rac_static_units(
     num_warps: int = 4,
 ) -> torch.Tensor:
     """RAC's residual operand with a calibrated channel order (``rac_selection="static"``): the exact values of
-    NVFP4(``r[i, S_g]``), ``S_g = order[g, :n]`` of row i's group g (the masked rows, group G, take group G-1's;
-    ``group=None``: one group, ``order[0]``), scattered to their channels in ``out`` ``[M, K]`` (zero-filled by the
-    caller; rows may be strided) -> S_dec ``[M]``. The global scale: the NaN-ignoring amax of the row's gathered
-    values (``per_token``), else of its group's (atomic max per row). Two launches, no sort; the same bits as
+    NVFP4(``r[i, S_g]``), ``S_g = order[g, :n]`` of row i's group g (``group=None``: one group, ``order[0]``),
+    scattered to their channels in ``out`` ``[M, K]`` (zero-filled by the caller; rows may be strided) -> S_dec
+    ``[M]``; the rows of no group (group G, the masked slots) are read as zeros (u = 0, S_dec 1), as
+    ``factored.operands`` defines them. The global scale: the NaN-ignoring amax of the row's gathered values
+    (``per_token``), else of its group's (atomic max per row). Two launches, no sort; the same bits as
     ``factored.operands``' steps (``row_amax`` of the gather, ``Segments.row_max``, ``quantize_units``)."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use quads.quant.factored.operands' steps")
@@ -275,7 +289,8 @@ def _launch_units(x, amax, group, groups, amax_by, index, idx_by, u, residual, c
                   width=None, offsets=None):  # fmt: skip
     """``_quantize_units_kernel`` over ``x`` into ``u`` -> ``(g, (r or None,) + (codes, scales) if codes)``;
     ``width``: the gathered channels per row (None: ``index``'s columns, or K); ``offsets``: the groups' first
-    rows (``BY_GROUP_ROWS``)."""
+    rows (``BY_GROUP_ROWS``). Where the rows have groups (``BY_GROUP_ROWS``, ``BY_CHANNEL_GROUP``), the rows of
+    no group are read as zeros."""
     m, k = x.shape
     width = width or (k if index is None else index.shape[1])
     g = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -291,7 +306,8 @@ def _launch_units(x, amax, group, groups, amax_by, index, idx_by, u, residual, c
         x, amax, amax if group is None else group, amax if offsets is None else offsets, idx, u, g, r, cd, sc, m, k,
         width, groups, x.stride(0), u.stride(0),
         idx.stride(0) if index is not None else 0, cols, AMAX_BY=amax_by, IDX_BY=idx_by, GATHER=index is not None,
-        RESIDUAL=residual, CODES=codes, BLOCK_M=block_m, BLOCK_K=bk, num_warps=num_warps, **EXACT,
+        RESIDUAL=residual, CODES=codes, BLOCK_M=block_m, BLOCK_K=bk,
+        NO_GROUP_ZERO=amax_by == BY_GROUP_ROWS or idx_by == BY_CHANNEL_GROUP, num_warps=num_warps, **EXACT,
     )  # fmt: skip
     rest = (r if residual else None,)
     return g, rest + (cd, sc.view(torch.float8_e4m3fn)) if codes else rest

@@ -29,7 +29,8 @@ Shared numerics (both methods, so that they select the same channels bit for bit
    warps, ``_merge_ranks``); stores
    ``S[g]``, ``rank[g]`` and, per group, ``gmax[g]`` = the max over S of ``cmax[g]`` (the n-th pair of
    the sorted list is the threshold: c is in S iff its pair is not after it). The last group's program
-   also takes the masked rows' maxima (group G: after every group) over its own S, as the reference does.
+   also writes gmax[G] = 0: the rows of no group (group G, the masked slots) are zero rows, as the
+   reference defines them, so no program walks them.
 2. ``_rac_units_sel_kernel`` (one row per program on the GPU): the row's gathered ``R[i, S]`` in one tile, its amax
    (``per_token``: NaN-ignoring max of the row; else ``gmax`` of its group), the canonical NVFP4
    quantize (``nvfp4_quant._units_tile``), ``u`` scattered to its channels, zero outside S; S_dec.
@@ -45,11 +46,10 @@ Shared numerics (both methods, so that they select the same channels bit for bit
 
 ``method="count"`` (any K; the default for one group and for K > ``SORT_MAX_K``), three kernels:
 
-1. ``_rac_norms_kernel`` (grid G+1 x K-blocks, G+1: the masked rows' group too): norms and maxima per
-   block of channels.
+1. ``_rac_norms_kernel`` (grid G x K-blocks): norms and maxima per block of channels.
 2. ``_rac_rank_kernel`` (grid G x K-blocks): ``rank[g, c] = #{c' : key[c'] > key[c] or (key[c'] ==
    key[c] and c' < c)}`` by comparing all K x K channel pairs; ``s[g, rank] = c`` if ``rank < n``.
-3. ``_rac_units_kernel`` (grid over blocks of rows; masked rows use group G-1's channels): the amax of
+3. ``_rac_units_kernel`` (grid over blocks of rows; the rows of no group read as zeros): the amax of
    ``R[:, S]`` per row or per group (``max over c in S of cmax[g, c]``), quantize, scatter, zero fill.
 
 Cost: ``count`` compares K x K pairs per group (~K^2 int64 compares); ``sort`` ~K log2(K)^2 / 4
@@ -188,10 +188,12 @@ if HAS_TRITON:
         r_ptr, group_ptr, s_ptr, rank_ptr, cmax_ptr, u_ptr, g_ptr, M, K, n, G, stride_um, ONE_GROUP: tl.constexpr,
         PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """Rows ``[BLOCK_M]``: amax of R[:, S], NVFP4(R[:, S]) scattered into u (zero outside S), S_dec."""
+        """Rows ``[BLOCK_M]``: amax of R[:, S], NVFP4(R[:, S]) scattered into u (zero outside S), S_dec. A row
+        of no group is read as zeros."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         grp, gs = _row_groups(group_ptr, rows, rmask, G, ONE_GROUP, BLOCK_M)
+        lmask = rmask & (grp < G)
         s_rows = s_ptr + gs[:, None] * n  # [BLOCK_M, 1] each row's channel list
         if PER_TOKEN:
             width = n
@@ -203,12 +205,12 @@ if HAS_TRITON:
             if PER_TOKEN:  # the row's own gathered amax
                 m = rmask[:, None] & (j < n)[None, :]
                 ch = tl.load(s_rows + j[None, :], mask=m, other=0)
-                x = tl.load(r_ptr + rows[:, None] * K + ch, mask=m, other=0.0)
+                x = tl.load(r_ptr + rows[:, None] * K + ch, mask=m & lmask[:, None], other=0.0)
                 acc = tl.maximum(acc, tl.where(x != x, 0.0, tl.abs(x)))
             else:  # its group's: the max over S of the group's per-channel maxima
                 m = rmask[:, None] & (j < K)[None, :]
                 rk = tl.load(rank_ptr + gs[:, None] * K + j[None, :], mask=m, other=n)
-                cm = tl.load(cmax_ptr + grp[:, None] * K + j[None, :], mask=m & (rk < n), other=0.0)
+                cm = tl.load(cmax_ptr + grp[:, None] * K + j[None, :], mask=m & (rk < n) & lmask[:, None], other=0.0)
                 acc = tl.maximum(acc, cm)
         s_enc, s_dec = _global_scales(tl.max(acc, axis=1))
         tl.store(g_ptr + rows, s_dec, mask=rmask)
@@ -216,7 +218,7 @@ if HAS_TRITON:
             j = k0 + tl.arange(0, BLOCK_K)
             m = rmask[:, None] & (j < n)[None, :]
             ch = tl.load(s_rows + j[None, :], mask=m, other=0)
-            x = tl.load(r_ptr + rows[:, None] * K + ch, mask=m, other=0.0)
+            x = tl.load(r_ptr + rows[:, None] * K + ch, mask=m & lmask[:, None], other=0.0)
             _, _, u = _units_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_K)
             tl.store(u_ptr + rows[:, None] * stride_um + ch, cast_out(u, u_ptr), mask=m)
         _zero_outside(u_ptr, rank_ptr, rows, gs, rmask, K, n, stride_um, BLOCK_M, BLOCK_K)
@@ -299,24 +301,14 @@ if HAS_TRITON:
     def _channel_keys(r_ptr, group_ptr, g, c, cmask, M, K, ONE_GROUP: tl.constexpr, PER_TOKEN: tl.constexpr,
                       ROWS: tl.constexpr, BLOCK_G: tl.constexpr, C: tl.constexpr):  # fmt: skip
         """Group g's sort keys of channels ``c`` ``[C]`` (``_sort_key`` of the fp64 norms summed by
-        ``_accumulate_rows``; padded channels -1, after every real one), their |r| maxima (unless ``PER_TOKEN``)
-        and the end of the group's rows."""
+        ``_accumulate_rows``; padded channels -1, after every real one) and their |r| maxima (unless
+        ``PER_TOKEN``)."""
         start, end = _group_rows(group_ptr, g, M, ONE_GROUP, BLOCK_G)
         acc = tl.zeros((C,), tl.float64)
         cmax = tl.zeros((C,), tl.float32)
         for i0 in range(start, end, ROWS):
             acc, cmax = _accumulate_rows(acc, cmax, r_ptr, i0, end, c, cmask, K, ROWS, not PER_TOKEN)
-        return tl.where(cmask, _sort_key(acc), -1), cmax, end
-
-    @triton.jit
-    def _masked_rows_max(r_ptr, end, M, K, ch, load, sel):
-        """The NaN-ignoring max of |r| over the masked rows [end, M) (group G) and the channels ``ch`` where
-        ``sel`` (loaded where ``load``, a superset of ``sel``)."""
-        mmax = tl.zeros(ch.shape, tl.float32)
-        for i in range(end, M):
-            r = tl.load(r_ptr + i * K + ch, mask=load, other=0.0)
-            mmax = tl.maximum(mmax, tl.where(r != r, 0.0, tl.abs(r)))
-        return tl.max(tl.where(sel, mmax, 0.0), axis=0)
+        return tl.where(cmask, _sort_key(acc), -1), cmax
 
     @triton.jit
     def _rac_select_kernel(
@@ -326,14 +318,14 @@ if HAS_TRITON:
     ):  # fmt: skip
         """Group g: the fp64 norms of its K channels, their stable descending order; stores S[g] (the first n),
         rank[g, c] and (per group) gmax[g] = max over S of the group's |r| maxima; the last group's program
-        also gmax[G] of the masked rows (group G) over the same S. The order: ``LOG_W`` 0, one bitonic sort of
+        also gmax[G] = 0 (the rows of no group are zero rows). The order: ``LOG_W`` 0, one bitonic sort of
         all KP pairs in registers; else each of 2**LOG_W runs of KP / 2**LOG_W channels sorted in registers
         (``_sort_rows``), then the ranks merged by binary searches of the runs (``_merge_ranks``, through this
         group's scratch rows ``sk`` / ``si`` ``[KP]``): the same order, fewer exchanges across warps."""
         g = tl.program_id(0)
         c = tl.arange(0, 1 << LOG_K)
         cmask = c < K
-        key, cmax, end = _channel_keys(r_ptr, group_ptr, g, c, cmask, M, K, ONE_GROUP, PER_TOKEN, ROWS, BLOCK_G,
+        key, cmax = _channel_keys(r_ptr, group_ptr, g, c, cmask, M, K, ONE_GROUP, PER_TOKEN, ROWS, BLOCK_G,
                                        1 << LOG_K)  # fmt: skip
         W: tl.constexpr = 1 << LOG_W
         L: tl.constexpr = (1 << LOG_K) >> LOG_W
@@ -350,8 +342,8 @@ if HAS_TRITON:
             sel = cmask & ((key > kth) | ((key == kth) & (c <= ith)))
             tl.store(gmax_ptr + g, tl.max(tl.where(sel, cmax, 0.0), axis=0))
             if not ONE_GROUP:
-                if g == G - 1:  # the masked rows [end, M) (group G) take this group's S
-                    tl.store(gmax_ptr + G, _masked_rows_max(r_ptr, end, M, K, c, cmask, sel))
+                if g == G - 1:  # the rows of no group (G) are zero rows: amax 0
+                    tl.store(gmax_ptr + G, 0.0)
 
     @triton.jit
     def _rac_run_sort_kernel(
@@ -365,7 +357,7 @@ if HAS_TRITON:
         L: tl.constexpr = 1 << LOG_L
         c = tl.program_id(1) * L + tl.arange(0, L)
         cmask = c < K
-        key, cmax, _ = _channel_keys(r_ptr, group_ptr, g, c, cmask, M, K, ONE_GROUP, PER_TOKEN, ROWS, BLOCK_G, L)
+        key, cmax = _channel_keys(r_ptr, group_ptr, g, c, cmask, M, K, ONE_GROUP, PER_TOKEN, ROWS, BLOCK_G, L)
         rk, ri = _sort_rows(tl.reshape(key, (1, L)), tl.reshape(c, (1, L)), 1, LOG_L, INTERP)
         off = g.to(tl.int64) * (1 << LOG_K) + c
         tl.store(sk_ptr + off, tl.reshape(rk, (L,)))
@@ -382,7 +374,7 @@ if HAS_TRITON:
         all KP pairs = the sum over the runs of how many of that run's pairs come before it (a binary search of
         each, as ``_merge_ranks``); stores S[g] (ranks < n), rank[g, c] and the run's part of gmax, ``gmax[g, w]``
         = the max of the selected channels' |r| maxima (the units kernel takes the max over w); the last group's
-        programs also ``gmax[G, w]`` of the masked rows (group G) over the same S."""
+        programs also ``gmax[G, w]`` = 0 (the rows of no group are zero rows)."""
         g = tl.program_id(0)
         w = tl.program_id(1)
         L: tl.constexpr = 1 << LOG_L
@@ -401,9 +393,8 @@ if HAS_TRITON:
             cmax = tl.load(cmax_ptr + base + idx, mask=sel, other=0.0)
             tl.store(gmax_ptr + g * W + w, tl.max(tl.where(sel, cmax, 0.0), axis=0))
             if not ONE_GROUP:
-                if g == G - 1:  # the masked rows [end, M) (group G) take this group's S
-                    _, end = _group_rows(group_ptr, g, M, ONE_GROUP, BLOCK_G)
-                    tl.store(gmax_ptr + G * W + w, _masked_rows_max(r_ptr, end, M, K, idx, sel, sel))
+                if g == G - 1:  # the rows of no group (G) are zero rows: amax 0
+                    tl.store(gmax_ptr + G * W + w, 0.0)
 
     @triton.jit
     def _rac_units_sel_kernel(
@@ -413,14 +404,14 @@ if HAS_TRITON:
     ):  # fmt: skip
         """Rows ``[BLOCK_M]`` (one on the GPU; the rows are independent) of the sort path: each row's gathered
         R[i, S] in one tile, its amax (the row's, or gmax of its group: the max of its ``GMAX_PARTS`` parts),
-        NVFP4 quantize, u scattered to S, zero outside S, S_dec."""
+        NVFP4 quantize, u scattered to S, zero outside S, S_dec. A row of no group is read as zeros."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         grp, gs = _row_groups(group_ptr, rows, rmask, G, ONE_GROUP, BLOCK_M)
         j = tl.arange(0, BLOCK_N)
         m = rmask[:, None] & (j < n)[None, :]
         ch = tl.load(s_ptr + gs[:, None] * n + j[None, :], mask=m, other=0)  # [BLOCK_M, BLOCK_N]
-        x = tl.load(r_ptr + rows[:, None] * K + ch, mask=m, other=0.0)
+        x = tl.load(r_ptr + rows[:, None] * K + ch, mask=m & (grp < G)[:, None], other=0.0)
         if PER_TOKEN:
             amax = tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1)
         else:
@@ -610,8 +601,8 @@ def _units_after_select(r, grp, one, n_sel, out, s, rank, gmax, g, n, per_token,
 def _count_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, block_k) -> None:
     """The count path's three launches (module docstring)."""
     m, k = r.shape
-    norms = torch.empty(n_sel + (not one), k, dtype=torch.float64, device=r.device)
-    cmax = torch.empty(n_sel + (not one), k, dtype=torch.float32, device=r.device)
+    norms = torch.empty(n_sel, k, dtype=torch.float64, device=r.device)
+    cmax = torch.empty(n_sel, k, dtype=torch.float32, device=r.device)  # the rows of no group: never read
     bc = min(128, triton.next_power_of_2(k))
     _rac_norms_kernel[(norms.shape[0], triton.cdiv(k, bc))](r, grp, norms, cmax, m, k, ONE_GROUP=one, ROWS=4,
                                                             BLOCK_C=bc, num_warps=4)  # fmt: skip

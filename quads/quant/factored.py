@@ -210,7 +210,10 @@ def operands(
     """The factored W4A4 (+RAC with ``n`` = |S| channels) operands of ``x`` ``[M, K]`` (canonical NVFP4).
 
     Global scales: per group (``per_token=False``: the amax over the group's rows, as the expert loop
-    quantizes each expert's tokens as one tensor) or per row. RAC (``quads.quant.rac``): ``R = X - QDQ(X)``
+    quantizes each expert's tokens as one tensor) or per row. The rows of no group (group G: the masked slots
+    of a fixed-slot decode, which the expert loop never sees) are zero rows: u = 0 and S_dec = 1 in both
+    terms (R = 0), whatever ``x`` holds there, so they cost no kernel a pass of their own and their outputs
+    are zero. RAC (``quads.quant.rac``): ``R = X - QDQ(X)``
     in fp32; ``S`` per group: the ``n`` channels of largest ``sum R^2`` over the group's rows (fp64,
     stable descending sort), or ``static_order[g, :n]``; ``R[:, S]`` in selection order is quantized
     with its own global scale (per group over the gathered residual, or per row). ``observe(r, norms)``:
@@ -232,8 +235,11 @@ def operands(
         raise ValueError(f"unknown RAC selection {selection!r}; valid: dynamic, static")
     need_r = n > 0 or observe is not None
     buf = torch.empty(x.shape[0], 2 if n else 1, x.shape[1], dtype=dtype, device=x.device)  # [M, P, K]
+    fused = fused_amax and _group_units(x, segs, per_token)
+    if segs.group is not None and not fused:  # group_units reads them as zeros itself
+        x = torch.where((segs.group < segs.groups)[:, None], x, 0.0)  # the rows of no group: zero operands
     amax = row_amax(x)
-    if fused_amax and _group_units(x, segs, per_token):  # the group amaxes inside the quantize (decode)
+    if fused:  # the group amaxes inside the quantize (decode)
         from quads.kernels.factored_quant import group_units_op
 
         gx, r = group_units_op(x, amax, segs.group, segs.row_offsets(), segs.groups, buf, 0, residual=need_r)

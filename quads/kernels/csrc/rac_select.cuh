@@ -9,7 +9,8 @@
 //      (torch.argsort(descending=True, stable=True)): pairs in registers, the exchanges of partners up to 32 E
 //      positions apart by warp shuffles, farther ones through shared memory (double-buffered: one barrier a step);
 //   4. S[g, p] = the channel at position p < n (int64), rank[g, c] = c's position (int32), and unless per_token
-//      gmax[g] = max over S of cmax; the last group's block also gmax[G], the rows of no group [end, M) over S.
+//      gmax[g] = max over S of cmax; the last group's block also gmax[G] = 0: the rows of no group (the masked
+//      slots) are zero rows (factored.operands), so no block walks them.
 //
 // The reference for each step is the Triton kernel (rac_select.py's module docstring) and, through it, the
 // PyTorch reference factored.operands; tests/test_rac_select_cuda.py compares the outputs byte for byte.
@@ -222,21 +223,9 @@ __global__ void __launch_bounds__(WARPS * 32) select_kernel(
     if (sel[e]) mine = fmaxf(mine, cmax[e]);
   }
   const float gm = block_max<WARPS>(mine, red);
-  if (t == 0) gmax[g] = gm;
-  if (g == G - 1) {  // the rows of no group [end, M) (group G) take this group's S
-    float mm = 0.f;
-    if (live) {
-      for (int i = end; i < M; ++i) {
-        float v[E];
-        load_row<E>(r + (long long)i * K + c0, v);
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          if (sel[e]) mm = fmaxf(mm, v[e] != v[e] ? 0.f : fabsf(v[e]));
-        }
-      }
-    }
-    const float gmm = block_max<WARPS>(mm, red);
-    if (t == 0) gmax[G] = gmm;
+  if (t == 0) {
+    gmax[g] = gm;
+    if (g == G - 1) gmax[G] = 0.f;  // the rows of no group: zero rows
   }
 }
 
