@@ -210,14 +210,14 @@ def operands(
     """The factored W4A4 (+RAC with ``n`` = |S| channels) operands of ``x`` ``[M, K]`` (canonical NVFP4).
 
     Global scales: per group (``per_token=False``: the amax over the group's rows, as the expert loop
-    quantizes each expert's tokens as one tensor) or per row. The rows of no group (group G: the masked slots
-    of a fixed-slot decode, which the expert loop never sees) are zero rows: u = 0 and S_dec = 1 in both
-    terms (R = 0), whatever ``x`` holds there, so they cost no kernel a pass of their own and their outputs
-    are zero. RAC (``quads.quant.rac``): ``R = X - QDQ(X)``
-    in fp32; ``S`` per group: the ``n`` channels of largest ``sum R^2`` over the group's rows (fp64,
-    stable descending sort), or ``static_order[g, :n]``; ``R[:, S]`` in selection order is quantized
-    with its own global scale (per group over the gathered residual, or per row). ``observe(r, norms)``:
-    the residual ``[M, K]`` and its per-group norms ``[G, K]`` (static-order calibration).
+    quantizes each expert's tokens as one tensor) or per row. The rows of no group (group G: the masked
+    slots of a fixed-slot decode, which the expert loop never sees) are zero rows: u = 0 and S_dec = 1 in
+    both terms (R = 0), whatever ``x`` holds there, so no kernel has to walk them and their outputs are
+    zero. RAC (``quads.quant.rac``): ``R = X - QDQ(X)`` in fp32; ``S`` per group: the ``n`` channels of
+    largest ``sum R^2`` over the group's rows (fp64, stable descending sort), or ``static_order[g, :n]``;
+    ``R[:, S]`` in selection order is quantized with its own global scale (per group over the gathered
+    residual, or per row). ``observe(r, norms)``: the residual ``[M, K]`` and its per-group norms ``[G, K]``
+    (static-order calibration).
     On Triton, dynamic selection without ``observe`` runs the residual operand as the custom op
     ``quads::rac_units`` (``quads.kernels.rac_select``: two or three kernels, the same bits as the steps
     below; ``rac_method``: its selection algorithm, ``sort`` / ``count``, None for its default;
@@ -236,8 +236,9 @@ def operands(
     need_r = n > 0 or observe is not None
     buf = torch.empty(x.shape[0], 2 if n else 1, x.shape[1], dtype=dtype, device=x.device)  # [M, P, K]
     fused = fused_amax and _group_units(x, segs, per_token)
-    if segs.group is not None and not fused:  # group_units reads them as zeros itself
+    if segs.group is not None and not fused and (counts is None or sum(counts) < x.shape[0]):
         x = torch.where((segs.group < segs.groups)[:, None], x, 0.0)  # the rows of no group: zero operands
+        # (group_units reads them as zeros itself; host-known counts covering every row: there are none)
     amax = row_amax(x)
     if fused:  # the group amaxes inside the quantize (decode)
         from quads.kernels.factored_quant import group_units_op
