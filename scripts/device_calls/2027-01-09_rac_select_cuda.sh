@@ -19,20 +19,12 @@ R=bf16,w4a4,w4a4+rac50; CAP_A=320
 grep -q H200 $OUT/gpu.txt && R=bf16,w4a16,w4a4+rac50,w4a4 && CAP_A=390
 timeout $(cap $CAP_A) python3 -u $E2E --recipes $R --json $OUT/e2e_1b_a.json > $OUT/e2e_1b_a.log 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e_1b_a.log
-cp quads/kernels/tuning.json $OUT/tuning_committed.json
-python3 - <<'PY'
-import json
-p = "quads/kernels/tuning.json"
-d = json.load(open(p))
-for case in d["rac_select"].values():
-    case["select_backend"] = "triton"
-json.dump(d, open(p, "w"), indent=1)
-PY
+rac_select_backend triton
 if [ "$(left)" -gt 100 ]; then
   timeout $(cap 230) python3 -u $E2E --recipes bf16,w4a4+rac50 --json $OUT/e2e_1b_b_triton_select.json > $OUT/e2e_1b_b_triton_select.log 2>&1
   echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e_1b_b_triton_select.log
 fi
-cp $OUT/tuning_committed.json quads/kernels/tuning.json
+tuning_restore
 cat $OUT/gpu.txt; grep -E "PASSED|FAILED|ERROR|rc=" $OUT/gpu_tests_rac_cuda.log | tail -n 20
 grep -h "rc=\|x bf16\|ms/step" $OUT/e2e_1b_*.log | tail -n 16
 true

@@ -8,18 +8,10 @@
 git log --oneline -1 > $OUT/tree.txt 2>&1
 timeout $(cap 220) python3 -m pytest -q -p no:cacheprovider -rfE tests/test_rac_select_cuda.py tests/test_quant_factored_gpu.py \
   > $OUT/gpu_tests.log 2>&1; echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/gpu_tests.log
-cp quads/kernels/tuning.json $OUT/tuning_committed.json
-python3 - <<'PY'
-import json
-p = "quads/kernels/tuning.json"
-d = json.load(open(p))
-for case in d["rac_select"].values():
-    case["select_backend"] = "triton"
-json.dump(d, open(p, "w"), indent=1)
-PY
+rac_select_backend triton
 E2E="benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 --long-tokens 0 --graphs on --compile on"
 timeout $(cap 330) python3 -u $E2E --recipes bf16,w4a4+rac50 --json $OUT/e2e_1b_triton_select.json > $OUT/e2e_1b_triton_select.log 2>&1
 echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/e2e_1b_triton_select.log
-cp $OUT/tuning_committed.json quads/kernels/tuning.json
+tuning_restore
 cat $OUT/gpu.txt; tail -n 4 $OUT/gpu_tests.log; grep -h "rc=\|x bf16\|ms/step" $OUT/e2e_1b_triton_select.log | tail -n 6
 true
