@@ -93,6 +93,11 @@ ROLLOUT_RECIPES = {
 }
 
 
+def _names(recipes: str) -> list[str]:
+    """The rollout recipes of a comma list, in its order."""
+    return [r.strip() for r in recipes.split(",") if r.strip()]
+
+
 def _quantized(model, name: str, spec: LinearSpec, prompts: list[list[int]], device: str) -> None:
     """``model`` quantized for the rollout recipe ``name``; a static-RAC recipe's orders calibrated on ``prompts``."""
     quantize_model(model, Recipe(f"bench-{name}", rollout=spec), side="rollout", verbose=False)
@@ -226,9 +231,8 @@ def bench_rollout(args, rows: list) -> None:
     long_recipes = {r.strip() for r in args.long_recipes.split(",") if r.strip()}
     for preset in [p.strip() for p in args.preset.split(",") if p.strip()]:
         for path in paths:
-            for name, spec in ROLLOUT_RECIPES.items():
-                if args.recipes and name not in args.recipes.split(","):
-                    continue
+            for name in _names(args.recipes) or ROLLOUT_RECIPES:  # the order given (rows are written as they end)
+                spec = ROLLOUT_RECIPES[name]
                 model = _model(preset, args.device, "bfloat16").requires_grad_(False)
                 _quantized(model, name, spec, prompts, args.device)
                 _set_experts_path(model, path)
@@ -392,7 +396,7 @@ def profile_decode(args, rows: list) -> None:
     short, long = (SamplingParams(n=args.n, max_new_tokens=m, ignore_eos=True, seed=0) for m in (16, 48))
     cuda = args.device.startswith("cuda")
     for preset in [p.strip() for p in args.preset.split(",") if p.strip()]:
-        for name in [r.strip() for r in args.profile_recipes.split(",") if r.strip()]:
+        for name in _names(args.profile_recipes):
             spec = ROLLOUT_RECIPES[name]
             model = _model(preset, args.device, "bfloat16").requires_grad_(False)
             _quantized(model, name, spec, prompts, args.device)
@@ -776,7 +780,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", default="grouped",
                     help="rollout expert paths of the host-dispatched decode, comma list: grouped (batched), "
                          "loop (one GEMM pair per expert)")
-    ap.add_argument("--recipes", default="", help="rollout: only these recipes, comma list (default: all)")
+    ap.add_argument("--recipes", default="",
+                    help="rollout: only these recipes, comma list, run in this order (default: all)")
     ap.add_argument("--decodes", default="auto",
                     help="rollout decode paths, comma list: auto (static on CUDA), static, eager (the reference)")
     ap.add_argument("--graphs", default="on,off", help="static decode on CUDA: CUDA graphs on, off or on,off "
@@ -831,6 +836,11 @@ def main(argv: list[str] | None = None) -> int:
     bad = set(suites) - {"rollout", "trainer", "profile", "vllm"}
     if bad:
         ap.error(f"unknown suite(s) {sorted(bad)}; valid: rollout, trainer, profile, vllm")
+    for flag, names in (("--recipes", args.recipes), ("--profile-recipes", args.profile_recipes),
+                        ("--long-recipes", args.long_recipes)):
+        unknown = [n for n in _names(names) if n not in ROLLOUT_RECIPES]
+        if unknown:
+            ap.error(f"{flag}: unknown recipe(s) {unknown}; valid: {', '.join(ROLLOUT_RECIPES)}")
     if args.inductor_pdl == "on":
         import torch._inductor.config as inductor_config
 

@@ -202,3 +202,19 @@ def test_profile_modes_follow_graphs_and_compile():
     assert modes("on,off", "on,off", cuda=True) == [(True, True), (True, False), (False, False)]
     assert modes("off", "on", cuda=True) == [(False, False)]
     assert modes("on", "on", cuda=False) == [(False, False)]
+
+
+def test_rollout_recipes_run_in_the_order_given(tmp_path, capsys):
+    """``--recipes`` runs its recipes in the order given (rows are written as each ends, so the order decides which
+    rows a time limit keeps); the ratio to BF16 does not need BF16 first; an unknown name is an error naming the
+    valid ones."""
+    out = tmp_path / "e2e.json"
+    bench = _bench()
+    assert bench.main(["--suites", "rollout", "--preset", "tiny", "--device", "cpu", "--experts", "grouped",
+                       "--recipes", "w4a16,bf16", "--prompts", "2", "--n", "1", "--new-tokens", "2", "--long-tokens",
+                       "0", "--reps", "1", "--graphs", "off", "--compile", "off", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["recipe"] for r in rows] == ["w4a16", "bf16"] and rows[0]["vs_bf16"] > 0
+    with pytest.raises(SystemExit):
+        bench.main(["--suites", "rollout", "--device", "cpu", "--recipes", "bf16,w4a5"])
+    assert "unknown recipe(s) ['w4a5']; valid: bf16, fp8" in capsys.readouterr().err
