@@ -260,7 +260,9 @@ def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, n
     row = {"suite": "rollout", "preset": preset, "recipe": name, "experts": path, "decode": decode,
            "graphs": graphs, "compile": comp, "decode_attention": attention, "spec": spec.describe(),
            "samples": len(prompts) * args.n, "new_tokens": new_tokens}  # fmt: skip
-    sp = SamplingParams(n=args.n, max_new_tokens=new_tokens, ignore_eos=True, seed=0, record_routing=True)
+    sp = SamplingParams(n=args.n, max_new_tokens=new_tokens, ignore_eos=True, seed=0, record_routing=True,
+                        stop_token_ids=stop_ids(args.stop_fraction, tok.vocab_size))
+    row["stop_fraction"] = args.stop_fraction
     try:
         eng = RolloutEngine(model, tok, device=args.device, decode=decode, cuda_graphs=graphs, compile=comp,
                             compile_prefill=args.compile_prefill == "on", share_prefill=args.share_prefill == "on",
@@ -271,12 +273,13 @@ def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, n
         if graphs:
             eng.generate(prompts, sp)  # the prompt block's second sight captures its prefill graph
         row["decode_attention"] = first.decode_attention  # what "auto" resolved to on this device and path
-        tps, dec, pre = [], [], []
+        tps, dec, pre, resp = [], [], [], []
         for _ in range(args.reps):
             b = eng.generate(prompts, sp)
             tps.append(b.stats.tokens_per_s)
             dec.append(b.stats.decode_s / max(b.stats.decode_steps, 1) * 1e3)
             pre.append(b.stats.prefill_s * 1e3)
+            resp.append(b.stats.n_response_tokens / (len(prompts) * args.n))
     except Exception as e:  # a failing configuration is a result too: record it, time the others
         row["error"] = f"{type(e).__name__}: {e}"[:800]
         return row
@@ -286,6 +289,7 @@ def _time_rollout(args, model, tok, prompts, name, spec, path, decode, graphs, n
     floor_ms = (wb + kvb) / bw * 1e3
     ms = statistics.median(dec)
     row.update(tokens_per_s=statistics.median(tps), decode_ms_per_step=ms, prefill_ms=statistics.median(pre),
+               response_tokens_mean=statistics.median(resp), decode_steps=b.stats.decode_steps,
                decode_path=b.stats.decode_path, prefill_rows=b.stats.prefill_rows,
                graph_captures_warm=b.stats.graph_captures,
                graph_captures_first=first.stats.graph_captures, weight_bytes=wb, operand_bytes=operand_bytes(model),
@@ -315,13 +319,27 @@ def _ratios(rows: list, paths: list[str]) -> None:
                 r[f"vs_{paths[0]}"] = r["tokens_per_s"] / first["tokens_per_s"]
 
 
+def stop_ids(fraction: float, vocab_size: int) -> tuple[int, ...]:
+    """``round(fraction * V)`` ids of the vocabulary past its 4 special ones, a fixed seeded subset: as stop ids,
+    each sampled token ends its row with a probability near ``fraction`` under a flat distribution, so rows finish
+    at different steps as in a real rollout (the random-weight models here rarely sample eos)."""
+    count = round(fraction * vocab_size)
+    if not count:
+        return ()
+    ids = torch.randperm(vocab_size - 4, generator=torch.Generator().manual_seed(0))[:count] + 4
+    return tuple(sorted(ids.tolist()))
+
+
 def _rollout_line(r: dict) -> str:
     head = (f"rollout {r['preset']:>5} {r['recipe']:>11} ({r['experts']}, {r['decode']}, "
             f"graphs {'on' if r['graphs'] else 'off'}{', compiled' if r.get('compile') else ''}"
-            f"{', triton attention' if r.get('decode_attention') == 'triton' else ''}, {r['new_tokens']} tok)")
+            f"{', triton attention' if r.get('decode_attention') == 'triton' else ''}, {r['new_tokens']} tok"
+            f"{', stop ' + format(r['stop_fraction'], 'g') if r.get('stop_fraction') else ''})")
     if "error" in r:
         return f"{head}: ERROR {r['error']}"
-    return (f"{head}: {r['tokens_per_s']:9.0f} tok/s  {r['decode_ms_per_step']:7.2f} ms/step  "
+    finishing = (f"mean response {r['response_tokens_mean']:.1f} tok over {r['decode_steps']} steps  "
+                 if r.get("stop_fraction") else "")
+    return (f"{head}: {r['tokens_per_s']:9.0f} tok/s  {r['decode_ms_per_step']:7.2f} ms/step  {finishing}"
             f"floor {r['floor_ms']:.3f} ms ({r['x_floor']:.1f}x)  prefill {r['prefill_ms']:.1f} ms "
             f"({r['prefill_rows']} rows)  operands {r['operand_bytes'] / 2**20:.1f} MiB  "
             f"[{r['decode_path']}]")
@@ -776,7 +794,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=16, help="rollout: prompts per generation")
     ap.add_argument("--n", type=int, default=8, help="rollout: samples per prompt")
     ap.add_argument("--prompt-len", type=int, default=16, help="rollout: prompt tokens")
-    ap.add_argument("--new-tokens", type=int, default=64, help="rollout: response tokens (eos ignored)")
+    ap.add_argument("--new-tokens", type=int, default=64,
+                    help="rollout: response tokens (eos ignored; at most this many with --stop-fraction)")
     ap.add_argument("--experts", default="grouped",
                     help="rollout expert paths of the host-dispatched decode, comma list: grouped (batched), "
                          "loop (one GEMM pair per expert)")
@@ -803,6 +822,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="rollout: the static step's attention, auto (the engine's default: triton on CUDA), sdpa, "
                          "triton, or a comma list such as sdpa,triton (RolloutEngine.decode_attention)")
     ap.add_argument("--long-tokens", type=int, default=512, help="rollout: the longer-response row (0 = none)")
+    ap.add_argument("--stop-fraction", type=float, default=0.0,
+                    help="rollout: this fraction of the vocabulary's ids (a fixed seeded subset) end a sample, so rows "
+                         "finish at different steps as in a real rollout and their slots stay masked until the "
+                         "batch ends (0: every row runs its new tokens; eos is ignored either way)")
     ap.add_argument("--long-recipes", default="bf16,w4a4+rac50", help="recipes that get the longer-response row")
     ap.add_argument("--profile-recipes", default="bf16,w4a4+rac50", help="profile suite: recipes to trace")
     ap.add_argument("--profile-top", type=int, default=15,
@@ -836,6 +859,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = set(suites) - {"rollout", "trainer", "profile", "vllm"}
     if bad:
         ap.error(f"unknown suite(s) {sorted(bad)}; valid: rollout, trainer, profile, vllm")
+    if not 0 <= args.stop_fraction < 1:
+        ap.error(f"--stop-fraction must be in [0, 1), got {args.stop_fraction}")
     for flag, names in (("--recipes", args.recipes), ("--profile-recipes", args.profile_recipes),
                         ("--long-recipes", args.long_recipes)):
         unknown = [n for n in _names(names) if n not in ROLLOUT_RECIPES]

@@ -218,3 +218,27 @@ def test_rollout_recipes_run_in_the_order_given(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--suites", "rollout", "--device", "cpu", "--recipes", "bf16,w4a5"])
     assert "unknown recipe(s) ['w4a5']; valid: bf16, fp8" in capsys.readouterr().err
+
+
+def test_stop_fraction_makes_rows_finish_at_different_steps(tmp_path):
+    """``--stop-fraction``: a fixed seeded subset of that fraction of the vocabulary (no special id) ends a sample, so
+    the rows end before ``--new-tokens`` on average while the batch runs on (the masked slots a real rollout has);
+    the row records the fraction, the mean response length and the decode steps; 0 keeps every row at its length."""
+    bench = _bench()
+    ids = bench.stop_ids(0.1, 1000)
+    assert len(ids) == 100 and len(set(ids)) == 100 and min(ids) >= 4 and max(ids) < 1000
+    assert ids == bench.stop_ids(0.1, 1000) and bench.stop_ids(0.0, 1000) == ()
+    out = tmp_path / "e2e.json"
+    common = ["--suites", "rollout", "--preset", "tiny", "--device", "cpu", "--experts", "grouped", "--recipes",
+              "bf16", "--prompts", "4", "--n", "4", "--new-tokens", "40", "--long-tokens", "0", "--reps", "1",
+              "--graphs", "off", "--compile", "off", "--json", str(out)]
+    rows = []
+    for fraction in ("0.05", "0"):
+        assert bench.main(common + ["--stop-fraction", fraction]) == 0
+        rows += json.loads(out.read_text())["rows"]
+    finishing, full = rows
+    assert finishing["stop_fraction"] == 0.05 and full["stop_fraction"] == 0.0
+    assert 1 <= finishing["response_tokens_mean"] < 40 and full["response_tokens_mean"] == 40
+    assert finishing["decode_steps"] <= 39 and full["decode_steps"] == 39  # the first token comes from the prefill
+    with pytest.raises(SystemExit):
+        bench.main(["--suites", "rollout", "--device", "cpu", "--stop-fraction", "1"])
