@@ -326,7 +326,7 @@ if HAS_TRITON:
         c = tl.arange(0, 1 << LOG_K)
         cmask = c < K
         key, cmax = _channel_keys(r_ptr, group_ptr, g, c, cmask, M, K, ONE_GROUP, PER_TOKEN, ROWS, BLOCK_G,
-                                       1 << LOG_K)  # fmt: skip
+                                  1 << LOG_K)  # fmt: skip
         W: tl.constexpr = 1 << LOG_W
         L: tl.constexpr = (1 << LOG_K) >> LOG_W
         rk, ri = _sort_rows(tl.reshape(key, (W, L)), tl.reshape(c, (W, L)), W, LOG_K - LOG_W, INTERP)
