@@ -23,4 +23,5 @@ fi
 tuning_restore
 cat $OUT/gpu.txt
 grep -h "rc=\|x bf16\|ms/step" $OUT/e2e_1b_*.log | tail -n 16
+cache_pack 1  # the compile caches back (lib.sh), for a later call's carry
 true

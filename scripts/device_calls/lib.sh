@@ -8,9 +8,9 @@ left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
 cap() { local l; l=$(left); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 # `rac_select_backend <triton|cuda>`: tuning.json's rac_select cases all set to that selection backend (the committed
-# file kept as $OUT/tuning_committed.json); `tuning_restore` puts the committed file back.
+# file kept as /tmp/tuning_committed.json: $OUT sends back 8 files at most); `tuning_restore` puts the committed file back.
 rac_select_backend() {
-  cp quads/kernels/tuning.json "$OUT/tuning_committed.json"
+  cp quads/kernels/tuning.json /tmp/tuning_committed.json
   python3 - "$1" <<'PY'
 import json
 import sys
@@ -22,4 +22,20 @@ for case in d["rac_select"].values():
 json.dump(d, open(p, "w"), indent=1)
 PY
 }
-tuning_restore() { cp "$OUT/tuning_committed.json" quads/kernels/tuning.json; }
+tuning_restore() { cp /tmp/tuning_committed.json quads/kernels/tuning.json; }
+# `cache_pack [parts]`: the compile caches under cache/ (Inductor, Triton) back as $OUT/cache.tgz.00, .01, ... (at most
+# `parts` files of 15 MiB, default 3; none if they do not fit), their sizes in $OUT/cache_sizes.txt. Here,
+# `bash scripts/device_calls/unpack_cache.sh <files_at>` puts them in cache/ (ignored); a later call that names
+# "cache" in `carry` then finds them (Inductor and Triton key their caches on the code, versions and device, so
+# what changed still compiles; each recipe's cold compile of the 1b model takes ~118 s, run 81).
+cache_pack() {
+  local parts=${1:-3}
+  du -sk cache/* > "$OUT/cache_sizes.txt" 2>&1
+  [ "$(left)" -gt 20 ] || return 0  # the packing's time (gzip of the caches) inside the call's budget
+  tar -czf /tmp/cache.tgz cache 2>>"$OUT/cache_sizes.txt" || return 0
+  ls -l /tmp/cache.tgz >> "$OUT/cache_sizes.txt"
+  if [ "$(stat -c %s /tmp/cache.tgz)" -le $(( parts * 15 * 1048576 )) ]; then
+    split -b 15m -d /tmp/cache.tgz "$OUT/cache.tgz."
+  fi
+  return 0
+}
