@@ -1,6 +1,7 @@
-# The preamble of a device call (sourced): PYTHONPATH, $OUT, the Inductor, Triton and extension caches under cache/ (they stay
-# on a warm machine, so a later process or call skips the cold compiles), the call's time budget (TOTAL, default
-# 580 s) with `cap <s>` = min(<s>, what is left, >= 1) for each step's timeout, and the card's name in $OUT/gpu.txt.
+# The preamble of a device call (sourced): PYTHONPATH, $OUT, the Inductor, Triton and CUDA-extension caches under
+# cache/ (they stay on a warm machine, so a later process or call skips the cold compiles), the call's time budget
+# (TOTAL, default 580 s) with `cap <s>` = min(<s>, what is left, >= 1) for each step's timeout, and the card's name in
+# $OUT/gpu.txt.
 export PYTHONPATH=.; mkdir -p "$OUT"
 export TORCHINDUCTOR_CACHE_DIR=$PWD/cache/inductor TRITON_CACHE_DIR=$PWD/cache/triton
 export TORCH_EXTENSIONS_DIR=$PWD/cache/torch_extensions  # the CUDA extensions' builds (~41 s each) with them
