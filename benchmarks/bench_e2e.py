@@ -228,7 +228,7 @@ def bench_rollout(args, rows: list) -> None:
                for _ in range(args.prompts)]
     bw = copy_bandwidth(args.device)
     paths = [p.strip() for p in args.experts.split(",") if p.strip()]
-    long_recipes = {r.strip() for r in args.long_recipes.split(",") if r.strip()}
+    long_recipes = set(_names(args.long_recipes))
     for preset in [p.strip() for p in args.preset.split(",") if p.strip()]:
         for path in paths:
             for name in _names(args.recipes) or ROLLOUT_RECIPES:  # the order given (rows are written as they end)

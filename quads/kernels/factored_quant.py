@@ -83,17 +83,16 @@ if HAS_TRITON:
         x_ptr, amax_ptr, group_ptr, offs_ptr, idx_ptr, u_ptr, g_ptr, r_ptr, codes_ptr, scales_ptr, M, K, W, G,
         stride_xm, stride_um, stride_idx, COLS, AMAX_BY: tl.constexpr, IDX_BY: tl.constexpr, GATHER: tl.constexpr,
         RESIDUAL: tl.constexpr, CODES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-        NO_GROUP_ZERO: tl.constexpr = False,
     ):  # fmt: skip
         """Program (i, c): rows ``[i BLOCK_M, (i + 1) BLOCK_M)`` x columns ``[c COLS, (c + 1) COLS)`` of the
         quantized width W (K, or n gathered channels) in steps of BLOCK_K. The row's amax is
         ``amax[_row_keys(AMAX_BY)]``, or for ``AMAX_BY`` 4 (``BY_GROUP_ROWS``) the max of its group's row maxima
         ``amax`` (``_group_rows_max``, the groups' row offsets ``offs``); gathered, its channels
-        ``idx[_row_keys(IDX_BY), :W]`` (rows of ``stride_idx``). ``NO_GROUP_ZERO``: the rows of no group (G) are
-        read as zeros (``factored.operands``' zero rows: u = 0, r = 0)."""
+        ``idx[_row_keys(IDX_BY), :W]`` (rows of ``stride_idx``). Where the rows have groups (``AMAX_BY`` 4,
+        ``IDX_BY`` 2), the rows of no group (G) are read as zeros (``factored.operands``' zero rows: u = 0, r = 0)."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
-        if NO_GROUP_ZERO:
+        if AMAX_BY == 4 or IDX_BY == 2:
             xmask = rmask & (tl.load(group_ptr + rows, mask=rmask, other=0) < G)
         else:
             xmask = rmask
@@ -306,8 +305,7 @@ def _launch_units(x, amax, group, groups, amax_by, index, idx_by, u, residual, c
         x, amax, amax if group is None else group, amax if offsets is None else offsets, idx, u, g, r, cd, sc, m, k,
         width, groups, x.stride(0), u.stride(0),
         idx.stride(0) if index is not None else 0, cols, AMAX_BY=amax_by, IDX_BY=idx_by, GATHER=index is not None,
-        RESIDUAL=residual, CODES=codes, BLOCK_M=block_m, BLOCK_K=bk,
-        NO_GROUP_ZERO=amax_by == BY_GROUP_ROWS or idx_by == BY_CHANNEL_GROUP, num_warps=num_warps, **EXACT,
+        RESIDUAL=residual, CODES=codes, BLOCK_M=block_m, BLOCK_K=bk, num_warps=num_warps, **EXACT,
     )  # fmt: skip
     rest = (r if residual else None,)
     return g, rest + (cd, sc.view(torch.float8_e4m3fn)) if codes else rest

@@ -6,21 +6,15 @@ and ``supports`` holds; it writes the same ``S``, ``rank`` and ``gmax`` bit for 
 follows is unchanged. The Triton kernel and the PyTorch reference (``factored.operands`` under the reference
 backend) stay the references it is tested against (tests/test_rac_select_cuda.py, GPU only).
 
-Why a CUDA kernel: the selection is one program per expert (PERF.md, runs 65-69): the fp64 norms over the expert's
-rows, then the bitonic sort of its K (key, channel) pairs. In Triton each compare-and-swap step of the sort is a
-reshape and a reduction over a pair axis, 155 barriers at K = 1,024; here the pairs stay in registers, partners up to
-32 E positions apart are exchanged by warp shuffles and only the farther ones through shared memory (``scripts/
-sass_rac_cuda.py``, sm_90 offline), and 16 rows' loads are in flight while the norms are summed. Runs 79-80 (H100, the
-1b decode shape, in a CUDA graph): this selection plus the units kernel 16.75-17.48 us a call at K = 1,024 (16 warps)
-against Triton's 21.39-21.41, and 7.60-7.63 against 8.60-8.82 us at K = 256 (8 warps); the selection alone takes
-10.6-12.7 us at K = 1,024 over 8-32 warps (the network's work a thread changes 4x over them), and 16 rows' loads in
-flight instead of 2 took only 0.7 us off it: what is left is a latency not yet split by a profile (the rows' count, the
-norms, the exchanges).
-A form that also quantized the units in the selection's block was slower at every warp count (28-45 us) and was
-removed.
+Why a CUDA kernel: the selection is one program per expert: the fp64 norms over the expert's rows, then the bitonic
+sort of its K (key, channel) pairs. In Triton each compare-and-swap step of the sort is a reshape and a reduction over
+a pair axis (155 barriers at K = 1,024); here the pairs stay in registers, partners up to 32 E positions apart are
+exchanged by warp shuffles and only the farther ones through shared memory (``scripts/sass_rac_cuda.py``, sm_90
+offline), and 16 rows' loads are in flight while the norms are summed. Its timings against the Triton selection, and
+the forms tried and removed, are in docs/PERF.md (runs 79-81).
 
-Built by ``cuda_build`` (``torch.utils.cpp_extension.load``: nvcc and ninja, on the device's image) for the current GPU's
-architecture; the build directory is PyTorch's extension cache. Op: ``torch.ops.quads_rac_cuda.rac_select``.
+Built by ``cuda_build`` (``torch.utils.cpp_extension.load``: nvcc and ninja, on the device's image) for the current
+GPU's architecture; the build directory is PyTorch's extension cache. Op: ``torch.ops.quads_rac_cuda.rac_select``.
 """
 
 from __future__ import annotations
@@ -30,6 +24,7 @@ import torch
 from quads.kernels import cuda_build
 
 MAX_K = 1024  # the instantiations' largest padded K
+EXTENSION = ("rac_select", "rac_select.cu")  # cuda_build's (name, source)
 # the template instantiations compiled into the extension (rac_select.cu, the same list): (log2 of the padded K,
 # warps), 2**L / (32 warps) = 1, 2, 4 or 8 pairs a thread
 CONFIGS = ((5, 1), (6, 1), (6, 2), (7, 1), (7, 2), (7, 4), (8, 1), (8, 2), (8, 4), (8, 8), (9, 2), (9, 4), (9, 8),
@@ -53,7 +48,7 @@ def available() -> bool:
 
 def build() -> None:
     """Compile and load the extension once per process (``cuda_build.build``)."""
-    cuda_build.build("rac_select", "rac_select.cu")
+    cuda_build.build(*EXTENSION)
 
 
 def supports(r: torch.Tensor, group: torch.Tensor | None, warps: int) -> bool:
@@ -63,7 +58,7 @@ def supports(r: torch.Tensor, group: torch.Tensor | None, warps: int) -> bool:
     k = r.shape[-1]
     return (group is not None and r.is_cuda and group.dtype == torch.long and k % 16 == 0 and 0 < k <= MAX_K
             and r.data_ptr() % 16 == 0 and (log_kp(k), warps) in CONFIGS and available()
-            and cuda_build.try_build("rac_select", "rac_select.cu"))  # fmt: skip
+            and cuda_build.try_build(*EXTENSION))  # fmt: skip
 
 
 def select(r: torch.Tensor, group: torch.Tensor, s: torch.Tensor, rank: torch.Tensor, gmax: torch.Tensor, *, n: int,

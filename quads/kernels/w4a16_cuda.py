@@ -14,8 +14,8 @@ writes the tensor cores' A fragment in registers (the weights are the A operand,
 activations' B fragments are their rows as loaded: 3.4-4.5 instructions per weight in the K loop, compiled
 offline (``scripts/sass_w4a16_cuda.py``).
 
-Built by ``cuda_build`` (``torch.utils.cpp_extension.load``: nvcc and ninja, on the device's image) for the current GPU's
-architecture, sm_89 or newer (the E4M3 convert); the build directory is PyTorch's extension cache. Ops:
+Built by ``cuda_build`` (``torch.utils.cpp_extension.load``: nvcc and ninja, on the device's image) for the current
+GPU's architecture, sm_89 or newer (the E4M3 convert); the build directory is PyTorch's extension cache. Ops:
 ``torch.ops.quads_cuda.w4a16_grouped_decode`` and ``torch.ops.quads_cuda.w4a16_decode`` (the decode alone, for
 tests).
 """
