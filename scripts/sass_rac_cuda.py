@@ -26,7 +26,7 @@ from sass_w4a16 import add_output_args, write_rows  # noqa: E402
 from quads.kernels import cuda_build, rac_select_cuda  # noqa: E402
 
 HEADER = cuda_build.CSRC / "rac_select.cuh"
-SIG = "const float*, const long long*, long long*, int*, float*, int, int, int, int, bool"
+SIG = "const float*, const long long*, long long*, int*, float*, int, int, int, bool"
 
 
 def compile_case(log_kp: int, warps: int, nvcc: str) -> tuple[str, str]:

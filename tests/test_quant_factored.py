@@ -326,7 +326,7 @@ def test_rows_of_no_group_are_zero_rows(per_token):
     hold: ``factored.operands`` (reference and Triton) gives them u = 0 and S_dec = 1 and leaves every other row's
     operand as without them; the residual kernels read them as zeros (each RAC selection method, the static order),
     so a residual with NaN, inf and large values there gives the bytes of one with zeros there, and no kernel walks
-    them (``gmax[G]`` is written, not summed)."""
+    them (no selection sums them, and no ``gmax`` slot is written for them)."""
     from quads.kernels import factored_quant, rac_select
 
     k, counts, masked = 64, [5, 0, 7], 4

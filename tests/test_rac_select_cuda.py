@@ -185,7 +185,7 @@ def test_cuda_selection_is_the_triton_selection_bit_for_bit(k, n, dtype, per_tok
 
 @cuda
 def test_cuda_selection_rank_and_gmax_equal_the_triton_kernel():
-    """The kernel's own outputs, not only what the units kernel makes of them: S, rank and gmax (group G's too)
+    """The kernel's own outputs, not only what the units kernel makes of them: S, rank and gmax (one per group)
     equal ``_rac_select_kernel``'s at the 1b decode shape (1,024 rows over 64 experts, K = 1,024, n = 512)."""
     import triton
 
@@ -199,13 +199,13 @@ def test_cuda_selection_rank_and_gmax_equal_the_triton_kernel():
     for backend in ("triton", "cuda"):
         s = torch.empty(e, n, dtype=torch.long, device="cuda")
         rank = torch.empty(e, k, dtype=torch.int32, device="cuda")
-        gmax = torch.empty(e + 1, dtype=torch.float32, device="cuda")
+        gmax = torch.empty(e, dtype=torch.float32, device="cuda")
         if backend == "cuda":
             rac_select_cuda.select(r, group, s, rank, gmax, n=n, groups=e, per_token=False,
                                    warps=rac_select_cuda.default_warps(k))  # fmt: skip
         else:
             rac_select._rac_select_kernel[(e,)](
-                r, group, s, rank, gmax, gmax, gmax, 1024, k, n, e, ONE_GROUP=False, PER_TOKEN=False, ROWS=4,
+                r, group, s, rank, gmax, gmax, gmax, 1024, k, n, ONE_GROUP=False, PER_TOKEN=False, ROWS=4,
                 BLOCK_G=1024, LOG_K=triton.next_power_of_2(k).bit_length() - 1, LOG_W=0, INTERP=False, num_warps=8,
             )  # fmt: skip
         outs.append((s, rank, gmax))

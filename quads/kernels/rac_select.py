@@ -28,11 +28,11 @@ Shared numerics (both methods, so that they select the same channels bit for bit
    over the runs of a binary search, through a scratch row: the same order with fewer exchanges across
    warps, ``_merge_ranks``); stores
    ``S[g]``, ``rank[g]`` and, per group, ``gmax[g]`` = the max over S of ``cmax[g]`` (the n-th pair of
-   the sorted list is the threshold: c is in S iff its pair is not after it). The last group's program
-   also writes gmax[G] = 0: the rows of no group (group G, the masked slots) are zero rows, as the
-   reference defines them, so no program walks them.
+   the sorted list is the threshold: c is in S iff its pair is not after it). The rows of no group (group
+   G, the masked slots) are zero rows, as the reference defines them: no program walks them.
 2. ``_rac_units_sel_kernel`` (one row per program on the GPU): the row's gathered ``R[i, S]`` in one tile, its amax
-   (``per_token``: NaN-ignoring max of the row; else ``gmax`` of its group), the canonical NVFP4
+   (``per_token``: NaN-ignoring max of the row; else ``gmax`` of its group; a row of no group reads as a zero
+   row, amax 0, so S_dec = 1), the canonical NVFP4
    quantize (``nvfp4_quant._units_tile``), ``u`` scattered to its channels, zero outside S; S_dec.
 
    With ``select_backend="cuda"`` (``tuning.json`` at K = 1,024 and 256), step 1 is the CUDA kernel of
@@ -312,14 +312,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _rac_select_kernel(
-        r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, sk_ptr, si_ptr, M, K, n, G, ONE_GROUP: tl.constexpr,
+        r_ptr, group_ptr, s_ptr, rank_ptr, gmax_ptr, sk_ptr, si_ptr, M, K, n, ONE_GROUP: tl.constexpr,
         PER_TOKEN: tl.constexpr, ROWS: tl.constexpr, BLOCK_G: tl.constexpr, LOG_K: tl.constexpr, LOG_W: tl.constexpr,
         INTERP: tl.constexpr,
     ):  # fmt: skip
         """Group g: the fp64 norms of its K channels, their stable descending order; stores S[g] (the first n),
-        rank[g, c] and (per group) gmax[g] = max over S of the group's |r| maxima; the last group's program
-        also gmax[G] = 0 (the rows of no group are zero rows). The order: ``LOG_W`` 0, one bitonic sort of
-        all KP pairs in registers; else each of 2**LOG_W runs of KP / 2**LOG_W channels sorted in registers
+        rank[g, c] and (per group) gmax[g] = max over S of the group's |r| maxima. The order: ``LOG_W`` 0, one
+        bitonic sort of all KP pairs in registers; else each of 2**LOG_W runs of KP / 2**LOG_W channels sorted in registers
         (``_sort_rows``), then the ranks merged by binary searches of the runs (``_merge_ranks``, through this
         group's scratch rows ``sk`` / ``si`` ``[KP]``): the same order, fewer exchanges across warps."""
         g = tl.program_id(0)
@@ -341,9 +340,6 @@ if HAS_TRITON:
         if not PER_TOKEN:
             sel = cmask & ((key > kth) | ((key == kth) & (c <= ith)))
             tl.store(gmax_ptr + g, tl.max(tl.where(sel, cmax, 0.0), axis=0))
-            if not ONE_GROUP:
-                if g == G - 1:  # the rows of no group (G) are zero rows: amax 0
-                    tl.store(gmax_ptr + G, 0.0)
 
     @triton.jit
     def _rac_run_sort_kernel(
@@ -367,14 +363,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _rac_run_rank_kernel(
-        r_ptr, group_ptr, sk_ptr, si_ptr, cmax_ptr, s_ptr, rank_ptr, gmax_ptr, M, K, n, G, ONE_GROUP: tl.constexpr,
+        r_ptr, group_ptr, sk_ptr, si_ptr, cmax_ptr, s_ptr, rank_ptr, gmax_ptr, M, K, n, ONE_GROUP: tl.constexpr,
         PER_TOKEN: tl.constexpr, BLOCK_G: tl.constexpr, LOG_K: tl.constexpr, LOG_L: tl.constexpr,
     ):  # fmt: skip
         """Program (g, w), the split runs' second launch: the rank of each pair of group g's sorted run w among
         all KP pairs = the sum over the runs of how many of that run's pairs come before it (a binary search of
         each, as ``_merge_ranks``); stores S[g] (ranks < n), rank[g, c] and the run's part of gmax, ``gmax[g, w]``
-        = the max of the selected channels' |r| maxima (the units kernel takes the max over w); the last group's
-        programs also ``gmax[G, w]`` = 0 (the rows of no group are zero rows)."""
+        = the max of the selected channels' |r| maxima (the units kernel takes the max over w)."""
         g = tl.program_id(0)
         w = tl.program_id(1)
         L: tl.constexpr = 1 << LOG_L
@@ -392,9 +387,6 @@ if HAS_TRITON:
             sel = rank < n  # padded channels rank after the K real ones, so never below n <= K
             cmax = tl.load(cmax_ptr + base + idx, mask=sel, other=0.0)
             tl.store(gmax_ptr + g * W + w, tl.max(tl.where(sel, cmax, 0.0), axis=0))
-            if not ONE_GROUP:
-                if g == G - 1:  # the rows of no group (G) are zero rows: amax 0
-                    tl.store(gmax_ptr + G * W + w, 0.0)
 
     @triton.jit
     def _rac_units_sel_kernel(
@@ -404,7 +396,8 @@ if HAS_TRITON:
     ):  # fmt: skip
         """Rows ``[BLOCK_M]`` (one on the GPU; the rows are independent) of the sort path: each row's gathered
         R[i, S] in one tile, its amax (the row's, or gmax of its group: the max of its ``GMAX_PARTS`` parts),
-        NVFP4 quantize, u scattered to S, zero outside S, S_dec. A row of no group is read as zeros."""
+        NVFP4 quantize, u scattered to S, zero outside S, S_dec. A row of no group is read as zeros, its amax as 0
+        (no gmax slot is written for it)."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         grp, gs = _row_groups(group_ptr, rows, rmask, G, ONE_GROUP, BLOCK_M)
@@ -415,9 +408,10 @@ if HAS_TRITON:
         if PER_TOKEN:
             amax = tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1)
         else:
-            amax = tl.load(gmax_ptr + grp * GMAX_PARTS, mask=rmask, other=0.0)
+            live = rmask & (grp < G)  # a row of no group: amax 0
+            amax = tl.load(gmax_ptr + grp * GMAX_PARTS, mask=live, other=0.0)
             for p in tl.static_range(1, GMAX_PARTS):
-                amax = tl.maximum(amax, tl.load(gmax_ptr + grp * GMAX_PARTS + p, mask=rmask, other=0.0))
+                amax = tl.maximum(amax, tl.load(gmax_ptr + grp * GMAX_PARTS + p, mask=live, other=0.0))
         s_enc, s_dec = _global_scales(amax)
         tl.store(g_ptr + rows, s_dec, mask=rmask)
         _, _, u = _units_tile(x, s_enc, s_dec, BLOCK_M, BLOCK_N)
@@ -557,8 +551,8 @@ def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, log_
     (``log_w`` > 0): each run's norms and sort by its own program, the ranks merged by a second launch."""
     m, k = r.shape
     kp = triton.next_power_of_2(k)
-    parts = (1 << log_w) if split else 1  # gmax per group (with G), in parts
-    gmax = torch.empty((n_sel + (not one)) * parts, dtype=torch.float32, device=r.device)
+    parts = (1 << log_w) if split else 1  # gmax per group, in parts
+    gmax = torch.empty(n_sel * parts, dtype=torch.float32, device=r.device)
     sk = torch.empty(n_sel, kp, dtype=torch.long, device=r.device) if log_w else gmax  # the merge's scratch
     si = torch.empty(n_sel, kp, dtype=torch.int32, device=r.device) if log_w else gmax
     common = dict(ONE_GROUP=one, PER_TOKEN=per_token, BLOCK_G=min(2048, triton.next_power_of_2(m)),
@@ -568,11 +562,11 @@ def _sort_units(r, grp, one, n_sel, out, s, rank, g, n, per_token, block_m, log_
         log_l = kp.bit_length() - 1 - log_w
         _rac_run_sort_kernel[(n_sel, parts)](r, grp, sk, si, cmax, m, k, ROWS=rows, LOG_L=log_l,
                                              INTERP=interpreted(r), num_warps=warps, **common)  # fmt: skip
-        _rac_run_rank_kernel[(n_sel, parts)](r, grp, sk, si, cmax, s, rank, gmax, m, k, n, n_sel, LOG_L=log_l,
+        _rac_run_rank_kernel[(n_sel, parts)](r, grp, sk, si, cmax, s, rank, gmax, m, k, n, LOG_L=log_l,
                                              num_warps=warps, **common)  # fmt: skip
     else:
         _rac_select_kernel[(n_sel,)](
-            r, grp, s, rank, gmax, sk, si, m, k, n, n_sel, ROWS=rows, LOG_W=log_w, INTERP=interpreted(r),
+            r, grp, s, rank, gmax, sk, si, m, k, n, ROWS=rows, LOG_W=log_w, INTERP=interpreted(r),
             num_warps=warps, **common,
         )  # fmt: skip
     _units_after_select(r, grp, one, n_sel, out, s, rank, gmax, g, n, per_token, block_m, parts)
@@ -582,7 +576,7 @@ def _cuda_units(r, grp, n_sel, out, s, rank, g, n, per_token, block_m, warps) ->
     """The sort path with its selection as the CUDA kernel (``rac_select_cuda``), then the same units kernel."""
     from quads.kernels import rac_select_cuda
 
-    gmax = torch.empty(n_sel + 1, dtype=torch.float32, device=r.device)
+    gmax = torch.empty(n_sel, dtype=torch.float32, device=r.device)
     rac_select_cuda.select(r, grp, s, rank, gmax, n=n, groups=n_sel, per_token=per_token, warps=warps)
     _units_after_select(r, grp, False, n_sel, out, s, rank, gmax, g, n, per_token, block_m, 1)
 

@@ -63,7 +63,7 @@ def supports(r: torch.Tensor, group: torch.Tensor | None, warps: int) -> bool:
 
 def select(r: torch.Tensor, group: torch.Tensor, s: torch.Tensor, rank: torch.Tensor, gmax: torch.Tensor, *, n: int,
            groups: int, per_token: bool, warps: int) -> None:
-    """Writes ``s`` int64 [G, n], ``rank`` int32 [G, K] and (unless ``per_token``) ``gmax`` fp32 [G + 1], as
+    """Writes ``s`` int64 [G, n], ``rank`` int32 [G, K] and (unless ``per_token``) ``gmax`` fp32 [G], as
     ``rac_select._rac_select_kernel`` with one run (its docstring); ``r`` fp32 [M, K], ``group`` int64 [M]."""
     if (log_kp(r.shape[-1]), warps) not in CONFIGS:
         raise ValueError(f"rac_select_cuda.select: (log2 padded K, warps) must be one of {CONFIGS}, got "

@@ -19,7 +19,7 @@ void launch(const at::Tensor& r, const at::Tensor& group, at::Tensor& s, at::Ten
   quads_rac::select_kernel<LOG_KP, WARPS><<<(unsigned)groups, WARPS * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
       r.data_ptr<float>(), reinterpret_cast<const long long*>(group.data_ptr<int64_t>()),
       reinterpret_cast<long long*>(s.data_ptr<int64_t>()), rank.data_ptr<int>(), gmax.data_ptr<float>(),
-      (int)r.size(0), (int)r.size(1), (int)n, (int)groups, per_token);
+      (int)r.size(0), (int)r.size(1), (int)n, per_token);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -34,8 +34,8 @@ void rac_select(const at::Tensor& r, const at::Tensor& group, at::Tensor& s, at:
   TORCH_CHECK(s.scalar_type() == at::kLong && s.is_contiguous() && s.numel() == groups * n, "s: int64 [G, n]");
   TORCH_CHECK(rank.scalar_type() == at::kInt && rank.is_contiguous() && rank.numel() == groups * K,
               "rank: int32 [G, K]");
-  TORCH_CHECK(gmax.scalar_type() == at::kFloat && gmax.is_contiguous() && gmax.numel() >= groups + 1,
-              "gmax: fp32 [G + 1]");
+  TORCH_CHECK(gmax.scalar_type() == at::kFloat && gmax.is_contiguous() && gmax.numel() >= groups,
+              "gmax: fp32 [G]");
   const c10::cuda::CUDAGuard guard(r.device());
   int log_kp = 5;
   while ((1LL << log_kp) < K) ++log_kp;

@@ -9,8 +9,8 @@
 //      (torch.argsort(descending=True, stable=True)): pairs in registers, the exchanges of partners up to 32 E
 //      positions apart by warp shuffles, farther ones through shared memory (double-buffered: one barrier a step);
 //   4. S[g, p] = the channel at position p < n (int64), rank[g, c] = c's position (int32), and unless per_token
-//      gmax[g] = max over S of cmax; the last group's block also gmax[G] = 0: the rows of no group (the masked
-//      slots) are zero rows (factored.operands), so no block walks them.
+//      gmax[g] = max over S of cmax. The rows of no group (group G, the masked slots) are zero rows
+//      (factored.operands): no block walks them, and the units kernel reads their amax as 0.
 //
 // The reference for each step is the Triton kernel (rac_select.py's module docstring) and, through it, the
 // PyTorch reference factored.operands; tests/test_rac_select_cuda.py compares the outputs byte for byte.
@@ -62,7 +62,7 @@ __device__ __forceinline__ void load_row(const float* p, float (&v)[E]) {
 template <int LOG_KP, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) select_kernel(
     const float* __restrict__ r, const long long* __restrict__ group, long long* __restrict__ s_out,
-    int* __restrict__ rank_out, float* __restrict__ gmax, int M, int K, int n, int G, bool per_token) {
+    int* __restrict__ rank_out, float* __restrict__ gmax, int M, int K, int n, bool per_token) {
   constexpr int KP = 1 << LOG_KP;
   constexpr int T = WARPS * 32;
   constexpr int E = KP / T;  // pairs per thread
@@ -223,10 +223,7 @@ __global__ void __launch_bounds__(WARPS * 32) select_kernel(
     if (sel[e]) mine = fmaxf(mine, cmax[e]);
   }
   const float gm = block_max<WARPS>(mine, red);
-  if (t == 0) {
-    gmax[g] = gm;
-    if (g == G - 1) gmax[G] = 0.f;  // the rows of no group: zero rows
-  }
+  if (t == 0) gmax[g] = gm;
 }
 
 }  // namespace quads_rac
