@@ -57,6 +57,72 @@ __device__ __forceinline__ void load_row(const float* p, float (&v)[E]) {
   }
 }
 
+// The bitonic sort of a block's KP = 2^LOG_KP (key, channel) pairs, thread t holding positions [t E, (t + 1) E)
+// (E = KP / (32 WARPS)), into key descending, equal keys by channel ascending (`before`): pairs in registers, the
+// exchanges of partners up to 32 E positions apart by warp shuffles, farther ones through the shared buffers sk / si
+// (double-buffered: one barrier a step). A caller that reuses sk / si after it needs a barrier first.
+template <int LOG_KP, int WARPS, int E>
+__device__ __forceinline__ void sort_pairs(long long (&key)[E], int (&idx)[E], long long (*sk)[1 << LOG_KP],
+                                           int (*si)[1 << LOG_KP]) {
+  constexpr int T = WARPS * 32;
+  static_assert((1 << LOG_KP) == E * T, "KP = E pairs x 32 WARPS threads");
+  const int t = threadIdx.x;
+  const int c0 = t * E;
+  int buf = 0;
+#pragma unroll
+  for (int s = 1; s <= LOG_KP; ++s) {
+#pragma unroll
+    for (int j = s - 1; j >= 0; --j) {
+      const int D = 1 << j;  // partners D positions apart; runs of 2^s, ascending where bit s of p is 0
+      if (D < E) {  // partner in this thread
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          if ((e & D) == 0) {
+            const bool asc = (((c0 + e) >> s) & 1) == 0;
+            if (before(key[e + D], idx[e + D], key[e], idx[e]) == asc) {
+              const long long k2 = key[e];
+              const int i2 = idx[e];
+              key[e] = key[e + D];
+              idx[e] = idx[e + D];
+              key[e + D] = k2;
+              idx[e + D] = i2;
+            }
+          }
+        }
+      } else {
+        const int m = D / E;  // the partner thread is t ^ m
+        if (m >= 32) {
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            sk[buf][e * T + t] = key[e];
+            si[buf][e * T + t] = idx[e];
+          }
+          __syncthreads();
+        }
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          long long pk;
+          int pi;
+          if (m < 32) {
+            pk = __shfl_xor_sync(kFull, key[e], m);
+            pi = __shfl_xor_sync(kFull, idx[e], m);
+          } else {
+            pk = sk[buf][e * T + (t ^ m)];
+            pi = si[buf][e * T + (t ^ m)];
+          }
+          const int p = c0 + e;
+          const bool want_first = ((p & D) == 0) == (((p >> s) & 1) == 0);  // the lower slot of an ascending run
+          if (before(pk, pi, key[e], idx[e]) == want_first) {
+            key[e] = pk;
+            idx[e] = pi;
+          }
+        }
+        if (m >= 32) buf ^= 1;  // the next exchange writes the other buffer: no second barrier
+      }
+    }
+  }
+}
+
 // One block per group. Thread t holds positions [t E, (t + 1) E) of the KP pairs; before the sort, position c is
 // channel c. ROWS: rows whose loads are issued together when summing the norms (the same sums in the same order).
 template <int LOG_KP, int WARPS>
@@ -145,59 +211,7 @@ __global__ void __launch_bounds__(WARPS * 32) select_kernel(
     okey[e] = key[e];
     idx[e] = c0 + e;
   }
-  int buf = 0;
-#pragma unroll
-  for (int s = 1; s <= LOG_KP; ++s) {
-#pragma unroll
-    for (int j = s - 1; j >= 0; --j) {
-      const int D = 1 << j;  // partners D positions apart; runs of 2^s, ascending where bit s of p is 0
-      if (D < E) {  // partner in this thread
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          if ((e & D) == 0) {
-            const bool asc = (((c0 + e) >> s) & 1) == 0;
-            if (before(key[e + D], idx[e + D], key[e], idx[e]) == asc) {
-              const long long k2 = key[e];
-              const int i2 = idx[e];
-              key[e] = key[e + D];
-              idx[e] = idx[e + D];
-              key[e + D] = k2;
-              idx[e + D] = i2;
-            }
-          }
-        }
-      } else {
-        const int m = D / E;  // the partner thread is t ^ m
-        if (m >= 32) {
-#pragma unroll
-          for (int e = 0; e < E; ++e) {
-            sk[buf][e * T + t] = key[e];
-            si[buf][e * T + t] = idx[e];
-          }
-          __syncthreads();
-        }
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          long long pk;
-          int pi;
-          if (m < 32) {
-            pk = __shfl_xor_sync(kFull, key[e], m);
-            pi = __shfl_xor_sync(kFull, idx[e], m);
-          } else {
-            pk = sk[buf][e * T + (t ^ m)];
-            pi = si[buf][e * T + (t ^ m)];
-          }
-          const int p = c0 + e;
-          const bool want_first = ((p & D) == 0) == (((p >> s) & 1) == 0);  // the lower slot of an ascending run
-          if (before(pk, pi, key[e], idx[e]) == want_first) {
-            key[e] = pk;
-            idx[e] = pi;
-          }
-        }
-        if (m >= 32) buf ^= 1;  // the next exchange writes the other buffer: no second barrier
-      }
-    }
-  }
+  sort_pairs<LOG_KP, WARPS, E>(key, idx, sk, si);
 
   // 4. S, rank, gmax
 #pragma unroll
