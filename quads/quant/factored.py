@@ -206,6 +206,7 @@ def operands(
     rac_method: RacMethod | None = None,
     fused_amax: bool = True,
     counts: list[int] | None = None,
+    operand_backend: str | None = None,
 ) -> Operands:
     """The factored W4A4 (+RAC with ``n`` = |S| channels) operands of ``x`` ``[M, K]`` (canonical NVFP4).
 
@@ -229,13 +230,25 @@ def operands(
     (one launch after ``row_amax``: each program takes its rows' group amaxes from their groups' row maxima,
     ``segs.row_offsets()``; ``fused_amax=False``: ``row_amax``, ``Segments.row_max`` and ``units``, the same bits). ``counts``: the groups' row counts on the host (rows
     sorted by group), for the steps' norms (``Segments.sq_norms``): then every group's operands are those of
-    an ``operands`` call of its rows alone, bit for bit.
+    an ``operands`` call of its rows alone, bit for bit. Where ``group_units`` and ``rac_units`` would run (dynamic
+    selection, no ``observe``), the whole operand may run as one CUDA launch instead, ``quads::rac_operand``
+    (``quads.kernels.rac_operand_cuda``: the same bits; ``operand_backend`` ``launches`` / ``cuda``, None for
+    ``tuning.json``'s ``rac_operand.decode``).
     """
     if selection not in ("dynamic", "static"):
         raise ValueError(f"unknown RAC selection {selection!r}; valid: dynamic, static")
     need_r = n > 0 or observe is not None
     buf = torch.empty(x.shape[0], 2 if n else 1, x.shape[1], dtype=dtype, device=x.device)  # [M, P, K]
     fused = fused_amax and _group_units(x, segs, per_token)
+    if fused and n and fused_rac and selection == "dynamic" and observe is None and x.is_cuda:
+        from quads.kernels import rac_operand_cuda
+
+        warps = rac_operand_cuda.plan(x, dtype, backend=operand_backend)
+        if warps is not None:  # the whole operand in one launch
+            from quads.kernels.factored_quant import rac_operand_op
+
+            gx, gr, s = rac_operand_op(x, segs.row_offsets(), segs.groups, buf, n=n, warps=warps)
+            return Operands(buf, torch.stack([gx, gr], dim=1), s)
     if segs.group is not None and not fused and (counts is None or sum(counts) < x.shape[0]):
         x = torch.where((segs.group < segs.groups)[:, None], x, 0.0)  # the rows of no group: zero operands
         # (group_units reads them as zeros itself; host-known counts covering every row: there are none)

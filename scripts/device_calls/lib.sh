@@ -9,21 +9,24 @@ T0=$(date +%s); TOTAL=${TOTAL:-580}
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
 cap() { local l; l=$(left); [ "$l" -lt 1 ] && l=1; [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-# `rac_select_backend <triton|cuda>`: tuning.json's rac_select cases all set to that selection backend (the committed
-# file kept as /tmp/tuning_committed.json: $OUT sends back 8 files at most); `tuning_restore` puts the committed file back.
-rac_select_backend() {
-  cp quads/kernels/tuning.json /tmp/tuning_committed.json
-  python3 - "$1" <<'PY'
+# `rac_select_backend <triton|cuda>`: tuning.json's rac_select cases all set to that selection backend;
+# `tuning_set <kernel> <key> <json value>`: that key of every case of one kernel's entry (e.g. `tuning_set rac_operand
+# backend '"cuda"'); `tuning_restore` puts back the file as this call found it (kept as /tmp/tuning_committed.json
+# when lib.sh is sourced: $OUT sends back 8 files at most).
+cp quads/kernels/tuning.json /tmp/tuning_committed.json
+tuning_set() {
+  python3 - "$1" "$2" "$3" <<'PY'
 import json
 import sys
 
 p = "quads/kernels/tuning.json"
 d = json.load(open(p))
-for case in d["rac_select"].values():
-    case["select_backend"] = sys.argv[1]
+for case in d[sys.argv[1]].values():
+    case[sys.argv[2]] = json.loads(sys.argv[3])
 json.dump(d, open(p, "w"), indent=1)
 PY
 }
+rac_select_backend() { tuning_set rac_select select_backend "\"$1\""; }
 tuning_restore() { cp /tmp/tuning_committed.json quads/kernels/tuning.json; }
 # `cache_pack [parts]`: the compile caches under cache/ (Inductor, Triton) back as $OUT/cache.tgz.00, .01, ... (at most
 # `parts` files of 15 MiB, default 3; none if they do not fit), their sizes in $OUT/cache_sizes.txt. Here,

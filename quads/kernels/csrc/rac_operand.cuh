@@ -1,0 +1,311 @@
+// The decode step's whole W4A4 + RAC activation operand of rows sorted by group (expert) in one launch: what
+// factored.operands computes with group_units (the W4A4 term), then rac_units' selection and units kernels (the RAC
+// term), the same outputs bit for bit. One block per group g (its rows [offs[g], offs[g + 1]), thread t holding the
+// channels [t E, (t + 1) E)), in four phases separated by block barriers:
+//
+//   A. the group amax: the NaN-ignoring max |x| over the group's rows (= the max of its rows' maxima, group_units'
+//      amax), and its global scales (nvfp4_quant._global_scales);
+//   B. row by row (ROWS rows' loads in flight): the canonical NVFP4 cast of each 16-channel block (the arithmetic of
+//      nvfp4_quant._quantize_tile / _units_tile: a block spans 16 / E lanes, its amax and NaN flag by warp shuffles),
+//      u = e2m1 * s into out[i, 0], S_dec into gx[i], the residual r = x - u * S_dec (no FMA) into the fp32 scratch
+//      r[i], and the selection's fp64 norms and |r| maxima of the thread's channels, row by row in row order;
+//   C. the selection of rac_select.cuh's select_kernel: the keys, the bitonic sort (sort_pairs), S[g] = the first n
+//      channels, and the residual's amax gmax = the max over S of the |r| maxima (its global scales);
+//   D. row by row: the gathered R[i, S] (thread t now holding sorted positions [t E, (t + 1) E): r[i, channel]),
+//      the same NVFP4 cast over blocks of 16 consecutive positions, u scattered to its channel in out[i, 1] and 0 at
+//      the channels of position >= n (every channel of the row written once), S_dec into gr[i].
+//
+// The blocks past the G groups write the rows of no group (rows [offs[G], M): the masked slots of a fixed-slot
+// decode) as zero rows, u = 0 in both terms and S_dec = 1 (factored.operands' definition). The references are the
+// Triton kernels (factored_quant.group_units, rac_select.rac_units) and through them the PyTorch steps of
+// factored.operands; tests/test_rac_operand_cuda.py compares the outputs byte for byte on the GPU.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "rac_select.cuh"
+
+namespace quads_rac {
+
+constexpr float kInv6 = 0.16666667163372040f;  // fp32(1/6)
+constexpr float kFltMax = 3.4028234663852886e38f;
+
+// amax (fp32, >= 0, not NaN) -> (S_enc, S_dec), as nvfp4_quant._global_scales / nvfp4.global_encode_scale
+__device__ __forceinline__ void global_scales(float amax, float& s_enc, float& s_dec) {
+  float e = fminf(__fdiv_rn(2688.f, amax), kFltMax);
+  if (amax == 0.f || e == 0.f) e = 1.f;
+  s_enc = e;
+  s_dec = __fdiv_rn(1.f, e);
+}
+
+// v in [0, 448] (not NaN) -> the fp32 value of e4m3(v), RNE, and its byte (_common.e4m3_rne)
+__device__ __forceinline__ float e4m3_rne(float v, int& byte) {
+  const unsigned bits = __float_as_uint(v);
+  const unsigned rb = (bits + 0x7FFFFu + ((bits >> 20) & 1u)) & 0xFFF00000u;
+  const float sub = __fsub_rn(__fadd_rn(v, 16384.f), 16384.f);  // multiples of 2^-9 below 2^-6
+  if (v < 0.015625f) {
+    byte = (int)__fmul_rn(sub, 512.f);
+    return sub;
+  }
+  byte = (int)(((((rb >> 23) & 0xFFu) - 120u) << 3) | ((rb >> 20) & 7u));
+  return __uint_as_float(rb);
+}
+
+// E4M3 byte -> fp32, exact; 0x7F / 0xFF -> NaN (_common.e4m3_to_f32)
+__device__ __forceinline__ float e4m3_to_f32(int b) {
+  b &= 0xFF;
+  const int e = (b >> 3) & 0xF, m = b & 7;
+  float mag = e == 0 ? __fmul_rn((float)m, 0.001953125f) : __int_as_float(((e + 120) << 23) | (m << 20));
+  if ((b & 0x7F) == 0x7F) mag = __int_as_float(0x7FC00000);
+  return (b & 0x80) ? -mag : mag;
+}
+
+// y = x * enc -> the 4-bit E2M1 code, RNE, sign from x, NaN x -> 0 (_common.e2m1_code_bits)
+__device__ __forceinline__ int e2m1_code(float y, float x) {
+  const unsigned b = __float_as_uint(y) & 0x7FFFFFFFu;
+  const float m = __uint_as_float(b);
+  const int sub = __float_as_int(__fadd_rn(m, 4194304.f)) - 0x4A800000;
+  const int nrm = min((int)((b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22) - 252, 7);
+  const int c = (m < 1.f ? sub : nrm) | (int)((__float_as_uint(x) >> 28) & 8u);
+  return x != x ? 0 : c;
+}
+
+// code and s16 = float(scale) * 2^14 -> e2m1 * scale in fp32, exact (_common.e2m1_times_scale)
+__device__ __forceinline__ float e2m1_times_scale(int c, float s16) {
+  const unsigned short bits = (unsigned short)(((c & 7) << 9) | ((c & 8) << 12));
+  return __fmul_rn(__half2float(__ushort_as_half(bits)), s16);
+}
+
+// fp32 -> the output's element, RNE (bf16 by bits, NaN staying a quiet NaN: _common.f32_to_bf16_rne)
+template <typename T>
+__device__ __forceinline__ T to_out(float v);
+template <>
+__device__ __forceinline__ float to_out<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 to_out<__nv_bfloat16>(float v) {
+  const unsigned bits = __float_as_uint(v);
+  const unsigned r = v != v ? (bits | 0x400000u) : bits + 0x7FFFu + ((bits >> 16) & 1u);
+  return __ushort_as_bfloat16((unsigned short)(r >> 16));
+}
+
+template <typename T>
+__device__ __forceinline__ float to_f32(T v);
+template <>
+__device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// The canonical NVFP4 cast of a thread's E consecutive elements of one row, its 16-element block spread over 16 / E
+// consecutive lanes (every lane of the warp calls it): u = e2m1 * s (nvfp4_quant._units_tile)
+template <int E>
+__device__ __forceinline__ void units_of(const float (&x)[E], float s_enc, float s_dec, float (&u)[E]) {
+  constexpr int L = 16 / E;
+  float bm = 0.f;  // the block's NaN-ignoring amax (fmaxf drops NaN; an all-NaN block gives 0, as the reference)
+  int bn = 0;      // whether the block holds a NaN
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    bm = fmaxf(bm, fabsf(x[e]));
+    bn |= x[e] != x[e];
+  }
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) {
+    bm = fmaxf(bm, __shfl_xor_sync(kFull, bm, o));
+    bn |= __shfl_xor_sync(kFull, bn, o);
+  }
+  const float v = fminf(__fmul_rn(bm, __fmul_rn(s_enc, kInv6)), 448.f);
+  int byte;
+  const float s_val = e4m3_rne(v, byte);
+  const float enc = fminf(__fdiv_rn(1.f, __fmul_rn(s_val, s_dec)), kFltMax);
+  const float s16 = __fmul_rn(e4m3_to_f32(bn ? 0x7F : byte), 16384.f);  // NaN for a block holding a NaN
+#pragma unroll
+  for (int e = 0; e < E; ++e) u[e] = e2m1_times_scale(e2m1_code(__fmul_rn(x[e], enc), x[e]), s16);
+}
+
+// E consecutive elements of x at p (aligned to E elements: K a multiple of 16, c0 a multiple of E)
+template <int E, typename TX>
+__device__ __forceinline__ void load_x(const TX* p, float (&v)[E]) {
+  if constexpr (sizeof(TX) * E == 16) {
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
+    const TX* h = reinterpret_cast<const TX*>(&q);
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = to_f32<TX>(h[e]);
+  } else if constexpr (sizeof(TX) * E == 8) {
+    const uint2 q = __ldg(reinterpret_cast<const uint2*>(p));
+    const TX* h = reinterpret_cast<const TX*>(&q);
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = to_f32<TX>(h[e]);
+  } else if constexpr (sizeof(TX) * E == 4) {
+    const unsigned q = __ldg(reinterpret_cast<const unsigned*>(p));
+    const TX* h = reinterpret_cast<const TX*>(&q);
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = to_f32<TX>(h[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = to_f32<TX>(p[e]);
+  }
+}
+
+// Blocks [0, G): one group each; blocks [G, gridDim.x): the rows of no group, one row in (gridDim.x - G) each.
+// x [M, K] (row stride stride_xm), offs [G + 1] int64 (each group's first row, then that of the rows of no group),
+// out [M, 2, K], gx / gr [M] fp32, r [M, K] fp32 scratch, s_out [G, n] int64.
+template <int LOG_KP, int WARPS, typename TX, typename TU>
+__global__ void __launch_bounds__(WARPS * 32) operand_kernel(
+    const TX* __restrict__ x, const long long* __restrict__ offs, TU* __restrict__ out, float* __restrict__ gx,
+    float* __restrict__ gr, float* __restrict__ r, long long* __restrict__ s_out, int M, int K, int n, int G,
+    long long stride_xm) {
+  constexpr int KP = 1 << LOG_KP;
+  constexpr int T = WARPS * 32;
+  constexpr int E = KP / T;  // channels (then sorted positions) per thread
+  constexpr int ROWS = E >= 8 ? 8 : 16;  // rows whose loads are in flight together
+  static_assert(E >= 1 && E <= 8 && (E & (E - 1)) == 0, "KP / threads must be 1, 2, 4 or 8");
+  __shared__ long long sk[2][KP];
+  __shared__ int si[2][KP];
+  __shared__ float red[WARPS];
+  __shared__ long long kth_key;
+  __shared__ int kth_idx;
+
+  const int t = threadIdx.x;
+  const int c0 = t * E;
+  const bool live = c0 < K;  // K a multiple of 16: a 16-block's lanes are all live or all padding
+  const long long K2 = 2LL * K;
+
+  if ((int)blockIdx.x >= G) {  // the rows of no group: zero rows
+    const TU zero = to_out<TU>(0.f);
+    for (long long i = offs[G] + (blockIdx.x - G); i < M; i += gridDim.x - G) {
+      for (int c = t; c < K; c += T) {
+        out[i * K2 + c] = zero;
+        out[i * K2 + K + c] = zero;
+      }
+      if (t == 0) {
+        gx[i] = 1.f;
+        gr[i] = 1.f;
+      }
+    }
+    return;
+  }
+  const int g = blockIdx.x;
+  const int start = (int)offs[g], end = (int)offs[g + 1];
+
+  // A. the group amax and the W4A4 term's global scales
+  float am = 0.f;
+  if (live) {
+    for (int i0 = start; i0 < end; i0 += ROWS) {
+      float v[ROWS][E];
+#pragma unroll
+      for (int q = 0; q < ROWS; ++q) {
+        if (i0 + q < end) {
+          load_x<E, TX>(x + (long long)(i0 + q) * stride_xm + c0, v[q]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < E; ++e) v[q][e] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < ROWS; ++q) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) am = fmaxf(am, fabsf(v[q][e]));
+      }
+    }
+  }
+  float s_enc, s_dec;
+  global_scales(block_max<WARPS>(am, red), s_enc, s_dec);
+
+  // B. the W4A4 term, the residual, its norms and maxima
+  double acc[E];
+  float cmax[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    acc[e] = 0.0;
+    cmax[e] = 0.f;
+  }
+  for (int i0 = start; i0 < end; i0 += ROWS) {
+    float v[ROWS][E];
+#pragma unroll
+    for (int q = 0; q < ROWS; ++q) {
+      if (live && i0 + q < end) {
+        load_x<E, TX>(x + (long long)(i0 + q) * stride_xm + c0, v[q]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) v[q][e] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < ROWS; ++q) {
+      const long long i = i0 + q;
+      if (i0 + q >= end) break;  // uniform over the block
+      float u[E];
+      units_of<E>(v[q], s_enc, s_dec, u);
+      if (live) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const float rv = __fsub_rn(v[q][e], __fmul_rn(u[e], s_dec));
+          out[i * K2 + c0 + e] = to_out<TU>(u[e]);
+          r[i * K + c0 + e] = rv;
+          const double d = (double)rv;
+          acc[e] = acc[e] + d * d;  // d * d is exact in fp64: FMA or not, one rounding, the same sum
+          cmax[e] = fmaxf(cmax[e], rv != rv ? 0.f : fabsf(rv));
+        }
+      }
+      if (t == 0) gx[i] = s_dec;
+    }
+  }
+
+  // C. the selection (select_kernel's steps 3-4)
+  long long key[E], okey[E];
+  int idx[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    key[e] = !live ? -1LL : acc[e] != acc[e] ? kNanKey : __double_as_longlong(acc[e]);
+    okey[e] = key[e];
+    idx[e] = c0 + e;
+  }
+  sort_pairs<LOG_KP, WARPS, E>(key, idx, sk, si);
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int p = c0 + e;
+    if (p < n) s_out[(long long)g * n + p] = idx[e];
+    if (p == n - 1) {
+      kth_key = key[e];
+      kth_idx = idx[e];
+    }
+  }
+  __syncthreads();  // kth_*; and the scratch r of phase B, read below by other threads
+  const long long kk = kth_key;
+  const int ki = kth_idx;
+  float mine = 0.f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int c = c0 + e;
+    if (c < K && (okey[e] > kk || (okey[e] == kk && c <= ki))) mine = fmaxf(mine, cmax[e]);
+  }
+  float r_enc, r_dec;
+  global_scales(block_max<WARPS>(mine, red), r_enc, r_dec);
+
+  // D. the RAC term: R[i, S] in selection order, scattered back to its channels
+  const bool sel = c0 < n;  // n a multiple of 16: a 16-block of positions is all in S or all out
+  for (int i0 = start; i0 < end; i0 += ROWS) {
+    float v[ROWS][E];
+#pragma unroll
+    for (int q = 0; q < ROWS; ++q) {
+#pragma unroll
+      for (int e = 0; e < E; ++e) v[q][e] = sel && i0 + q < end ? r[(long long)(i0 + q) * K + idx[e]] : 0.f;
+    }
+#pragma unroll
+    for (int q = 0; q < ROWS; ++q) {
+      const long long i = i0 + q;
+      if (i0 + q >= end) break;  // uniform over the block
+      float u[E];
+      units_of<E>(v[q], r_enc, r_dec, u);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        if (idx[e] < K) out[i * K2 + K + idx[e]] = to_out<TU>(sel ? u[e] : 0.f);
+      }
+      if (t == 0) gr[i] = r_dec;
+    }
+  }
+}
+
+}  // namespace quads_rac

@@ -1,0 +1,159 @@
+"""The decode's W4A4 + RAC operand in one CUDA launch (``quads.kernels.rac_operand_cuda``) against the launches it
+replaces (``group_units`` + ``rac_units``, Triton) and the PyTorch reference steps of ``factored.operands``.
+
+GPU tests (skipped without CUDA and nvcc): the stacked operand, both S_dec and S byte for byte at the 1b decode shapes
+(1,024 rows over 64 experts, K = 1,024 / n = 512 and K = 256 / n = 128) and at small shapes with exact norm ties,
+empty experts, NaN / inf rows and rows of no group, for every instantiated warp count, in BF16 and fp32; and its
+replay in a CUDA graph. CPU tests: the launcher's contract (the instantiations the Python side asks for are the ones
+the extension compiles; where the kernel cannot run, the launches run and give the same bytes; an unknown backend is
+a clear error).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from quads.kernels import cuda_build, dispatch, rac_operand_cuda
+from quads.kernels._common import HAS_TRITON
+from quads.kernels.rac_select_cuda import log_kp
+from quads.quant import factored
+
+cuda = pytest.mark.skipif(not (torch.cuda.is_available() and rac_operand_cuda.available()),
+                          reason="needs a CUDA GPU and nvcc")  # fmt: skip
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float64: torch.int64}.get(a.dtype)
+    return torch.equal(a.view(view), b.view(view)) if view is not None else torch.equal(a, b)
+
+
+def _rows(seed: int, k: int, counts: list[int], masked: int, device: str = "cpu", special: bool = True):
+    """Rows sorted by group (``counts[g]`` rows each, then ``masked`` rows of no group): channel scales spread over
+    three decades, channels 16..31 equal to 0..15 (exact norm ties), 40..47 zero; with ``special`` a NaN in one
+    row, an inf in another and large values in the rows of no group."""
+    g = torch.Generator().manual_seed(seed)
+    group = torch.cat([torch.full((c,), i) for i, c in enumerate(counts + [masked])]).long()
+    x = torch.randn(len(group), k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]
+    x[:, :16] *= 8
+    x[:, 16:32] = x[:, :16]
+    if k >= 48:
+        x[:, 40:48] = 0.0
+    if special and len(group) > masked + 3:
+        x[1, 5] = float("nan")
+        x[2, 9] = float("inf")
+    if masked:
+        x[-masked:] *= 1000
+    return x.to(device), factored.Segments.of(group.to(device), len(counts))
+
+
+def test_configs_are_the_extension_instantiations():
+    """``CONFIGS`` is exactly the ``QUADS_CASE`` list of ``rac_operand.cu`` (a config missing there would fail at
+    launch), each with 1, 2, 4 or 8 channels a thread, and the default warps of every K up to ``MAX_K`` is one."""
+    text = (cuda_build.CSRC / "rac_operand.cu").read_text()
+    cases = tuple((int(a), int(b)) for a, b in re.findall(r"^\s*QUADS_CASE\((\d+), (\d+)\)", text, flags=re.M))
+    assert cases == rac_operand_cuda.CONFIGS
+    for lk, warps in cases:
+        assert (1 << lk) // (32 * warps) in (1, 2, 4, 8)
+    for k in range(16, rac_operand_cuda.MAX_K + 1, 16):
+        assert (log_kp(k), rac_operand_cuda.default_warps(k)) in rac_operand_cuda.CONFIGS, k
+    assert rac_operand_cuda.default_warps(1024) == 16 and rac_operand_cuda.default_warps(256) == 4
+
+
+def test_plan_checks_the_backend_and_where_the_kernel_runs():
+    """``plan``: an unknown backend is a ValueError naming the valid ones; ``launches`` never runs the kernel; on a
+    CPU tensor ``cuda`` does not either (the launches run instead)."""
+    x = torch.randn(8, 64)
+    with pytest.raises(ValueError, match="valid: launches, cuda"):
+        rac_operand_cuda.plan(x, torch.float32, backend="one")
+    assert rac_operand_cuda.plan(x, torch.float32, backend="launches") is None
+    assert rac_operand_cuda.plan(x, torch.float32, backend="cuda") is None
+    assert not rac_operand_cuda.supports(x, torch.float32, 1)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+def test_cuda_backend_where_it_cannot_run_gives_the_launches_bytes():
+    """``operands(operand_backend="cuda")`` where the kernel cannot run (here the CPU, Triton's interpreter) runs the
+    launches: the same bytes as ``"launches"``."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the kernel runs: test_one_launch_equals_the_launches_and_the_reference")
+    x, segs = _rows(0, 64, [5, 0, 7], 4)
+    with dispatch.kernels("triton"):
+        a = factored.operands(x, segs, n=32, dtype=torch.float32, operand_backend="launches")
+        b = factored.operands(x, segs, n=32, dtype=torch.float32, operand_backend="cuda")
+    assert _same_bits(a.u, b.u) and _same_bits(a.g, b.g) and torch.equal(a.channels, b.channels)
+
+
+def _compare(x, segs, n, dtype, warps):
+    """The one launch against the launches (Triton) and the reference steps: u, g, S byte for byte."""
+    with dispatch.kernels("triton"):
+        assert rac_operand_cuda.plan(x, dtype, backend="cuda", warps=warps) == warps
+        got = factored.operands(x, segs, n=n, dtype=dtype, operand_backend="cuda")
+        torch.cuda.synchronize()
+        # the same call with the kernel off
+        launches = factored.operands(x, segs, n=n, dtype=dtype, operand_backend="launches")
+    with dispatch.kernels("reference"):
+        ref = factored.operands(x, segs, n=n, dtype=dtype)
+    where = f"K={x.shape[1]} n={n} dtype={dtype} warps={warps} rows={x.shape[0]}"
+    for want, name in ((launches, "launches"), (ref, "reference")):
+        assert _same_bits(got.u, want.u), f"u vs {name}: {where}"
+        assert _same_bits(got.g, want.g), f"S_dec vs {name}: {where}"
+        assert torch.equal(got.channels, want.channels), f"S vs {name}: {where}"
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_one_launch_equals_the_launches_and_the_reference(dtype, monkeypatch):
+    """Small shapes with ties, empty groups, NaN / inf and rows of no group, every instantiated warp count of each
+    K: the same bytes as the launches and the reference."""
+    for k, n, counts, masked in ((64, 32, [5, 0, 7], 4), (64, 16, [1, 9], 0), (256, 128, [3, 17, 0, 2], 6),
+                                 (1024, 512, [12, 0, 30], 9), (48, 16, [4, 4], 2)):
+        x, segs = _rows(1, k, counts, masked, "cuda")
+        x = x.to(dtype)
+        for lk, warps in rac_operand_cuda.CONFIGS:
+            if lk == log_kp(k):
+                monkeypatch.setattr(rac_operand_cuda, "default_warps", lambda _k, w=warps: w)
+                _compare(x, segs, n, dtype, warps)
+
+
+@cuda
+@pytest.mark.parametrize("k,n", [(1024, 512), (256, 128)], ids=["gate_up", "down"])
+def test_one_launch_at_the_1b_decode_shape(k, n):
+    """1,024 sorted rows over 64 experts (128 tokens x top-8, some slots masked), BF16: the same bytes as the
+    launches and the reference, with the default warps."""
+    g = torch.Generator().manual_seed(5)
+    group = torch.sort(torch.randint(0, 65, (1024,), generator=g)).values.cuda()
+    x = (torch.randn(1024, k, generator=g) * torch.logspace(-3, 1, k)).cuda().bfloat16()
+    segs = factored.Segments.of(group, 64)
+    _compare(x, segs, n, torch.bfloat16, rac_operand_cuda.default_warps(k))
+
+
+@cuda
+def test_one_launch_replays_in_a_cuda_graph():
+    """Captured once and replayed on new rows in the same buffers: the bytes of an eager call on those rows."""
+    g = torch.Generator().manual_seed(7)
+    group = torch.sort(torch.randint(0, 9, (96,), generator=g)).values.cuda()
+    segs = factored.Segments.of(group, 8)
+    offsets = segs.row_offsets()
+    x = torch.randn(96, 256, generator=g).cuda().bfloat16()
+    out = torch.empty(96, 2, 256, dtype=torch.bfloat16, device="cuda")
+    warps = rac_operand_cuda.default_warps(256)
+    rac_operand_cuda.operand(x, offsets, 8, out, n=128, warps=warps)  # builds, warms up
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        gx, gr, s = rac_operand_cuda.operand(x, offsets, 8, out, n=128, warps=warps)
+    torch.cuda.current_stream().wait_stream(stream)
+    x.copy_(torch.randn(96, 256, generator=g).cuda().bfloat16() * 3)
+    graph.replay()
+    torch.cuda.synchronize()
+    want_out = torch.empty_like(out)
+    want = rac_operand_cuda.operand(x, offsets, 8, want_out, n=128, warps=warps)
+    assert _same_bits(out, want_out)
+    for a, b in zip((gx, gr, s), want):
+        assert _same_bits(a, b)
