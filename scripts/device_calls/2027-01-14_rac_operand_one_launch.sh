@@ -16,7 +16,7 @@ echo "rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/probe.err
 E2E="benchmarks/bench_e2e.py --suites rollout --preset 1b --reps 2 --new-tokens 64 --long-tokens 0 --graphs on --compile on"
 [ $rc -eq 0 ] && tuning_set rac_operand backend '"cuda"'
 timeout $(cap 300) python3 -u $E2E --recipes bf16,w4a4+rac50 --json $OUT/e2e_1b_a.json > $OUT/e2e_1b_a.log 2>&1
-echo "rc=$? at $(( $(date +%s) - T0 )) s; rac_operand: $(grep -o '"rac_operand".*' quads/kernels/tuning.json | head -c 80)" >> $OUT/e2e_1b_a.log
+echo "rc=$? at $(( $(date +%s) - T0 )) s; rac_operand: $(python3 -c 'import json; print(json.load(open("quads/kernels/tuning.json"))["rac_operand"])')" >> $OUT/e2e_1b_a.log
 tuning_restore
 if [ "$(left)" -gt 150 ]; then
   timeout $(cap 300) python3 -u $E2E --recipes w4a4+rac50,bf16 --json $OUT/e2e_1b_b_launches.json > $OUT/e2e_1b_b_launches.log 2>&1
