@@ -157,3 +157,21 @@ def test_one_launch_replays_in_a_cuda_graph():
     assert _same_bits(out, want_out)
     for a, b in zip((gx, gr, s), want):
         assert _same_bits(a, b)
+
+
+@cuda
+def test_one_launch_in_a_compiled_function():
+    """``factored.operands`` under ``torch.compile(fullgraph=True)`` (the decode step is compiled): the launch plan is
+    a constant of the trace, the op has its fake, and the compiled call gives the eager call's bytes."""
+    x, segs = _rows(3, 256, [5, 9, 0, 3], 7, "cuda", special=False)
+    x = x.bfloat16()
+
+    def f(x):
+        op = factored.operands(x, segs, n=128, dtype=torch.bfloat16, operand_backend="cuda")
+        return op.u, op.g, op.channels
+
+    with dispatch.kernels("triton"):
+        want = f(x)
+        got = torch.compile(f, fullgraph=True)(x)
+    for a, b in zip(got, want):
+        assert _same_bits(a, b)

@@ -48,32 +48,50 @@ def available() -> bool:
     return torch.cuda.is_available() and cuda_build.compiler_available()
 
 
-def supports(x: torch.Tensor, out_dtype: torch.dtype, warps: int) -> bool:
-    """Whether the kernel takes this operand: a CUDA x of fp32 or BF16 with unit stride along K and 16-byte aligned
-    rows (by its storage offset: the allocator's blocks are aligned, and a fake tensor under ``torch.compile`` has no
-    address), the stacked operand in x's dtype, K a multiple of 16 up to ``MAX_K``, an instantiated (padded K, warps),
-    and the extension built (a failed build warns once; the launches, the same bits, run instead)."""
+def _layout_ok(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """x on CUDA, fp32 or BF16 [M, K] with unit stride along K and 16-byte aligned rows (by its storage offset: the
+    allocator's blocks are aligned, and a fake tensor under ``torch.compile`` has no address), the stacked operand in
+    x's dtype, K a multiple of 16 up to ``MAX_K``."""
     k = x.shape[-1]
     return (x.is_cuda and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and out_dtype == x.dtype
             and x.stride(-1) == 1 and k % 16 == 0 and 0 < k <= MAX_K
-            and (x.storage_offset() * x.element_size()) % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0 and (log_kp(k), warps) in CONFIGS and available()
+            and (x.storage_offset() * x.element_size()) % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0)
+
+
+def supports(x: torch.Tensor, out_dtype: torch.dtype, warps: int) -> bool:
+    """Whether the kernel takes this operand: ``_layout_ok``, an instantiated (padded K, warps), and the extension
+    built (a failed build warns once; the launches, the same bits, run instead)."""
+    return (_layout_ok(x, out_dtype) and (log_kp(x.shape[-1]), warps) in CONFIGS and available()
             and cuda_build.try_build(*EXTENSION))  # fmt: skip
 
 
-def plan(x: torch.Tensor, out_dtype: torch.dtype, *, backend: Backend | None = None, warps: int | None = None
-         ) -> int | None:
-    """The warps the one-launch kernel runs with for this operand, or None where the launches run: the launch config
-    (``tuning.json`` ``rac_operand.decode``; ``backend`` / ``warps`` given in its place) says ``cuda`` and
-    ``supports`` holds. ``warps`` None: ``default_warps``."""
+@torch.compiler.assume_constant_result
+def _configured_warps(k: int, backend: str | None, warps: int | None) -> int:
+    """The warps of the one launch at this K by the launch config (``backend`` / ``warps`` in place of
+    ``tuning.json``'s ``rac_operand.decode``), 0 where the launches run (the config, no such instantiation, no GPU
+    or compiler, a failed build). A constant of the compiled step: Dynamo calls it once while tracing."""
     from quads.kernels import tuning
 
     cfg = tuning.config("rac_operand", "decode", backend=backend, warps=warps)
     if cfg["backend"] not in get_args(Backend):
         raise ValueError(f"rac_operand: unknown backend {cfg['backend']!r}; valid: {', '.join(get_args(Backend))}")
     if cfg["backend"] != "cuda":
+        return 0
+    w = default_warps(k) if cfg["warps"] is None else cfg["warps"]
+    ok = (log_kp(k), w) in CONFIGS and available() and cuda_build.try_build(*EXTENSION)
+    return w if ok else 0
+
+
+def plan(x: torch.Tensor, out_dtype: torch.dtype, *, backend: Backend | None = None, warps: int | None = None
+         ) -> int | None:
+    """The warps the one-launch kernel runs with for this operand, or None where the launches run: the launch config
+    (``tuning.json`` ``rac_operand.decode``; ``backend`` / ``warps`` given in its place) says ``cuda`` and the kernel
+    takes the operand (``supports``). ``warps`` None: ``default_warps``. Traceable by Dynamo (the decode step)."""
+    if backend is not None and backend not in get_args(Backend):
+        raise ValueError(f"rac_operand: unknown backend {backend!r}; valid: {', '.join(get_args(Backend))}")
+    if not _layout_ok(x, out_dtype):
         return None
-    w = default_warps(x.shape[-1]) if cfg["warps"] is None else cfg["warps"]
-    return w if supports(x, out_dtype, w) else None
+    return _configured_warps(x.shape[-1], backend, warps) or None
 
 
 def operand(x: torch.Tensor, offsets: torch.Tensor, groups: int, out: torch.Tensor, *, n: int, warps: int
