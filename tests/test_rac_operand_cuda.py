@@ -88,6 +88,91 @@ def test_cuda_backend_where_it_cannot_run_gives_the_launches_bytes():
     assert _same_bits(a.u, b.u) and _same_bits(a.g, b.g) and torch.equal(a.channels, b.channels)
 
 
+@pytest.fixture(scope="module")
+def host_cast(tmp_path_factory):
+    """``csrc/nvfp4_cast.cuh`` (the kernels' per-element NVFP4 cast) built for the host with g++ (no FMA
+    contraction), through ``tests/csrc/nvfp4_cast_host.cpp``."""
+    import ctypes
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a host C++ compiler (g++)")
+    lib = tmp_path_factory.mktemp("nvfp4_cast") / "libcast.so"
+    src = Path(__file__).parent / "csrc" / "nvfp4_cast_host.cpp"
+    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared", "-I", str(cuda_build.CSRC),
+                    str(src), "-o", str(lib)], check=True, capture_output=True, text=True)  # fmt: skip
+    return ctypes.CDLL(str(lib))
+
+
+def _ptr(t: torch.Tensor):
+    import ctypes
+
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _cast_rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows over 60 decades with zeros, -0.0, fp32 subnormals, NaN, +-inf, and elements at E2M1's rounding ties
+    (x * enc = 0.25, 0.75, ..., 5 for the block's scale); amax: each row's NaN-ignoring max, and rows with 0, inf, a
+    larger given amax, one below the row's, a subnormal one."""
+    g = torch.Generator().manual_seed(seed)
+    m, k = 64, 128
+    x = torch.randn(m, k, generator=g) * torch.pow(10.0, torch.empty(m, 1).uniform_(-30, 30, generator=g))
+    x[0] = 0.0
+    x[1, ::2] = -0.0
+    x[2] = torch.randn(k, generator=g) * 1e-40  # fp32 subnormals
+    x[3, 5] = float("nan")
+    x[4, 17] = float("inf")
+    x[5, 33] = float("-inf")
+    x[6, :16] = float("nan")
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -6.0])
+    # whole rows of ties: the block amax is the row amax, so enc = 1 / c and x * enc hits the ties exactly for c a
+    # power of two (near them otherwise)
+    x[7:12] = ties.repeat(k // 16) * torch.tensor([1.0, 0.5, 2.0**-20, 3.0, 448.0 / 6.0])[:, None]
+    amax = x.abs().nan_to_num(nan=0.0).amax(dim=1)
+    amax[12], amax[13], amax[14], amax[15], amax[16] = 0.0, float("inf"), amax[14] * 37.0, amax[15] / 3.0, 1e-41
+    return x.contiguous(), amax.contiguous()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_host_build_of_the_kernels_cast_equals_the_reference(host_cast, seed):
+    """The CUDA kernels' NVFP4 cast (``csrc/nvfp4_cast.cuh``, shared by ``rac_operand.cuh``), compiled for the host:
+    u = e2m1 * s, its BF16 bits, S_dec and the residual equal ``quantize_units_reference`` (``nvfp4.scaled_values``)
+    bit for bit, NaN where it has NaN, on rows with every special value and E2M1's rounding ties."""
+    from quads.kernels.factored_quant import quantize_units_reference
+
+    x, amax = _cast_rows(seed)
+    m, k = x.shape
+    u, r = torch.empty(m, k), torch.empty(m, k)
+    ub, g = torch.empty(m, k, dtype=torch.int16), torch.empty(m)
+    host_cast.quads_units_rows(_ptr(x), _ptr(amax), m, k, _ptr(u), _ptr(ub), _ptr(g), _ptr(r))
+    want_u, want_g, want_r = quantize_units_reference(x, amax, dtype=torch.float32, residual=True)
+    want_ub = want_u.to(torch.bfloat16)
+    for got, want, name in ((u, want_u, "u"), (g, want_g, "S_dec"), (r, want_r, "r"),
+                            (ub.view(torch.bfloat16), want_ub, "u bf16")):
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan), name
+        assert _same_bits(torch.where(nan, 0.0, got.float()), torch.where(nan, 0.0, want.float())), name
+
+
+def test_host_build_of_e4m3_rounding_equals_torch(host_cast):
+    """``e4m3_rne`` of every multiple of 2^-12 in [0, 448] and of the midpoints between E4M3 values: the value and
+    byte of torch's float8_e4m3fn cast (round to nearest even)."""
+    import ctypes
+
+    grid = torch.arange(0, 448 * 4096 + 1, dtype=torch.float64) / 4096
+    vals = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (vals[:-1].double() + vals[1:].double()) / 2
+    v = torch.cat([grid, mids]).float().contiguous()
+    val, byte = torch.empty_like(v), torch.empty(v.shape, dtype=torch.int32)
+    host_cast.quads_e4m3_rne(_ptr(v), ctypes.c_int(v.numel()), _ptr(val), _ptr(byte))
+    want = v.to(torch.float8_e4m3fn)
+    assert torch.equal(val, want.float())
+    assert torch.equal(byte, want.view(torch.uint8).int())
+
+
 def _compare(x, segs, n, dtype, warps):
     """The one launch against the launches (Triton) and the reference steps: u, g, S byte for byte."""
     with dispatch.kernels("triton"):

@@ -26,69 +26,19 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "nvfp4_cast.cuh"
 #include "rac_select.cuh"
 
 namespace quads_rac {
 
-constexpr float kInv6 = 0.16666667163372040f;  // fp32(1/6)
-constexpr float kFltMax = 3.4028234663852886e38f;
-
-// amax (fp32, >= 0, not NaN) -> (S_enc, S_dec), as nvfp4_quant._global_scales / nvfp4.global_encode_scale
-__device__ __forceinline__ void global_scales(float amax, float& s_enc, float& s_dec) {
-  float e = fminf(__fdiv_rn(2688.f, amax), kFltMax);
-  if (amax == 0.f || e == 0.f) e = 1.f;
-  s_enc = e;
-  s_dec = __fdiv_rn(1.f, e);
-}
-
-// v in [0, 448] (not NaN) -> the fp32 value of e4m3(v), RNE, and its byte (_common.e4m3_rne)
-__device__ __forceinline__ float e4m3_rne(float v, int& byte) {
-  const unsigned bits = __float_as_uint(v);
-  const unsigned rb = (bits + 0x7FFFFu + ((bits >> 20) & 1u)) & 0xFFF00000u;
-  const float sub = __fsub_rn(__fadd_rn(v, 16384.f), 16384.f);  // multiples of 2^-9 below 2^-6
-  if (v < 0.015625f) {
-    byte = (int)__fmul_rn(sub, 512.f);
-    return sub;
-  }
-  byte = (int)(((((rb >> 23) & 0xFFu) - 120u) << 3) | ((rb >> 20) & 7u));
-  return __uint_as_float(rb);
-}
-
-// E4M3 byte -> fp32, exact; 0x7F / 0xFF -> NaN (_common.e4m3_to_f32)
-__device__ __forceinline__ float e4m3_to_f32(int b) {
-  b &= 0xFF;
-  const int e = (b >> 3) & 0xF, m = b & 7;
-  float mag = e == 0 ? __fmul_rn((float)m, 0.001953125f) : __int_as_float(((e + 120) << 23) | (m << 20));
-  if ((b & 0x7F) == 0x7F) mag = __int_as_float(0x7FC00000);
-  return (b & 0x80) ? -mag : mag;
-}
-
-// y = x * enc -> the 4-bit E2M1 code, RNE, sign from x, NaN x -> 0 (_common.e2m1_code_bits)
-__device__ __forceinline__ int e2m1_code(float y, float x) {
-  const unsigned b = __float_as_uint(y) & 0x7FFFFFFFu;
-  const float m = __uint_as_float(b);
-  const int sub = __float_as_int(__fadd_rn(m, 4194304.f)) - 0x4A800000;
-  const int nrm = min((int)((b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22) - 252, 7);
-  const int c = (m < 1.f ? sub : nrm) | (int)((__float_as_uint(x) >> 28) & 8u);
-  return x != x ? 0 : c;
-}
-
-// code and s16 = float(scale) * 2^14 -> e2m1 * scale in fp32, exact (_common.e2m1_times_scale)
-__device__ __forceinline__ float e2m1_times_scale(int c, float s16) {
-  const unsigned short bits = (unsigned short)(((c & 7) << 9) | ((c & 8) << 12));
-  return __fmul_rn(__half2float(__ushort_as_half(bits)), s16);
-}
-
-// fp32 -> the output's element, RNE (bf16 by bits, NaN staying a quiet NaN: _common.f32_to_bf16_rne)
+// fp32 -> the output's element, RNE (BF16 by bits: nvfp4_cast.cuh's bf16_bits)
 template <typename T>
 __device__ __forceinline__ T to_out(float v);
 template <>
 __device__ __forceinline__ float to_out<float>(float v) { return v; }
 template <>
 __device__ __forceinline__ __nv_bfloat16 to_out<__nv_bfloat16>(float v) {
-  const unsigned bits = __float_as_uint(v);
-  const unsigned r = v != v ? (bits | 0x400000u) : bits + 0x7FFFu + ((bits >> 16) & 1u);
-  return __ushort_as_bfloat16((unsigned short)(r >> 16));
+  return __ushort_as_bfloat16(quads_nvfp4::bf16_bits(v));
 }
 
 template <typename T>
@@ -115,13 +65,10 @@ __device__ __forceinline__ void units_of(const float (&x)[E], float s_enc, float
     bm = fmaxf(bm, __shfl_xor_sync(kFull, bm, o));
     bn |= __shfl_xor_sync(kFull, bn, o);
   }
-  const float v = fminf(__fmul_rn(bm, __fmul_rn(s_enc, kInv6)), 448.f);
-  int byte;
-  const float s_val = e4m3_rne(v, byte);
-  const float enc = fminf(__fdiv_rn(1.f, __fmul_rn(s_val, s_dec)), kFltMax);
-  const float s16 = __fmul_rn(e4m3_to_f32(bn ? 0x7F : byte), 16384.f);  // NaN for a block holding a NaN
+  float enc, s16;
+  quads_nvfp4::block_scale(bm, bn != 0, s_enc, s_dec, enc, s16);
 #pragma unroll
-  for (int e = 0; e < E; ++e) u[e] = e2m1_times_scale(e2m1_code(__fmul_rn(x[e], enc), x[e]), s16);
+  for (int e = 0; e < E; ++e) u[e] = quads_nvfp4::element_unit(x[e], enc, s16);
 }
 
 // E consecutive elements of x at p (aligned to E elements: K a multiple of 16, c0 a multiple of E)
@@ -211,7 +158,7 @@ __global__ void __launch_bounds__(WARPS * 32) operand_kernel(
     }
   }
   float s_enc, s_dec;
-  global_scales(block_max<WARPS>(am, red), s_enc, s_dec);
+  quads_nvfp4::global_scales(block_max<WARPS>(am, red), s_enc, s_dec);
 
   // B. the W4A4 term, the residual, its norms and maxima
   double acc[E];
@@ -241,7 +188,7 @@ __global__ void __launch_bounds__(WARPS * 32) operand_kernel(
       if (live) {
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-          const float rv = __fsub_rn(v[q][e], __fmul_rn(u[e], s_dec));
+          const float rv = quads_nvfp4::sub(v[q][e], quads_nvfp4::mul(u[e], s_dec));
           out[i * K2 + c0 + e] = to_out<TU>(u[e]);
           r[i * K + c0 + e] = rv;
           const double d = (double)rv;
@@ -282,7 +229,7 @@ __global__ void __launch_bounds__(WARPS * 32) operand_kernel(
     if (c < K && (okey[e] > kk || (okey[e] == kk && c <= ki))) mine = fmaxf(mine, cmax[e]);
   }
   float r_enc, r_dec;
-  global_scales(block_max<WARPS>(mine, red), r_enc, r_dec);
+  quads_nvfp4::global_scales(block_max<WARPS>(mine, red), r_enc, r_dec);
 
   // D. the RAC term: R[i, S] in selection order, scattered back to its channels
   const bool sel = c0 < n;  // n a multiple of 16: a 16-block of positions is all in S or all out
