@@ -468,7 +468,7 @@ def rac_units_op(r: torch.Tensor, group: torch.Tensor | None, groups: int, out: 
 
 @torch.library.custom_op("quads::rac_operand", mutates_args=("out",))
 def _rac_operand_op(x: torch.Tensor, offsets: torch.Tensor, groups: int, out: torch.Tensor, n: int, warps: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     from quads.kernels import rac_operand_cuda
 
     return rac_operand_cuda.operand(x, offsets, groups, out, n=n, warps=warps)
@@ -476,13 +476,11 @@ def _rac_operand_op(x: torch.Tensor, offsets: torch.Tensor, groups: int, out: to
 
 @_rac_operand_op.register_fake
 def _(x, offsets, groups, out, n, warps):
-    m = x.shape[0]
-    return (x.new_empty(m, dtype=torch.float32), x.new_empty(m, dtype=torch.float32),
-            x.new_empty((groups, n), dtype=torch.long))
+    return x.new_empty((x.shape[0], 2), dtype=torch.float32), x.new_empty((groups, n), dtype=torch.long)
 
 
 def rac_operand_op(x: torch.Tensor, offsets: torch.Tensor, groups: int, out: torch.Tensor, *, n: int, warps: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rac_operand_cuda.operand`` (the decode's W4A4 + RAC operand in one CUDA launch, writing ``out`` ``[M, 2,
-    K]``) as the custom op ``quads::rac_operand`` -> ``(S_dec of the W4A4 term [M], of the RAC term [M], S [G, n])``."""
+    K]``) as the custom op ``quads::rac_operand`` -> ``(S_dec of both terms [M, 2], S [G, n])``."""
     return torch.ops.quads.rac_operand(x, offsets, groups, out, n, warps)

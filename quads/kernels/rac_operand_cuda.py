@@ -7,7 +7,7 @@ use, beside the launches it replaces.
 three launches after the row maxima, each a boundary on the step's critical path, with an fp32 residual written and
 read back between them. This kernel runs one block per expert through the same four phases (amax, cast and residual
 with its norms, the selection's sort, the residual's cast) with block barriers between them, so the operand is one
-launch. It writes the same bits (the stacked operand ``[M, 2, K]``, both S_dec, S); the references are those
+launch. It writes the same bits (the stacked operand ``[M, 2, K]``, both S_dec as ``[M, 2]``, S); the references are those
 launches and the PyTorch steps of ``factored.operands`` (tests/test_rac_operand_cuda.py, GPU only).
 
 It runs where ``tuning.json``'s ``rac_operand.decode`` says ``backend: cuda`` (or the explicit argument) and
@@ -95,18 +95,18 @@ def plan(x: torch.Tensor, out_dtype: torch.dtype, *, backend: Backend | None = N
 
 
 def operand(x: torch.Tensor, offsets: torch.Tensor, groups: int, out: torch.Tensor, *, n: int, warps: int
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Writes the stacked operand ``out`` ``[M, 2, K]`` of rows ``x`` ``[M, K]`` sorted by group (``offsets``
-    ``[G + 1]`` int64: each group's first row, then that of the rows of no group) -> ``(S_dec of the W4A4 term [M],
-    S_dec of the RAC term [M], S [G, n])``, as ``factored.operands`` with ``group_units`` and ``rac_units``."""
+    ``[G + 1]`` int64: each group's first row, then that of the rows of no group) -> ``(g [M, 2], S [G, n])``: each
+    row's S_dec of the W4A4 term and of the RAC term (``factored.Operands.g``, written by the kernel, no stack), and
+    each group's RAC channels, as ``factored.operands`` with ``group_units`` and ``rac_units``."""
     if (log_kp(x.shape[-1]), warps) not in CONFIGS:
         raise ValueError(f"rac_operand_cuda.operand: (log2 padded K, warps) must be one of {CONFIGS}, got "
                          f"{(log_kp(x.shape[-1]), warps)}")
     cuda_build.build(*EXTENSION)
     m = x.shape[0]
-    gx = torch.empty(m, dtype=torch.float32, device=x.device)
-    gr = torch.empty(m, dtype=torch.float32, device=x.device)
+    g = torch.empty(m, 2, dtype=torch.float32, device=x.device)
     s = torch.empty(groups, n, dtype=torch.long, device=x.device)
     zero_blocks = max(1, -(-m // ZERO_ROWS_PER_BLOCK))
-    torch.ops.quads_rac_operand_cuda.rac_operand(x, offsets, out, gx, gr, s, n, groups, warps, zero_blocks)
-    return gx, gr, s
+    torch.ops.quads_rac_operand_cuda.rac_operand(x, offsets, out, g, s, n, groups, warps, zero_blocks)
+    return g, s

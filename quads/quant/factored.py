@@ -247,8 +247,8 @@ def operands(
         if warps is not None:  # the whole operand in one launch
             from quads.kernels.factored_quant import rac_operand_op
 
-            gx, gr, s = rac_operand_op(x, segs.row_offsets(), segs.groups, buf, n=n, warps=warps)
-            return Operands(buf, torch.stack([gx, gr], dim=1), s)
+            g, s = rac_operand_op(x, segs.row_offsets(), segs.groups, buf, n=n, warps=warps)
+            return Operands(buf, g, s)
     if segs.group is not None and not fused and (counts is None or sum(counts) < x.shape[0]):
         x = torch.where((segs.group < segs.groups)[:, None], x, 0.0)  # the rows of no group: zero operands
         # (group_units reads them as zeros itself; host-known counts covering every row: there are none)

@@ -1,6 +1,6 @@
 // PyTorch binding of the decode step's W4A4 + RAC operand in one launch (rac_operand.cuh), built on first use by
 // quads/kernels/rac_operand_cuda.py (torch.utils.cpp_extension.load). Registers quads_rac_operand_cuda::rac_operand
-// (CUDA only): writes out [M, 2, K] (u of the W4A4 term, then of the RAC term), gx, gr [M] (their S_dec) and
+// (CUDA only): writes out [M, 2, K] (u of the W4A4 term, then of the RAC term), g [M, 2] (their S_dec) and
 // s [G, n] (each group's RAC channels, selection order) in place.
 #include <cstdint>
 
@@ -18,7 +18,7 @@ template <typename T>
 using Elem = std::conditional_t<std::is_same_v<T, float>, float, __nv_bfloat16>;
 
 template <int LOG_KP, int WARPS, typename TX>
-void launch(const at::Tensor& x, const at::Tensor& offsets, at::Tensor& out, at::Tensor& gx, at::Tensor& gr,
+void launch(const at::Tensor& x, const at::Tensor& offsets, at::Tensor& out, at::Tensor& g,
             at::Tensor& s, int64_t n, int64_t groups, int64_t zero_blocks) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor r = at::empty({M, K}, x.options().dtype(at::kFloat));  // the residual, phase B -> phase D
@@ -28,28 +28,28 @@ void launch(const at::Tensor& x, const at::Tensor& offsets, at::Tensor& out, at:
   long long* s_out = reinterpret_cast<long long*>(s.data_ptr<int64_t>());
   if (out.scalar_type() == at::kFloat) {
     quads_rac::operand_kernel<LOG_KP, WARPS, TX, float><<<grid, WARPS * 32, 0, stream>>>(
-        reinterpret_cast<const TX*>(x.data_ptr()), offs, out.data_ptr<float>(), gx.data_ptr<float>(),
-        gr.data_ptr<float>(), r.data_ptr<float>(), s_out, (int)M, (int)K, (int)n, (int)groups, x.stride(0));
+        reinterpret_cast<const TX*>(x.data_ptr()), offs, out.data_ptr<float>(), g.data_ptr<float>(),
+        r.data_ptr<float>(), s_out, (int)M, (int)K, (int)n, (int)groups, x.stride(0));
   } else {
     quads_rac::operand_kernel<LOG_KP, WARPS, TX, __nv_bfloat16><<<grid, WARPS * 32, 0, stream>>>(
         reinterpret_cast<const TX*>(x.data_ptr()), offs, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
-        gx.data_ptr<float>(), gr.data_ptr<float>(), r.data_ptr<float>(), s_out, (int)M, (int)K, (int)n,
+        g.data_ptr<float>(), r.data_ptr<float>(), s_out, (int)M, (int)K, (int)n,
         (int)groups, x.stride(0));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <int LOG_KP, int WARPS>
-void dispatch_x(const at::Tensor& x, const at::Tensor& offsets, at::Tensor& out, at::Tensor& gx, at::Tensor& gr,
+void dispatch_x(const at::Tensor& x, const at::Tensor& offsets, at::Tensor& out, at::Tensor& g,
                 at::Tensor& s, int64_t n, int64_t groups, int64_t zero_blocks) {
   if (x.scalar_type() == at::kFloat) {
-    launch<LOG_KP, WARPS, float>(x, offsets, out, gx, gr, s, n, groups, zero_blocks);
+    launch<LOG_KP, WARPS, float>(x, offsets, out, g, s, n, groups, zero_blocks);
   } else {
-    launch<LOG_KP, WARPS, __nv_bfloat16>(x, offsets, out, gx, gr, s, n, groups, zero_blocks);
+    launch<LOG_KP, WARPS, __nv_bfloat16>(x, offsets, out, g, s, n, groups, zero_blocks);
   }
 }
 
-void rac_operand(const at::Tensor& x, const at::Tensor& offsets, at::Tensor& out, at::Tensor& gx, at::Tensor& gr,
+void rac_operand(const at::Tensor& x, const at::Tensor& offsets, at::Tensor& out, at::Tensor& g,
                  at::Tensor& s, int64_t n, int64_t groups, int64_t warps, int64_t zero_blocks) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x: fp32 or bf16 [M, K], unit stride along K");
@@ -65,16 +65,14 @@ void rac_operand(const at::Tensor& x, const at::Tensor& offsets, at::Tensor& out
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) &&
                   out.scalar_type() == x.scalar_type(),
               "out: contiguous [M, 2, K] of x's dtype");
-  TORCH_CHECK(gx.scalar_type() == at::kFloat && gx.is_contiguous() && gx.numel() == M && gr.scalar_type() == at::kFloat &&
-                  gr.is_contiguous() && gr.numel() == M,
-              "gx, gr: fp32 [M]");
+  TORCH_CHECK(g.scalar_type() == at::kFloat && g.is_contiguous() && g.numel() == 2 * M, "g: fp32 [M, 2]");
   TORCH_CHECK(s.scalar_type() == at::kLong && s.is_contiguous() && s.numel() == groups * n, "s: int64 [G, n]");
   const c10::cuda::CUDAGuard guard(x.device());
   int log_kp = 5;
   while ((1LL << log_kp) < K) ++log_kp;
 #define QUADS_CASE(L, W)                                                           \
   if (log_kp == L && warps == W) {                                                 \
-    dispatch_x<L, W>(x, offsets, out, gx, gr, s, n, groups, zero_blocks);          \
+    dispatch_x<L, W>(x, offsets, out, g, s, n, groups, zero_blocks);          \
     return;                                                                        \
   }
   // the instantiations: rac_operand_cuda.CONFIGS, the same list (2^L / (32 W) channels a thread: 1, 2, 4 or 8)
@@ -94,8 +92,8 @@ void rac_operand(const at::Tensor& x, const at::Tensor& offsets, at::Tensor& out
 }  // namespace
 
 TORCH_LIBRARY(quads_rac_operand_cuda, m) {
-  m.def("rac_operand(Tensor x, Tensor offsets, Tensor(a!) out, Tensor(b!) gx, Tensor(c!) gr, Tensor(d!) s, int n, "
-        "int groups, int warps, int zero_blocks) -> ()");
+  m.def("rac_operand(Tensor x, Tensor offsets, Tensor(a!) out, Tensor(b!) g, Tensor(c!) s, int n, int groups, "
+        "int warps, int zero_blocks) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(quads_rac_operand_cuda, CUDA, m) { m.impl("rac_operand", &rac_operand); }

@@ -7,13 +7,13 @@
 //      amax), and its global scales (nvfp4_quant._global_scales);
 //   B. row by row (ROWS rows' loads in flight): the canonical NVFP4 cast of each 16-channel block (the arithmetic of
 //      nvfp4_quant._quantize_tile / _units_tile: a block spans 16 / E lanes, its amax and NaN flag by warp shuffles),
-//      u = e2m1 * s into out[i, 0], S_dec into gx[i], the residual r = x - u * S_dec (no FMA) into the fp32 scratch
+//      u = e2m1 * s into out[i, 0], S_dec into g[i, 0], the residual r = x - u * S_dec (no FMA) into the fp32 scratch
 //      r[i], and the selection's fp64 norms and |r| maxima of the thread's channels, row by row in row order;
 //   C. the selection of rac_select.cuh's select_kernel: the keys, the bitonic sort (sort_pairs), S[g] = the first n
 //      channels, and the residual's amax gmax = the max over S of the |r| maxima (its global scales);
 //   D. row by row: the gathered R[i, S] (thread t now holding sorted positions [t E, (t + 1) E): r[i, channel]),
 //      the same NVFP4 cast over blocks of 16 consecutive positions, u scattered to its channel in out[i, 1] and 0 at
-//      the channels of position >= n (every channel of the row written once), S_dec into gr[i].
+//      the channels of position >= n (every channel of the row written once), S_dec into g[i, 1].
 //
 // The blocks past the G groups write the rows of no group (rows [offs[G], M): the masked slots of a fixed-slot
 // decode) as zero rows, u = 0 in both terms and S_dec = 1 (factored.operands' definition). The references are the
@@ -97,11 +97,11 @@ __device__ __forceinline__ void load_x(const TX* p, float (&v)[E]) {
 
 // Blocks [0, G): one group each; blocks [G, gridDim.x): the rows of no group, one row in (gridDim.x - G) each.
 // x [M, K] (row stride stride_xm), offs [G + 1] int64 (each group's first row, then that of the rows of no group),
-// out [M, 2, K], gx / gr [M] fp32, r [M, K] fp32 scratch, s_out [G, n] int64.
+// out [M, 2, K], g [M, 2] fp32 (each term's S_dec), r [M, K] fp32 scratch, s_out [G, n] int64.
 template <int LOG_KP, int WARPS, typename TX, typename TU>
 __global__ void __launch_bounds__(WARPS * 32) operand_kernel(
-    const TX* __restrict__ x, const long long* __restrict__ offs, TU* __restrict__ out, float* __restrict__ gx,
-    float* __restrict__ gr, float* __restrict__ r, long long* __restrict__ s_out, int M, int K, int n, int G,
+    const TX* __restrict__ x, const long long* __restrict__ offs, TU* __restrict__ out, float* __restrict__ g2,
+    float* __restrict__ r, long long* __restrict__ s_out, int M, int K, int n, int G,
     long long stride_xm) {
   constexpr int KP = 1 << LOG_KP;
   constexpr int T = WARPS * 32;
@@ -127,8 +127,8 @@ __global__ void __launch_bounds__(WARPS * 32) operand_kernel(
         out[i * K2 + K + c] = zero;
       }
       if (t == 0) {
-        gx[i] = 1.f;
-        gr[i] = 1.f;
+        g2[2 * i] = 1.f;
+        g2[2 * i + 1] = 1.f;
       }
     }
     return;
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(WARPS * 32) operand_kernel(
           cmax[e] = fmaxf(cmax[e], rv != rv ? 0.f : fabsf(rv));
         }
       }
-      if (t == 0) gx[i] = s_dec;
+      if (t == 0) g2[2 * i] = s_dec;
     }
   }
 
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(WARPS * 32) operand_kernel(
       for (int e = 0; e < E; ++e) {
         if (idx[e] < K) out[i * K2 + K + idx[e]] = to_out<TU>(sel ? u[e] : 0.f);
       }
-      if (t == 0) gr[i] = r_dec;
+      if (t == 0) g2[2 * i + 1] = r_dec;
     }
   }
 }
