@@ -95,6 +95,22 @@ __device__ __forceinline__ void load_x(const TX* p, float (&v)[E]) {
   }
 }
 
+// Rows [i0, i0 + ROWS) of x (channels c0 .. c0 + E - 1, row stride stride_xm), their loads issued together; rows
+// past `end`, and every row of a thread that is not `live`, as zeros
+template <int ROWS, int E, typename TX>
+__device__ __forceinline__ void load_rows(const TX* x, long long stride_xm, int i0, int end, int c0, bool live,
+                                          float (&v)[ROWS][E]) {
+#pragma unroll
+  for (int q = 0; q < ROWS; ++q) {
+    if (live && i0 + q < end) {
+      load_x<E, TX>(x + (long long)(i0 + q) * stride_xm + c0, v[q]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) v[q][e] = 0.f;
+    }
+  }
+}
+
 // Blocks [0, G): one group each; blocks [G, gridDim.x): the rows of no group, one row in (gridDim.x - G) each.
 // x [M, K] (row stride stride_xm), offs [G + 1] int64 (each group's first row, then that of the rows of no group),
 // out [M, 2, K], g [M, 2] fp32 (each term's S_dec), r [M, K] fp32 scratch, s_out [G, n] int64.
@@ -138,23 +154,13 @@ __global__ void __launch_bounds__(WARPS * 32) operand_kernel(
 
   // A. the group amax and the W4A4 term's global scales
   float am = 0.f;
-  if (live) {
-    for (int i0 = start; i0 < end; i0 += ROWS) {
-      float v[ROWS][E];
+  for (int i0 = start; i0 < end; i0 += ROWS) {
+    float v[ROWS][E];
+    load_rows<ROWS, E, TX>(x, stride_xm, i0, end, c0, live, v);
 #pragma unroll
-      for (int q = 0; q < ROWS; ++q) {
-        if (i0 + q < end) {
-          load_x<E, TX>(x + (long long)(i0 + q) * stride_xm + c0, v[q]);
-        } else {
+    for (int q = 0; q < ROWS; ++q) {
 #pragma unroll
-          for (int e = 0; e < E; ++e) v[q][e] = 0.f;
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < ROWS; ++q) {
-#pragma unroll
-        for (int e = 0; e < E; ++e) am = fmaxf(am, fabsf(v[q][e]));
-      }
+      for (int e = 0; e < E; ++e) am = fmaxf(am, fabsf(v[q][e]));
     }
   }
   float s_enc, s_dec;
@@ -170,15 +176,7 @@ __global__ void __launch_bounds__(WARPS * 32) operand_kernel(
   }
   for (int i0 = start; i0 < end; i0 += ROWS) {
     float v[ROWS][E];
-#pragma unroll
-    for (int q = 0; q < ROWS; ++q) {
-      if (live && i0 + q < end) {
-        load_x<E, TX>(x + (long long)(i0 + q) * stride_xm + c0, v[q]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) v[q][e] = 0.f;
-      }
-    }
+    load_rows<ROWS, E, TX>(x, stride_xm, i0, end, c0, live, v);
 #pragma unroll
     for (int q = 0; q < ROWS; ++q) {
       const long long i = i0 + q;
@@ -200,36 +198,12 @@ __global__ void __launch_bounds__(WARPS * 32) operand_kernel(
     }
   }
 
-  // C. the selection (select_kernel's steps 3-4)
-  long long key[E], okey[E];
+  // C. the selection (select_kernel's steps 3-4); its barrier also makes phase B's scratch r visible to the block
   int idx[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    key[e] = !live ? -1LL : acc[e] != acc[e] ? kNanKey : __double_as_longlong(acc[e]);
-    okey[e] = key[e];
-    idx[e] = c0 + e;
-  }
-  sort_pairs<LOG_KP, WARPS, E>(key, idx, sk, si);
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int p = c0 + e;
-    if (p < n) s_out[(long long)g * n + p] = idx[e];
-    if (p == n - 1) {
-      kth_key = key[e];
-      kth_idx = idx[e];
-    }
-  }
-  __syncthreads();  // kth_*; and the scratch r of phase B, read below by other threads
-  const long long kk = kth_key;
-  const int ki = kth_idx;
-  float mine = 0.f;
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int c = c0 + e;
-    if (c < K && (okey[e] > kk || (okey[e] == kk && c <= ki))) mine = fmaxf(mine, cmax[e]);
-  }
+  const float gm = select_channels<LOG_KP, WARPS, E>(acc, cmax, live, K, n, g, s_out, nullptr, true, idx, sk, si, red,
+                                                     &kth_key, &kth_idx);
   float r_enc, r_dec;
-  quads_nvfp4::global_scales(block_max<WARPS>(mine, red), r_enc, r_dec);
+  quads_nvfp4::global_scales(gm, r_enc, r_dec);
 
   // D. the RAC term: R[i, S] in selection order, scattered back to its channels
   const bool sel = c0 < n;  // n a multiple of 16: a 16-block of positions is all in S or all out

@@ -123,6 +123,48 @@ __device__ __forceinline__ void sort_pairs(long long (&key)[E], int (&idx)[E], l
   }
 }
 
+// A group's selection from its channels' fp64 norms acc and |r| maxima cmax (thread t holding channels [t E, (t + 1)
+// E), `live` if they are real): the keys (NaN: kNanKey; padding: -1), the sort (`sort_pairs`; idx: the channel at each
+// of the thread's positions after it), S[g, p] = the channel at position p < n into s_out, rank[g, c] = c's position
+// into rank_out unless it is null, and, with `want_gmax`, the max over S of cmax in every thread (0 without). kth_key /
+// kth_idx: two shared slots for the n-th pair, the threshold (c is in S iff its pair is not after it).
+template <int LOG_KP, int WARPS, int E>
+__device__ __forceinline__ float select_channels(const double (&acc)[E], const float (&cmax)[E], bool live, int K,
+                                                 int n, int g, long long* s_out, int* rank_out, bool want_gmax,
+                                                 int (&idx)[E], long long (*sk)[1 << LOG_KP], int (*si)[1 << LOG_KP],
+                                                 float* red, long long* kth_key, int* kth_idx) {
+  const int c0 = threadIdx.x * E;
+  long long key[E], okey[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    key[e] = !live ? -1LL : acc[e] != acc[e] ? kNanKey : __double_as_longlong(acc[e]);
+    okey[e] = key[e];
+    idx[e] = c0 + e;
+  }
+  sort_pairs<LOG_KP, WARPS, E>(key, idx, sk, si);
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int p = c0 + e;
+    if (p < n) s_out[(long long)g * n + p] = idx[e];
+    if (rank_out != nullptr && idx[e] < K) rank_out[(long long)g * K + idx[e]] = p;
+    if (p == n - 1) {
+      *kth_key = key[e];
+      *kth_idx = idx[e];
+    }
+  }
+  if (!want_gmax) return 0.f;  // uniform over the block
+  __syncthreads();  // the n-th pair
+  const long long kk = *kth_key;
+  const int ki = *kth_idx;
+  float mine = 0.f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int c = c0 + e;
+    if (c < K && (okey[e] > kk || (okey[e] == kk && c <= ki))) mine = fmaxf(mine, cmax[e]);
+  }
+  return block_max<WARPS>(mine, red);
+}
+
 // One block per group. Thread t holds positions [t E, (t + 1) E) of the KP pairs; before the sort, position c is
 // channel c. ROWS: rows whose loads are issued together when summing the norms (the same sums in the same order).
 template <int LOG_KP, int WARPS>
@@ -202,42 +244,11 @@ __global__ void __launch_bounds__(WARPS * 32) select_kernel(
     }
   }
 
-  // 3. the sort
-  long long key[E], okey[E];
+  // 3-4. the sort; S, rank, gmax
   int idx[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    key[e] = !live ? -1LL : acc[e] != acc[e] ? kNanKey : __double_as_longlong(acc[e]);
-    okey[e] = key[e];
-    idx[e] = c0 + e;
-  }
-  sort_pairs<LOG_KP, WARPS, E>(key, idx, sk, si);
-
-  // 4. S, rank, gmax
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int p = c0 + e;
-    if (p < n) s_out[(long long)g * n + p] = idx[e];
-    if (idx[e] < K) rank_out[(long long)g * K + idx[e]] = p;
-    if (p == n - 1) {
-      kth_key = key[e];
-      kth_idx = idx[e];
-    }
-  }
-  if (per_token) return;
-  __syncthreads();
-  const long long kk = kth_key;
-  const int ki = kth_idx;
-  bool sel[E];
-  float mine = 0.f;
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int c = c0 + e;
-    sel[e] = c < K && (okey[e] > kk || (okey[e] == kk && c <= ki));
-    if (sel[e]) mine = fmaxf(mine, cmax[e]);
-  }
-  const float gm = block_max<WARPS>(mine, red);
-  if (t == 0) gmax[g] = gm;
+  const float gm = select_channels<LOG_KP, WARPS, E>(acc, cmax, live, K, n, g, s_out, rank_out, !per_token, idx, sk,
+                                                     si, red, &kth_key, &kth_idx);
+  if (!per_token && t == 0) gmax[g] = gm;
 }
 
 }  // namespace quads_rac
