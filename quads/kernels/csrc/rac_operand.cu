@@ -14,28 +14,17 @@
 
 namespace {
 
-template <typename T>
-using Elem = std::conditional_t<std::is_same_v<T, float>, float, __nv_bfloat16>;
-
-template <int LOG_KP, int WARPS, typename TX>
+// T: the element type of x and of out (the same, checked below)
+template <int LOG_KP, int WARPS, typename T>
 void launch(const at::Tensor& x, const at::Tensor& offsets, at::Tensor& out, at::Tensor& g,
             at::Tensor& s, int64_t n, int64_t groups, int64_t zero_blocks) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor r = at::empty({M, K}, x.options().dtype(at::kFloat));  // the residual, phase B -> phase D
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const unsigned grid = (unsigned)(groups + zero_blocks);
-  const long long* offs = reinterpret_cast<const long long*>(offsets.data_ptr<int64_t>());
-  long long* s_out = reinterpret_cast<long long*>(s.data_ptr<int64_t>());
-  if (out.scalar_type() == at::kFloat) {
-    quads_rac::operand_kernel<LOG_KP, WARPS, TX, float><<<grid, WARPS * 32, 0, stream>>>(
-        reinterpret_cast<const TX*>(x.data_ptr()), offs, out.data_ptr<float>(), g.data_ptr<float>(),
-        r.data_ptr<float>(), s_out, (int)M, (int)K, (int)n, (int)groups, x.stride(0));
-  } else {
-    quads_rac::operand_kernel<LOG_KP, WARPS, TX, __nv_bfloat16><<<grid, WARPS * 32, 0, stream>>>(
-        reinterpret_cast<const TX*>(x.data_ptr()), offs, reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
-        g.data_ptr<float>(), r.data_ptr<float>(), s_out, (int)M, (int)K, (int)n,
-        (int)groups, x.stride(0));
-  }
+  quads_rac::operand_kernel<LOG_KP, WARPS, T, T>
+      <<<(unsigned)(groups + zero_blocks), WARPS * 32, 0, at::cuda::getCurrentCUDAStream()>>>(
+          reinterpret_cast<const T*>(x.data_ptr()), reinterpret_cast<const long long*>(offsets.data_ptr<int64_t>()),
+          reinterpret_cast<T*>(out.data_ptr()), g.data_ptr<float>(), r.data_ptr<float>(),
+          reinterpret_cast<long long*>(s.data_ptr<int64_t>()), (int)M, (int)K, (int)n, (int)groups, x.stride(0));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
