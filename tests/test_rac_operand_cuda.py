@@ -4,8 +4,9 @@ replaces (``group_units`` + ``rac_units``, Triton) and the PyTorch reference ste
 GPU tests (skipped without CUDA and nvcc): the stacked operand, both S_dec and S byte for byte at the 1b decode shapes
 (1,024 rows over 64 experts, K = 1,024 / n = 512 and K = 256 / n = 128) and at small shapes with exact norm ties,
 empty experts, NaN / inf rows and rows of no group (NaN at the same places, its payload free), for every instantiated
-warp count, in BF16 and fp32; its replay in a CUDA graph; a compiled call. The per-element cast, built for the
-host, against the reference on the CPU. CPU tests: the launcher's contract (the instantiations the Python side asks for are the ones
+warp count, in BF16 and fp32; its replay in a CUDA graph; a compiled call. On the CPU: the per-element cast built
+for the host, and the kernel's own code run on the host (``tests/csrc/cuda_host_shim.h``: threads, barriers and warp
+shuffles emulated), against the reference. CPU tests: the launcher's contract (the instantiations the Python side asks for are the ones
 the extension compiles; where the kernel cannot run, the launches run and give the same bytes; an unknown backend is
 a clear error).
 """
@@ -177,6 +178,77 @@ def test_host_build_of_e4m3_rounding_equals_torch(host_cast):
     want = v.to(torch.float8_e4m3fn)
     assert torch.equal(val, want.float())
     assert torch.equal(byte, want.view(torch.uint8).int())
+
+
+@pytest.fixture(scope="module")
+def host_kernel(tmp_path_factory):
+    """``rac_operand.cuh``'s kernel itself built for the host on ``tests/csrc/cuda_host_shim.h`` (a block's threads as
+    std::threads, its barriers and warp shuffles emulated), through ``tests/csrc/rac_operand_host.cpp``."""
+    import ctypes
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a host C++ compiler (g++)")
+    lib = tmp_path_factory.mktemp("rac_operand") / "libkernel.so"
+    here = Path(__file__).parent / "csrc"
+    subprocess.run([cxx, "-O1", "-std=c++20", "-pthread", "-ffp-contract=off", "-fPIC", "-shared", "-Wno-unknown-pragmas",
+                    "-I", str(here), "-I", str(cuda_build.CSRC), str(here / "rac_operand_host.cpp"), "-o", str(lib)],
+                   check=True, capture_output=True, text=True)  # fmt: skip
+    return ctypes.CDLL(str(lib))
+
+
+def _run_host_kernel(lib, x: torch.Tensor, segs: factored.Segments, n: int, warps: int):
+    """The kernel's outputs (out [M, 2, K], g [M, 2], S [G, n]) for ``x`` on the host, the buffers pre-filled with
+    junk so that anything it fails to write shows."""
+
+    m, k = x.shape
+    groups = segs.groups
+    offs = segs.row_offsets().contiguous()
+    out = torch.full((m, 2, k), 7.0, dtype=x.dtype)
+    g = torch.full((m, 2), 7.0)
+    s = torch.full((groups, n), -5, dtype=torch.long)
+    r = torch.empty(m, k)
+    zero_blocks = max(1, -(-m // rac_operand_cuda.ZERO_ROWS_PER_BLOCK))
+    rc = lib.quads_rac_operand_host(*(_ptr(t) for t in (x, offs, out, g, r, s)), m, k, n, groups, log_kp(k), warps,
+                                    zero_blocks, int(x.dtype == torch.bfloat16))  # fmt: skip
+    assert rc == 0, "no host instantiation for this (K, warps)"
+    return out, g, s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "k,n,counts,masked,warps",
+    [(32, 16, [3, 2], 1, 1), (64, 32, [5, 0, 7], 4, 1), (48, 16, [4, 4], 2, 1), (128, 64, [2, 70, 1], 3, 1),
+     (128, 64, [2, 70, 1], 3, 2), (256, 128, [3, 17, 0, 2], 6, 1), (256, 128, [3, 17, 0, 2], 6, 4),
+     (1024, 512, [12, 0, 30], 9, 16)],
+    ids=["K32-E1", "K64-E2", "K48-padded", "K128-E4-70rows", "K128-E2", "K256-E8", "K256-E2", "K1024-16warps"],
+)
+def test_kernel_on_the_host_equals_the_reference(host_kernel, k, n, counts, masked, warps, dtype):
+    """The kernel's own code, run on the host (``cuda_host_shim.h``), gives the reference's operand: u (NaN by place),
+    both S_dec and S bit for bit, on rows with ties, empty experts, NaN / inf, rows of no group, an expert of 70 rows
+    (several row chunks), K padded to a power of two, 1, 2, 4 and 8 channels a thread, BF16 and fp32."""
+    x, segs = _rows(1, k, counts, masked)
+    x = x.to(dtype).contiguous()
+    out, g, s = _run_host_kernel(host_kernel, x, segs, n, warps)
+    with dispatch.kernels("reference"):
+        ref = factored.operands(x, segs, n=n, dtype=dtype)
+    assert _same_values(out, ref.u) and _same_bits(g, ref.g) and torch.equal(s, ref.channels)
+
+
+def test_kernel_on_the_host_at_a_1b_decode_shape(host_kernel):
+    """1,024 sorted rows over 64 experts, some slots masked (the down projection's K = 256, n = 128, 4 warps), BF16:
+    the reference's operand."""
+    g = torch.Generator().manual_seed(5)
+    group = torch.sort(torch.randint(0, 65, (1024,), generator=g)).values
+    x = (torch.randn(1024, 256, generator=g) * torch.logspace(-3, 1, 256)).bfloat16()
+    segs = factored.Segments.of(group, 64)
+    out, gs, s = _run_host_kernel(host_kernel, x, segs, 128, 4)
+    with dispatch.kernels("reference"):
+        ref = factored.operands(x, segs, n=128, dtype=torch.bfloat16)
+    assert _same_bits(out, ref.u) and _same_bits(gs, ref.g) and torch.equal(s, ref.channels)
 
 
 def _compare(x, segs, n, dtype, warps):

@@ -23,8 +23,9 @@
 
 #include <cstdint>
 
+#if defined(__CUDACC__)  // else a host shim provides the types (tests/csrc/cuda_host_shim.h)
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#endif
 
 #include "nvfp4_cast.cuh"
 #include "rac_select.cuh"
