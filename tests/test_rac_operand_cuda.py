@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 
+import host_kernels
 import pytest
 import torch
 
@@ -99,27 +100,8 @@ def test_cuda_backend_where_it_cannot_run_gives_the_launches_bytes():
 
 @pytest.fixture(scope="module")
 def host_cast(tmp_path_factory):
-    """``csrc/nvfp4_cast.cuh`` (the kernels' per-element NVFP4 cast) built for the host with g++ (no FMA
-    contraction), through ``tests/csrc/nvfp4_cast_host.cpp``."""
-    import ctypes
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("needs a host C++ compiler (g++)")
-    lib = tmp_path_factory.mktemp("nvfp4_cast") / "libcast.so"
-    src = Path(__file__).parent / "csrc" / "nvfp4_cast_host.cpp"
-    subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared", "-I", str(cuda_build.CSRC),
-                    str(src), "-o", str(lib)], check=True, capture_output=True, text=True)  # fmt: skip
-    return ctypes.CDLL(str(lib))
-
-
-def _ptr(t: torch.Tensor):
-    import ctypes
-
-    return ctypes.c_void_p(t.data_ptr())
+    """``csrc/nvfp4_cast.cuh`` (the kernels' per-element NVFP4 cast) built for the host."""
+    return host_kernels.build("nvfp4_cast_host.cpp", tmp_path_factory.mktemp("nvfp4_cast"))
 
 
 def _cast_rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +138,7 @@ def test_host_build_of_the_kernels_cast_equals_the_reference(host_cast, seed):
     m, k = x.shape
     u, r = torch.empty(m, k), torch.empty(m, k)
     ub, g = torch.empty(m, k, dtype=torch.int16), torch.empty(m)
-    host_cast.quads_units_rows(_ptr(x), _ptr(amax), m, k, _ptr(u), _ptr(ub), _ptr(g), _ptr(r))
+    host_cast.quads_units_rows(host_kernels.ptr(x), host_kernels.ptr(amax), m, k, host_kernels.ptr(u), host_kernels.ptr(ub), host_kernels.ptr(g), host_kernels.ptr(r))
     want_u, want_g, want_r = quantize_units_reference(x, amax, dtype=torch.float32, residual=True)
     want_ub = want_u.to(torch.bfloat16)
     for got, want, name in ((u, want_u, "u"), (g, want_g, "S_dec"), (r, want_r, "r"),
@@ -174,7 +156,7 @@ def test_host_build_of_e4m3_rounding_equals_torch(host_cast):
     mids = (vals[:-1].double() + vals[1:].double()) / 2
     v = torch.cat([grid, mids]).float().contiguous()
     val, byte = torch.empty_like(v), torch.empty(v.shape, dtype=torch.int32)
-    host_cast.quads_e4m3_rne(_ptr(v), ctypes.c_int(v.numel()), _ptr(val), _ptr(byte))
+    host_cast.quads_e4m3_rne(host_kernels.ptr(v), ctypes.c_int(v.numel()), host_kernels.ptr(val), host_kernels.ptr(byte))
     want = v.to(torch.float8_e4m3fn)
     assert torch.equal(val, want.float())
     assert torch.equal(byte, want.view(torch.uint8).int())
@@ -182,22 +164,8 @@ def test_host_build_of_e4m3_rounding_equals_torch(host_cast):
 
 @pytest.fixture(scope="module")
 def host_kernel(tmp_path_factory):
-    """``rac_operand.cuh``'s kernel itself built for the host on ``tests/csrc/cuda_host_shim.h`` (a block's threads as
-    std::threads, its barriers and warp shuffles emulated), through ``tests/csrc/rac_operand_host.cpp``."""
-    import ctypes
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("needs a host C++ compiler (g++)")
-    lib = tmp_path_factory.mktemp("rac_operand") / "libkernel.so"
-    here = Path(__file__).parent / "csrc"
-    subprocess.run([cxx, "-O1", "-std=c++20", "-pthread", "-ffp-contract=off", "-fPIC", "-shared", "-Wno-unknown-pragmas",
-                    "-I", str(here), "-I", str(cuda_build.CSRC), str(here / "rac_operand_host.cpp"), "-o", str(lib)],
-                   check=True, capture_output=True, text=True)  # fmt: skip
-    return ctypes.CDLL(str(lib))
+    """``rac_operand.cuh``'s kernel itself run on the host (``tests/host_kernels.py``)."""
+    return host_kernels.build("rac_kernels_host.cpp", tmp_path_factory.mktemp("rac_kernels"))
 
 
 def _run_host_kernel(lib, x: torch.Tensor, segs: factored.Segments, n: int, warps: int):
@@ -212,8 +180,8 @@ def _run_host_kernel(lib, x: torch.Tensor, segs: factored.Segments, n: int, warp
     s = torch.full((groups, n), -5, dtype=torch.long)
     r = torch.empty(m, k)
     zero_blocks = max(1, -(-m // rac_operand_cuda.ZERO_ROWS_PER_BLOCK))
-    rc = lib.quads_rac_operand_host(*(_ptr(t) for t in (x, offs, out, g, r, s)), m, k, n, groups, log_kp(k), warps,
-                                    zero_blocks, int(x.dtype == torch.bfloat16))  # fmt: skip
+    ptrs = [host_kernels.ptr(t) for t in (x, offs, out, g, r, s)]
+    rc = lib.quads_rac_operand_host(*ptrs, m, k, n, groups, log_kp(k), warps, zero_blocks, int(x.dtype == torch.bfloat16))
     assert rc == 0, "no host instantiation for this (K, warps)"
     return out, g, s
 

@@ -2,7 +2,8 @@
 
 The GPU tests (skipped without CUDA) compare ``rac_units`` with ``select_backend="cuda"`` byte for byte (u, S_dec,
 S) with the Triton selection, for every instantiated warp count of each K, and the replay of the CUDA path in a
-CUDA graph. The CPU tests hold the launcher's contract (the instantiations the Python side asks for are the ones
+CUDA graph. On the CPU the kernel's own code runs on the host (``tests/host_kernels.py``: its threads, barriers and
+warp shuffles emulated) against the Triton kernel under the interpreter. The CPU tests also hold the launcher's contract (the instantiations the Python side asks for are the ones
 the extension compiles; where the kernel cannot run, no GPU or one group, the Triton kernels run instead) and the
 kernel's bitonic network, re-stated in Python with its position-to-thread mapping.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+import host_kernels
 import pytest
 import torch
 
@@ -236,3 +238,56 @@ def test_cuda_selection_replays_in_a_graph():
     want = call()
     assert torch.equal(got[0].view(torch.int16), out.view(torch.int16))
     assert torch.equal(got[1], want[0]) and torch.equal(got[2], want[1])
+
+
+@pytest.fixture(scope="module")
+def host_kernel(tmp_path_factory):
+    """``rac_select.cuh``'s kernel itself run on the host (``tests/host_kernels.py``)."""
+    return host_kernels.build("rac_kernels_host.cpp", tmp_path_factory.mktemp("rac_kernels"))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("k,n,warps,per_token", [(64, 32, 1, False), (256, 128, 2, False), (256, 128, 8, False),
+                                                 (48, 16, 1, False), (64, 16, 1, True)],
+                         ids=["K64", "K256-E4", "K256-E1", "K48-padded", "per-token"])  # fmt: skip
+def test_kernel_on_the_host_equals_the_triton_kernel(host_kernel, k, n, warps, per_token):
+    """The CUDA kernel's code run on the host writes ``_rac_select_kernel``'s S, rank and gmax (Triton's interpreter)
+    bit for bit: groups with exact norm ties, NaN and inf residuals, an empty group, rows of no group; unless
+    ``per_token``, gmax per group and no slot for the rows of no group."""
+    import triton
+
+    from quads.kernels import rac_select
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the compiled kernel is compared (test_cuda_selection_rank_and_gmax_equal_the_triton_kernel)")
+    g = torch.Generator().manual_seed(11)
+    counts, masked = [6, 0, 13, 3], 5
+    e = len(counts)
+    group = torch.cat([torch.full((c,), i) for i, c in enumerate(counts + [masked])]).long()
+    r = torch.randn(len(group), k, generator=g) * torch.logspace(-3, 1, k)
+    r[:, 16:32] = r[:, :16]  # equal norms
+    r[2, 7], r[20, 40 % k] = float("nan"), float("inf")  # groups 0 and 3
+    r[-masked:] = 1e30  # rows of no group: never read
+    # group 2 (rows 6..18): the n-th selected channel (n - 1, one spike of 3, norm 9) holds the group's largest |r|,
+    # below n - 1 channels of norm 13 (ones) and above the rest: gmax is 3 only if the threshold pair counts as in S
+    r[6:19] = 1e-3
+    r[6:19, : n - 1] = 1.0
+    r[10, n - 1] = 3.0
+    outs = []
+    for backend in ("triton", "host"):
+        s = torch.full((e, n), -5, dtype=torch.long)
+        rank = torch.full((e, k), -5, dtype=torch.int32)
+        gmax = torch.full((e,), -5.0)
+        if backend == "host":
+            rc = host_kernel.quads_rac_select_host(*(host_kernels.ptr(t) for t in (r, group, s, rank, gmax)), len(group),
+                                                   k, n, e, rac_select_cuda.log_kp(k), warps, int(per_token))  # fmt: skip
+            assert rc == 0
+        else:
+            rac_select._rac_select_kernel[(e,)](
+                r, group, s, rank, gmax, gmax, gmax, len(group), k, n, ONE_GROUP=False, PER_TOKEN=per_token, ROWS=4,
+                BLOCK_G=triton.next_power_of_2(len(group)), LOG_K=triton.next_power_of_2(k).bit_length() - 1, LOG_W=0,
+                INTERP=True,
+            )  # fmt: skip
+        outs.append((s, rank, gmax))
+    for a, b, what in zip(*outs, ("S", "rank", "gmax")):
+        assert torch.equal(a, b), what

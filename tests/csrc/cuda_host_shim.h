@@ -1,7 +1,7 @@
 // Just enough of CUDA's programming model on the host to run a quads kernel's block code in a test: each block's
 // threads as std::threads, __syncthreads as a block barrier, __shfl_xor_sync as an exchange through a warp's slots
 // between two warp barriers, __shared__ variables as statics (the blocks run one after another). Correctness only:
-// no timing means anything here. Used by tests/csrc/rac_operand_host.cpp (g++ -std=c++20 -pthread).
+// no timing means anything here. Used by tests/csrc/rac_kernels_host.cpp (g++ -std=c++20 -pthread).
 #pragma once
 
 #include <barrier>

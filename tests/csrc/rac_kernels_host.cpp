@@ -1,7 +1,8 @@
-// rac_operand.cuh's operand_kernel run on the host through cuda_host_shim.h, for tests/test_rac_operand_cuda.py to
-// compare with the launches and the reference on the CPU (the GPU tests compare the compiled kernel). Build:
+// RAC's CUDA kernels run on the host through cuda_host_shim.h: rac_operand.cuh's operand_kernel and rac_select.cuh's
+// select_kernel, for tests/test_rac_operand_cuda.py and tests/test_rac_select_cuda.py to compare with their Triton
+// twins and the reference on the CPU (the GPU tests compare the compiled kernels). Build:
 // g++ -O1 -std=c++20 -pthread -ffp-contract=off -fPIC -shared -Wno-unknown-pragmas -I tests/csrc
-//     -I quads/kernels/csrc tests/csrc/rac_operand_host.cpp -o lib.so
+//     -I quads/kernels/csrc tests/csrc/rac_kernels_host.cpp -o lib.so
 #include "cuda_host_shim.h"
 
 #include "rac_operand.cuh"
@@ -17,9 +18,32 @@ void run(const void* x, const long long* offs, void* out, float* g, float* r, lo
   });
 }
 
+template <int LOG_KP, int WARPS>
+void run_select(const float* r, const long long* group, long long* s, int* rank, float* gmax, int M, int K, int n, int G,
+                bool per_token) {
+  host_launch((unsigned)G, WARPS * 32,
+              [=] { quads_rac::select_kernel<LOG_KP, WARPS>(r, group, s, rank, gmax, M, K, n, per_token); });
+}
+
 }  // namespace
 
 extern "C" {
+
+// r [M, K] fp32, group [M] int64 sorted (G: rows of no group) -> s [G, n], rank [G, K], gmax [G]; 0, or 1 for a
+// (log_kp, warps) not instantiated here
+int quads_rac_select_host(const float* r, const long long* group, long long* s, int* rank, float* gmax, int M, int K,
+                          int n, int G, int log_kp, int warps, int per_token) {
+#define QUADS_HOST_CASE(L, W)                                                \
+  if (log_kp == L && warps == W) {                                           \
+    run_select<L, W>(r, group, s, rank, gmax, M, K, n, G, per_token != 0);   \
+    return 0;                                                                \
+  }
+  QUADS_HOST_CASE(6, 1)
+  QUADS_HOST_CASE(8, 2)
+  QUADS_HOST_CASE(8, 8)
+#undef QUADS_HOST_CASE
+  return 1;
+}
 
 // x [M, K] (fp32, or BF16 bits with bf16 != 0), offs [G + 1], out [M, 2, K] in x's type, g [M, 2], r [M, K] scratch,
 // s [G, n]; returns 0, or 1 for a (log_kp, warps) not instantiated here
