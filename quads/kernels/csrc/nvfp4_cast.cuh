@@ -17,7 +17,16 @@
 
 namespace quads_nvfp4 {
 
-constexpr float kInv6 = 0.16666667163372040f;  // fp32(1/6)
+// the format's constants, named as in quads/formats/constants.py
+constexpr float kF4E2M1Max = 6.f;                          // F4_E2M1_MAX
+constexpr float kF8E4M3Max = 448.f;                        // F8E4M3_MAX
+constexpr float kF8E4M3MinNormal = 0.015625f;              // F8E4M3_MIN_NORMAL = 2^-6
+constexpr float kGlobalNumerator = kF8E4M3Max * kF4E2M1Max;  // NVFP4_GLOBAL_ENCODE_NUMERATOR = 2688
+constexpr float kE4M3SubnormalStep = 0.001953125f;         // 2^-9, E4M3's subnormal spacing
+constexpr float kE4M3SubnormalMagic = 16384.f;             // 2^14: x + 2^14 - 2^14 rounds x to a multiple of 2^-9
+constexpr float kE2M1HalfMagic = 4194304.f;                // 2^22: |y| + 2^22 rounds |y| to a multiple of 0.5
+constexpr float kFp16Unit = 16384.f;                       // 2^14: an E2M1 code read as FP16 bits is its value * 2^-14
+constexpr float kInv6 = 0.16666667163372040f;              // fp32(1 / F4_E2M1_MAX)
 constexpr float kFltMax = 3.4028234663852886e38f;
 
 // fp32 operations rounded once to nearest even, never contracted into an FMA (the Triton kernels' EXACT)
@@ -72,19 +81,19 @@ QUADS_HD float from_bits(uint32_t b) {
 
 // amax (>= 0, not NaN) -> (S_enc, S_dec), as nvfp4.global_encode_scale
 QUADS_HD void global_scales(float amax, float& s_enc, float& s_dec) {
-  float e = fmin2(div(2688.f, amax), kFltMax);
+  float e = fmin2(div(kGlobalNumerator, amax), kFltMax);
   if (amax == 0.f || e == 0.f) e = 1.f;
   s_enc = e;
   s_dec = div(1.f, e);
 }
 
-// v in [0, 448] (not NaN) -> the fp32 value of e4m3(v), RNE, and its byte
+// v in [0, F8E4M3_MAX] (not NaN) -> the fp32 value of e4m3(v), RNE, and its byte
 QUADS_HD float e4m3_rne(float v, int& byte) {
   const uint32_t b = bits(v);
   const uint32_t rb = (b + 0x7FFFFu + ((b >> 20) & 1u)) & 0xFFF00000u;
-  const float s = sub(add(v, 16384.f), 16384.f);  // multiples of 2^-9 below 2^-6
-  if (v < 0.015625f) {
-    byte = (int)mul(s, 512.f);
+  const float s = sub(add(v, kE4M3SubnormalMagic), kE4M3SubnormalMagic);  // below 2^-6
+  if (v < kF8E4M3MinNormal) {
+    byte = (int)mul(s, 1.f / kE4M3SubnormalStep);  // exact: a power of two
     return s;
   }
   byte = (int)(((((rb >> 23) & 0xFFu) - 120u) << 3) | ((rb >> 20) & 7u));
@@ -95,7 +104,7 @@ QUADS_HD float e4m3_rne(float v, int& byte) {
 QUADS_HD float e4m3_to_f32(int b) {
   b &= 0xFF;
   const int e = (b >> 3) & 0xF, m = b & 7;
-  float mag = e == 0 ? mul((float)m, 0.001953125f) : from_bits((uint32_t)(((e + 120) << 23) | (m << 20)));
+  float mag = e == 0 ? mul((float)m, kE4M3SubnormalStep) : from_bits((uint32_t)(((e + 120) << 23) | (m << 20)));
   if ((b & 0x7F) == 0x7F) mag = from_bits(0x7FC00000u);
   return (b & 0x80) ? -mag : mag;
 }
@@ -104,7 +113,7 @@ QUADS_HD float e4m3_to_f32(int b) {
 QUADS_HD int e2m1_code(float y, float x) {
   const uint32_t b = bits(y) & 0x7FFFFFFFu;
   const float m = from_bits(b);
-  const int sb = (int)bits(add(m, 4194304.f)) - 0x4A800000;
+  const int sb = (int)bits(add(m, kE2M1HalfMagic)) - (int)bits(kE2M1HalfMagic);
   int nrm = (int)((b + 0x1FFFFFu + ((b >> 22) & 1u)) >> 22) - 252;
   nrm = nrm < 7 ? nrm : 7;
   const int c = (m < 1.f ? sb : nrm) | (int)((bits(x) >> 28) & 8u);
@@ -114,11 +123,11 @@ QUADS_HD int e2m1_code(float y, float x) {
 // A block's encode factor and stored scale from its NaN-ignoring amax bm and NaN flag: (enc, s16 = float(scale) *
 // 2^14, NaN for a block holding a NaN)
 QUADS_HD void block_scale(float bm, bool has_nan, float s_enc, float s_dec, float& enc, float& s16) {
-  const float v = fmin2(mul(bm, mul(s_enc, kInv6)), 448.f);
+  const float v = fmin2(mul(bm, mul(s_enc, kInv6)), kF8E4M3Max);
   int byte;
   const float s_val = e4m3_rne(v, byte);
   enc = fmin2(div(1.f, mul(s_val, s_dec)), kFltMax);
-  s16 = mul(e4m3_to_f32(has_nan ? 0x7F : byte), 16384.f);
+  s16 = mul(e4m3_to_f32(has_nan ? 0x7F : byte), kFp16Unit);
 }
 
 // One element -> u = e2m1 * scale in fp32 (exact): the code's E2M1 value times 2^-14 (the value of the FP16 bit
