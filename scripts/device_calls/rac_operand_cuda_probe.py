@@ -5,7 +5,9 @@ experts (M = 1,024 sorted rows), K = 1,024 n = 512 (gate_up) and K = 256 n = 128
 tokens finished (their slots: the rows of no group). Each form replayed in a CUDA graph
 (``benchmarks.bench_kernels.time_graph``: median of 50 replays of 8 calls over distinct data); the one launch at
 every instantiated warp count of the K. In the compiled step Inductor computes the row maxima inside the kernel that
-makes the rows, so ``launches_no_rowmax_us`` times the launches given the row maxima as well. Prints JSON lines.
+makes the rows, so ``launches_no_rowmax_us`` times the launches given the row maxima as well, and
+``w4a4_only_no_rowmax_us`` plain W4A4's operand (``group_units`` alone): RAC's own cost is the difference. Prints JSON
+lines.
 
     PYTHONPATH=. python3 -u scripts/device_calls/rac_operand_cuda_probe.py
 """
@@ -44,6 +46,10 @@ def probe(segs: factored.Segments, k: int) -> dict:
         return torch.stack([gx, gr], dim=1), s
 
     row["launches_no_rowmax_us"] = time_graph([lambda i=i: launches(i) for i in range(copies)]) * 1e6
+    # plain W4A4's operand (group_units alone, given the row maxima): what RAC's operand adds to the step is the
+    # difference
+    row["w4a4_only_no_rowmax_us"] = time_graph(
+        [lambda i=i: group_units_op(xs[i], rmax[i], segs.group, offs, e, bufs[i], 0) for i in range(copies)]) * 1e6
     for lk, warps in rac_operand_cuda.CONFIGS:
         if lk == log_kp(k):
             row[f"one_launch_w{warps}_us"] = time_graph(
