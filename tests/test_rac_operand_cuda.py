@@ -18,6 +18,7 @@ import re
 import host_kernels
 import pytest
 import torch
+from test_quant_factored import _rac_rows, _same_bits  # _same_bits: NaN compared by place
 
 from quads.kernels import cuda_build, dispatch, rac_operand_cuda
 from quads.kernels._common import HAS_TRITON
@@ -28,37 +29,16 @@ cuda = pytest.mark.skipif(not (torch.cuda.is_available() and rac_operand_cuda.av
                           reason="needs a CUDA GPU and nvcc")  # fmt: skip
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float64: torch.int64}.get(a.dtype)
-    return torch.equal(a.view(view), b.view(view)) if view is not None else torch.equal(a, b)
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """NaN at the same places and the same bits everywhere else (a NaN's payload is not part of the format's answer:
-    GPU arithmetic and the CPU's give different ones)."""
-    nan = b.isnan()
-    return torch.equal(a.isnan(), nan) and _same_bits(torch.where(nan, 0, a), torch.where(nan, 0, b))
-
-
 def _rows(seed: int, k: int, counts: list[int], masked: int, device: str = "cpu", special: bool = True):
-    """Rows sorted by group (``counts[g]`` rows each, then ``masked`` rows of no group): channel scales spread over
-    three decades, channels 16..31 equal to 0..15 (exact norm ties), 40..47 zero; with ``special`` a NaN in one
-    row, an inf in another and large values in the rows of no group."""
-    g = torch.Generator().manual_seed(seed)
-    group = torch.cat([torch.full((c,), i) for i, c in enumerate(counts + [masked])]).long()
-    x = torch.randn(len(group), k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]
-    x[:, :16] *= 8
-    x[:, 16:32] = x[:, :16]
-    if k >= 48:
-        x[:, 40:48] = 0.0
-    if special and len(group) > masked + 3:
+    """``test_quant_factored._rac_rows`` (rows sorted by group, exact norm ties, zero channels) with large values in the
+    rows of no group and, with ``special``, a NaN in one row and an inf in another."""
+    x, segs = _rac_rows(seed, k, counts, masked)
+    if special and x.shape[0] > masked + 3:
         x[1, 5] = float("nan")
         x[2, 9] = float("inf")
     if masked:
         x[-masked:] *= 1000
-    return x.to(device), factored.Segments.of(group.to(device), len(counts))
+    return x.to(device), factored.Segments.of(segs.group.to(device), segs.groups)
 
 
 def test_configs_are_the_extension_instantiations():
@@ -138,12 +118,12 @@ def test_host_build_of_the_kernels_cast_equals_the_reference(host_cast, seed):
     m, k = x.shape
     u, r = torch.empty(m, k), torch.empty(m, k)
     ub, g = torch.empty(m, k, dtype=torch.int16), torch.empty(m)
-    host_cast.quads_units_rows(host_kernels.ptr(x), host_kernels.ptr(amax), m, k, host_kernels.ptr(u), host_kernels.ptr(ub), host_kernels.ptr(g), host_kernels.ptr(r))
+    host_cast.quads_units_rows(*(host_kernels.ptr(t) for t in (x, amax)), m, k, *(host_kernels.ptr(t) for t in (u, ub, g, r)))
     want_u, want_g, want_r = quantize_units_reference(x, amax, dtype=torch.float32, residual=True)
     want_ub = want_u.to(torch.bfloat16)
     for got, want, name in ((u, want_u, "u"), (g, want_g, "S_dec"), (r, want_r, "r"),
                             (ub.view(torch.bfloat16), want_ub, "u bf16")):
-        assert _same_values(got, want), name
+        assert _same_bits(got, want), name
 
 
 def test_host_build_of_e4m3_rounding_equals_torch(host_cast):
@@ -203,7 +183,7 @@ def test_kernel_on_the_host_equals_the_reference(host_kernel, k, n, counts, mask
     out, g, s = _run_host_kernel(host_kernel, x, segs, n, warps)
     with dispatch.kernels("reference"):
         ref = factored.operands(x, segs, n=n, dtype=dtype)
-    assert _same_values(out, ref.u) and _same_bits(g, ref.g) and torch.equal(s, ref.channels)
+    assert _same_bits(out, ref.u) and _same_bits(g, ref.g) and torch.equal(s, ref.channels)
 
 
 def test_kernel_on_the_host_at_a_1b_decode_shape(host_kernel):
@@ -231,7 +211,7 @@ def _compare(x, segs, n, dtype, warps):
         ref = factored.operands(x, segs, n=n, dtype=dtype)
     where = f"K={x.shape[1]} n={n} dtype={dtype} warps={warps} rows={x.shape[0]}"
     for want, name in ((launches, "launches"), (ref, "reference")):
-        assert _same_values(got.u, want.u), f"u vs {name}: {where}"
+        assert _same_bits(got.u, want.u), f"u vs {name}: {where}"
         assert _same_bits(got.g, want.g), f"S_dec vs {name}: {where}"
         assert torch.equal(got.channels, want.channels), f"S vs {name}: {where}"
 
@@ -285,9 +265,7 @@ def test_one_launch_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     want_out = torch.empty_like(out)
     want = rac_operand_cuda.operand(x, offsets, 8, want_out, n=128, warps=warps)
-    assert _same_bits(out, want_out)
-    for a, b in zip((g2, s), want):
-        assert _same_bits(a, b)
+    assert _same_bits(out, want_out) and _same_bits(g2, want[0]) and torch.equal(s, want[1])
 
 
 @cuda
@@ -304,5 +282,4 @@ def test_one_launch_in_a_compiled_function():
     with dispatch.kernels("triton"):
         want = f(x)
         got = torch.compile(f, fullgraph=True)(x)
-    for a, b in zip(got, want):
-        assert _same_bits(a, b)
+    assert _same_bits(got[0], want[0]) and _same_bits(got[1], want[1]) and torch.equal(got[2], want[2])
