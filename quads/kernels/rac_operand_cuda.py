@@ -30,17 +30,24 @@ MAX_K = 1024  # the instantiations' largest padded K
 EXTENSION = ("rac_operand", "rac_operand.cu")  # cuda_build's (name, source)
 # the template instantiations compiled into the extension (rac_operand.cu, the same list): (log2 of the padded K,
 # warps), 2**L / (32 warps) = 1, 2, 4 or 8 channels a thread
-CONFIGS = ((5, 1), (6, 1), (7, 2), (8, 2), (8, 4), (8, 8), (9, 4), (10, 8), (10, 16))
+CONFIGS = ((5, 1), (6, 1), (7, 2), (8, 2), (8, 4), (8, 8), (9, 8), (10, 8), (10, 16))
 ZERO_ROWS_PER_BLOCK = 64  # the blocks that write the rows of no group: one per this many rows of M (at least one)
 
 
 def default_warps(k: int) -> int:
-    """2 channels a thread where an instantiation has it: 16 warps at K = 1,024, 4 at K = 256."""
-    lk = log_kp(k)
-    for w in (max(1, (1 << lk) // 64), max(1, (1 << lk) // 128), max(1, (1 << lk) // 32)):
-        if (lk, w) in CONFIGS:
-            return w
-    return 1
+    """2 channels a thread (1 at K <= 32, one warp): 16 warps at K = 1,024, 4 at K = 256."""
+    return max(1, (1 << log_kp(k)) // 64)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in get_args(Backend):
+        raise ValueError(f"rac_operand: unknown backend {backend!r}; valid: {', '.join(get_args(Backend))}")
+
+
+def _builds(k: int, warps: int) -> bool:
+    """An instantiated (padded K, warps), a GPU and a compiler, and the extension built (a failed build warns once;
+    the launches, the same bits, run instead)."""
+    return (log_kp(k), warps) in CONFIGS and available() and cuda_build.try_build(*EXTENSION)
 
 
 def available() -> bool:
@@ -59,10 +66,8 @@ def _layout_ok(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
 
 
 def supports(x: torch.Tensor, out_dtype: torch.dtype, warps: int) -> bool:
-    """Whether the kernel takes this operand: ``_layout_ok``, an instantiated (padded K, warps), and the extension
-    built (a failed build warns once; the launches, the same bits, run instead)."""
-    return (_layout_ok(x, out_dtype) and (log_kp(x.shape[-1]), warps) in CONFIGS and available()
-            and cuda_build.try_build(*EXTENSION))  # fmt: skip
+    """Whether the kernel takes this operand: ``_layout_ok`` and ``_builds``."""
+    return _layout_ok(x, out_dtype) and _builds(x.shape[-1], warps)
 
 
 @torch.compiler.assume_constant_result
@@ -73,13 +78,11 @@ def _configured_warps(k: int, backend: str | None, warps: int | None) -> int:
     from quads.kernels import tuning
 
     cfg = tuning.config("rac_operand", "decode", backend=backend, warps=warps)
-    if cfg["backend"] not in get_args(Backend):
-        raise ValueError(f"rac_operand: unknown backend {cfg['backend']!r}; valid: {', '.join(get_args(Backend))}")
+    _check_backend(cfg["backend"])
     if cfg["backend"] != "cuda":
         return 0
     w = default_warps(k) if cfg["warps"] is None else cfg["warps"]
-    ok = (log_kp(k), w) in CONFIGS and available() and cuda_build.try_build(*EXTENSION)
-    return w if ok else 0
+    return w if _builds(k, w) else 0
 
 
 def plan(x: torch.Tensor, out_dtype: torch.dtype, *, backend: Backend | None = None, warps: int | None = None
@@ -87,8 +90,8 @@ def plan(x: torch.Tensor, out_dtype: torch.dtype, *, backend: Backend | None = N
     """The warps the one-launch kernel runs with for this operand, or None where the launches run: the launch config
     (``tuning.json`` ``rac_operand.decode``; ``backend`` / ``warps`` given in its place) says ``cuda`` and the kernel
     takes the operand (``supports``). ``warps`` None: ``default_warps``. Traceable by Dynamo (the decode step)."""
-    if backend is not None and backend not in get_args(Backend):
-        raise ValueError(f"rac_operand: unknown backend {backend!r}; valid: {', '.join(get_args(Backend))}")
+    if backend is not None:  # checked even where the layout sends the operand to the launches
+        _check_backend(backend)
     if not _layout_ok(x, out_dtype):
         return None
     return _configured_warps(x.shape[-1], backend, warps) or None

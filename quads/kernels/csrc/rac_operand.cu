@@ -71,7 +71,7 @@ void rac_operand(const at::Tensor& x, const at::Tensor& offsets, at::Tensor& out
   QUADS_CASE(8, 2)
   QUADS_CASE(8, 4)
   QUADS_CASE(8, 8)
-  QUADS_CASE(9, 4)
+  QUADS_CASE(9, 8)
   QUADS_CASE(10, 8)
   QUADS_CASE(10, 16)
 #undef QUADS_CASE
