@@ -318,8 +318,8 @@ if HAS_TRITON:
     ):  # fmt: skip
         """Group g: the fp64 norms of its K channels, their stable descending order; stores S[g] (the first n),
         rank[g, c] and (per group) gmax[g] = max over S of the group's |r| maxima. The order: ``LOG_W`` 0, one
-        bitonic sort of all KP pairs in registers; else each of 2**LOG_W runs of KP / 2**LOG_W channels sorted in registers
-        (``_sort_rows``), then the ranks merged by binary searches of the runs (``_merge_ranks``, through this
+        bitonic sort of all KP pairs in registers; else each of 2**LOG_W runs of KP / 2**LOG_W channels sorted in
+        registers (``_sort_rows``), then the ranks merged by binary searches of the runs (``_merge_ranks``, through this
         group's scratch rows ``sk`` / ``si`` ``[KP]``): the same order, fewer exchanges across warps."""
         g = tl.program_id(0)
         c = tl.arange(0, 1 << LOG_K)
@@ -404,11 +404,11 @@ if HAS_TRITON:
         j = tl.arange(0, BLOCK_N)
         m = rmask[:, None] & (j < n)[None, :]
         ch = tl.load(s_ptr + gs[:, None] * n + j[None, :], mask=m, other=0)  # [BLOCK_M, BLOCK_N]
-        x = tl.load(r_ptr + rows[:, None] * K + ch, mask=m & (grp < G)[:, None], other=0.0)
+        live = rmask & (grp < G)  # a row of no group: zeros, amax 0
+        x = tl.load(r_ptr + rows[:, None] * K + ch, mask=m & live[:, None], other=0.0)
         if PER_TOKEN:
             amax = tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1)
         else:
-            live = rmask & (grp < G)  # a row of no group: amax 0
             amax = tl.load(gmax_ptr + grp * GMAX_PARTS, mask=live, other=0.0)
             for p in tl.static_range(1, GMAX_PARTS):
                 amax = tl.maximum(amax, tl.load(gmax_ptr + grp * GMAX_PARTS + p, mask=live, other=0.0))
