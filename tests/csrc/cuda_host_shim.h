@@ -31,12 +31,6 @@ struct uint2 {
 struct uint4 {
   unsigned x, y, z, w;
 };
-struct float2 {
-  float x, y;
-};
-struct float4 {
-  float x, y, z, w;
-};
 struct __nv_bfloat16 {
   uint16_t bits;
 };

@@ -23,10 +23,6 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)  // else a host shim provides the types (tests/csrc/cuda_host_shim.h)
-#include <cuda_bf16.h>
-#endif
-
 #include "nvfp4_cast.cuh"
 #include "rac_select.cuh"
 
@@ -41,13 +37,6 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 to_out<__nv_bfloat16>(float v) {
   return __ushort_as_bfloat16(quads_nvfp4::bf16_bits(v));
 }
-
-template <typename T>
-__device__ __forceinline__ float to_f32(T v);
-template <>
-__device__ __forceinline__ float to_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 // The canonical NVFP4 cast of a thread's E consecutive elements of one row, its 16-element block spread over 16 / E
 // consecutive lanes (every lane of the warp calls it): u = e2m1 * s (nvfp4_quant._units_tile)
@@ -70,46 +59,6 @@ __device__ __forceinline__ void units_of(const float (&x)[E], float s_enc, float
   quads_nvfp4::block_scale(bm, bn != 0, s_enc, s_dec, enc, s16);
 #pragma unroll
   for (int e = 0; e < E; ++e) u[e] = quads_nvfp4::element_unit(x[e], enc, s16);
-}
-
-// E consecutive elements of x at p (aligned to E elements: K a multiple of 16, c0 a multiple of E)
-template <int E, typename TX>
-__device__ __forceinline__ void load_x(const TX* p, float (&v)[E]) {
-  if constexpr (sizeof(TX) * E == 16) {
-    const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
-    const TX* h = reinterpret_cast<const TX*>(&q);
-#pragma unroll
-    for (int e = 0; e < E; ++e) v[e] = to_f32<TX>(h[e]);
-  } else if constexpr (sizeof(TX) * E == 8) {
-    const uint2 q = __ldg(reinterpret_cast<const uint2*>(p));
-    const TX* h = reinterpret_cast<const TX*>(&q);
-#pragma unroll
-    for (int e = 0; e < E; ++e) v[e] = to_f32<TX>(h[e]);
-  } else if constexpr (sizeof(TX) * E == 4) {
-    const unsigned q = __ldg(reinterpret_cast<const unsigned*>(p));
-    const TX* h = reinterpret_cast<const TX*>(&q);
-#pragma unroll
-    for (int e = 0; e < E; ++e) v[e] = to_f32<TX>(h[e]);
-  } else {
-#pragma unroll
-    for (int e = 0; e < E; ++e) v[e] = to_f32<TX>(p[e]);
-  }
-}
-
-// Rows [i0, i0 + ROWS) of x (channels c0 .. c0 + E - 1, row stride stride_xm), their loads issued together; rows
-// past `end`, and every row of a thread that is not `live`, as zeros
-template <int ROWS, int E, typename TX>
-__device__ __forceinline__ void load_rows(const TX* x, long long stride_xm, int i0, int end, int c0, bool live,
-                                          float (&v)[ROWS][E]) {
-#pragma unroll
-  for (int q = 0; q < ROWS; ++q) {
-    if (live && i0 + q < end) {
-      load_x<E, TX>(x + (long long)(i0 + q) * stride_xm + c0, v[q]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < E; ++e) v[q][e] = 0.f;
-    }
-  }
 }
 
 // Blocks [0, G): one group each; blocks [G, gridDim.x): the rows of no group, one row in (gridDim.x - G) each.
@@ -168,13 +117,8 @@ __global__ void __launch_bounds__(WARPS * 32) operand_kernel(
   quads_nvfp4::global_scales(block_max<WARPS>(am, red), s_enc, s_dec);
 
   // B. the W4A4 term, the residual, its norms and maxima
-  double acc[E];
-  float cmax[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    acc[e] = 0.0;
-    cmax[e] = 0.f;
-  }
+  double acc[E] = {};
+  float cmax[E] = {};
   for (int i0 = start; i0 < end; i0 += ROWS) {
     float v[ROWS][E];
     load_rows<ROWS, E, TX>(x, stride_xm, i0, end, c0, live, v);
@@ -185,15 +129,14 @@ __global__ void __launch_bounds__(WARPS * 32) operand_kernel(
       float u[E];
       units_of<E>(v[q], s_enc, s_dec, u);
       if (live) {
+        float rv[E];
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-          const float rv = quads_nvfp4::sub(v[q][e], quads_nvfp4::mul(u[e], s_dec));
+          rv[e] = quads_nvfp4::sub(v[q][e], quads_nvfp4::mul(u[e], s_dec));
           out[i * K2 + c0 + e] = to_out<TU>(u[e]);
-          r[i * K + c0 + e] = rv;
-          const double d = (double)rv;
-          acc[e] = acc[e] + d * d;  // d * d is exact in fp64: FMA or not, one rounding, the same sum
-          cmax[e] = fmaxf(cmax[e], rv != rv ? 0.f : fabsf(rv));
+          r[i * K + c0 + e] = rv[e];
         }
+        add_norms<E>(rv, acc, cmax);
       }
       if (t == 0) g2[2 * i] = s_dec;
     }

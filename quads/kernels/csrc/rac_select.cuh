@@ -18,6 +18,10 @@
 
 #include <cstdint>
 
+#if defined(__CUDACC__)  // else a host shim provides the types (tests/csrc/cuda_host_shim.h)
+#include <cuda_bf16.h>
+#endif
+
 namespace quads_rac {
 
 constexpr long long kNanKey = 0x7FF8000000000000LL;  // every NaN norm: above +inf (0x7FF0...)
@@ -42,18 +46,63 @@ __device__ __forceinline__ float block_max(float v, float* red) {
   return v;
 }
 
-// E consecutive fp32 values at p (16 * E bytes aligned when E is 2 or 4: K a multiple of 16, c0 a multiple of E)
-template <int E>
-__device__ __forceinline__ void load_row(const float* p, float (&v)[E]) {
-  if constexpr (E == 4) {
-    const float4 q = __ldg(reinterpret_cast<const float4*>(p));
-    v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
-  } else if constexpr (E == 2) {
-    const float2 q = __ldg(reinterpret_cast<const float2*>(p));
-    v[0] = q.x; v[1] = q.y;
+// an element of an fp32 or BF16 input as fp32 (exact)
+template <typename T>
+__device__ __forceinline__ float to_f32(T v);
+template <>
+__device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// E consecutive elements of x at p (aligned to E elements: K a multiple of 16, c0 a multiple of E)
+template <int E, typename TX>
+__device__ __forceinline__ void load_x(const TX* p, float (&v)[E]) {
+  if constexpr (sizeof(TX) * E == 16) {
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
+    const TX* h = reinterpret_cast<const TX*>(&q);
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = to_f32<TX>(h[e]);
+  } else if constexpr (sizeof(TX) * E == 8) {
+    const uint2 q = __ldg(reinterpret_cast<const uint2*>(p));
+    const TX* h = reinterpret_cast<const TX*>(&q);
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = to_f32<TX>(h[e]);
+  } else if constexpr (E > 1 && sizeof(TX) * E == 4) {  // two BF16; one element: the plain load below
+    const unsigned q = __ldg(reinterpret_cast<const unsigned*>(p));
+    const TX* h = reinterpret_cast<const TX*>(&q);
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = to_f32<TX>(h[e]);
   } else {
 #pragma unroll
-    for (int e = 0; e < E; ++e) v[e] = __ldg(p + e);
+    for (int e = 0; e < E; ++e) v[e] = to_f32<TX>(p[e]);
+  }
+}
+
+// Rows [i0, i0 + ROWS) of x (channels c0 .. c0 + E - 1, row stride stride_xm), their loads issued together; rows
+// past `end`, and every row of a thread that is not `live`, as zeros
+template <int ROWS, int E, typename TX>
+__device__ __forceinline__ void load_rows(const TX* x, long long stride_xm, int i0, int end, int c0, bool live,
+                                          float (&v)[ROWS][E]) {
+#pragma unroll
+  for (int q = 0; q < ROWS; ++q) {
+    if (live && i0 + q < end) {
+      load_x<E, TX>(x + (long long)(i0 + q) * stride_xm + c0, v[q]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) v[q][e] = 0.f;
+    }
+  }
+}
+
+// One row's residuals v (the thread's E channels) into the selection's fp64 norms and NaN-ignoring |r| maxima (rows
+// summed one after another in row order, the order every selection kernel sums them in)
+template <int E>
+__device__ __forceinline__ void add_norms(const float (&v)[E], double (&acc)[E], float (&cmax)[E]) {
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const double d = (double)v[e];
+    acc[e] = acc[e] + d * d;  // d * d is exact in fp64: FMA or not, one rounding, the same sum
+    cmax[e] = fmaxf(cmax[e], v[e] != v[e] ? 0.f : fabsf(v[e]));
   }
 }
 
@@ -212,35 +261,15 @@ __global__ void __launch_bounds__(WARPS * 32) select_kernel(
   }
 
   // 2. norms and maxima, row by row in row order
-  double acc[E];
-  float cmax[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    acc[e] = 0.0;
-    cmax[e] = 0.f;
-  }
+  double acc[E] = {};
+  float cmax[E] = {};
   const bool live = c0 < K;  // K a multiple of 16 >= E: a thread's channels are all real or all padding
   if (live) {
     for (int i0 = start; i0 < end; i0 += ROWS) {
       float v[ROWS][E];
+      load_rows<ROWS, E, float>(r, K, i0, end, c0, true, v);
 #pragma unroll
-      for (int q = 0; q < ROWS; ++q) {
-        if (i0 + q < end) {
-          load_row<E>(r + (long long)(i0 + q) * K + c0, v[q]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < E; ++e) v[q][e] = 0.f;
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < ROWS; ++q) {
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          const double d = (double)v[q][e];
-          acc[e] = acc[e] + d * d;  // d * d is exact in fp64: FMA or not, one rounding, the same sum
-          cmax[e] = fmaxf(cmax[e], v[q][e] != v[q][e] ? 0.f : fabsf(v[q][e]));
-        }
-      }
+      for (int q = 0; q < ROWS; ++q) add_norms<E>(v[q], acc, cmax);
     }
   }
 
