@@ -3,8 +3,8 @@
 # current tree (the rows of no group are zero rows: no kernel walks them) and on the tree before (a copy with
 # 2027-01-11_no_group_zero_rows.patch applied in reverse: RAC's selection walks every masked row in one program).
 # scripts/device_calls/masked_rows_probe.py on each, then the GPU tests of the changed kernels on the current tree.
-# The patch is `git diff 7ef45b2 -- <the four files it names>` (7ef45b2: the tree before); regenerate it so after any
-# later change to those files, or patch.log shows a rejected hunk.
+# The patch is `git diff 7ef45b2 -- quads` (7ef45b2: the tree before), so the copy's quads/ is that tree's; regenerate
+# it so after any later change under quads/, or when patch.log shows a rejected hunk.
 # One GPU, <= 430 s (TOTAL=<s>; the CUDA selection builds twice, ~41 s each). OUT=$OUT TOTAL=430 bash scripts/device_calls/2027-01-11_masked_rows.sh
 . scripts/device_calls/lib.sh
 git log --oneline -1 > $OUT/tree.txt 2>&1
