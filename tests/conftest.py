@@ -150,3 +150,12 @@ def echo_task(monkeypatch):
     from quads import tasks
 
     monkeypatch.setitem(tasks.TASKS, "echo", EchoTask)
+
+
+@pytest.fixture(scope="session")
+def host_rac_kernels(tmp_path_factory):
+    """RAC's CUDA kernels (``rac_operand.cuh``, ``rac_select.cuh``) built for the host once per session
+    (``tests/host_kernels.py``; skips without g++)."""
+    import host_kernels
+
+    return host_kernels.build("rac_kernels_host.cpp", tmp_path_factory.mktemp("rac_kernels"))

@@ -118,7 +118,8 @@ def test_host_build_of_the_kernels_cast_equals_the_reference(host_cast, seed):
     m, k = x.shape
     u, r = torch.empty(m, k), torch.empty(m, k)
     ub, g = torch.empty(m, k, dtype=torch.int16), torch.empty(m)
-    host_cast.quads_units_rows(*(host_kernels.ptr(t) for t in (x, amax)), m, k, *(host_kernels.ptr(t) for t in (u, ub, g, r)))
+    ptr = host_kernels.ptr
+    host_cast.quads_units_rows(ptr(x), ptr(amax), m, k, ptr(u), ptr(ub), ptr(g), ptr(r))
     want_u, want_g, want_r = quantize_units_reference(x, amax, dtype=torch.float32, residual=True)
     want_ub = want_u.to(torch.bfloat16)
     for got, want, name in ((u, want_u, "u"), (g, want_g, "S_dec"), (r, want_r, "r"),
@@ -136,16 +137,11 @@ def test_host_build_of_e4m3_rounding_equals_torch(host_cast):
     mids = (vals[:-1].double() + vals[1:].double()) / 2
     v = torch.cat([grid, mids]).float().contiguous()
     val, byte = torch.empty_like(v), torch.empty(v.shape, dtype=torch.int32)
-    host_cast.quads_e4m3_rne(host_kernels.ptr(v), ctypes.c_int(v.numel()), host_kernels.ptr(val), host_kernels.ptr(byte))
+    host_cast.quads_e4m3_rne(host_kernels.ptr(v), ctypes.c_int(v.numel()), host_kernels.ptr(val),
+                             host_kernels.ptr(byte))
     want = v.to(torch.float8_e4m3fn)
     assert torch.equal(val, want.float())
     assert torch.equal(byte, want.view(torch.uint8).int())
-
-
-@pytest.fixture(scope="module")
-def host_kernel(tmp_path_factory):
-    """``rac_operand.cuh``'s kernel itself run on the host (``tests/host_kernels.py``)."""
-    return host_kernels.build("rac_kernels_host.cpp", tmp_path_factory.mktemp("rac_kernels"))
 
 
 def _run_host_kernel(lib, x: torch.Tensor, segs: factored.Segments, n: int, warps: int):
@@ -174,26 +170,26 @@ def _run_host_kernel(lib, x: torch.Tensor, segs: factored.Segments, n: int, warp
      (1024, 512, [12, 0, 30], 9, 16)],
     ids=["K32-E1", "K64-E2", "K48-padded", "K128-E4-70rows", "K128-E2", "K256-E8", "K256-E2", "K1024-16warps"],
 )
-def test_kernel_on_the_host_equals_the_reference(host_kernel, k, n, counts, masked, warps, dtype):
+def test_kernel_on_the_host_equals_the_reference(host_rac_kernels, k, n, counts, masked, warps, dtype):
     """The kernel's own code, run on the host (``cuda_host_shim.h``), gives the reference's operand: u (NaN by place),
     both S_dec and S bit for bit, on rows with ties, empty experts, NaN / inf, rows of no group, an expert of 70 rows
     (several row chunks), K padded to a power of two, 1, 2, 4 and 8 channels a thread, BF16 and fp32."""
     x, segs = _rows(1, k, counts, masked)
     x = x.to(dtype).contiguous()
-    out, g, s = _run_host_kernel(host_kernel, x, segs, n, warps)
+    out, g, s = _run_host_kernel(host_rac_kernels, x, segs, n, warps)
     with dispatch.kernels("reference"):
         ref = factored.operands(x, segs, n=n, dtype=dtype)
     assert _same_bits(out, ref.u) and _same_bits(g, ref.g) and torch.equal(s, ref.channels)
 
 
-def test_kernel_on_the_host_at_a_1b_decode_shape(host_kernel):
+def test_kernel_on_the_host_at_a_1b_decode_shape(host_rac_kernels):
     """1,024 sorted rows over 64 experts, some slots masked (the down projection's K = 256, n = 128, 4 warps), BF16:
     the reference's operand."""
     g = torch.Generator().manual_seed(5)
     group = torch.sort(torch.randint(0, 65, (1024,), generator=g)).values
     x = (torch.randn(1024, 256, generator=g) * torch.logspace(-3, 1, 256)).bfloat16()
     segs = factored.Segments.of(group, 64)
-    out, gs, s = _run_host_kernel(host_kernel, x, segs, 128, 4)
+    out, gs, s = _run_host_kernel(host_rac_kernels, x, segs, 128, 4)
     with dispatch.kernels("reference"):
         ref = factored.operands(x, segs, n=128, dtype=torch.bfloat16)
     assert _same_bits(out, ref.u) and _same_bits(gs, ref.g) and torch.equal(s, ref.channels)

@@ -240,17 +240,11 @@ def test_cuda_selection_replays_in_a_graph():
     assert torch.equal(got[1], want[0]) and torch.equal(got[2], want[1])
 
 
-@pytest.fixture(scope="module")
-def host_kernel(tmp_path_factory):
-    """``rac_select.cuh``'s kernel itself run on the host (``tests/host_kernels.py``)."""
-    return host_kernels.build("rac_kernels_host.cpp", tmp_path_factory.mktemp("rac_kernels"))
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 @pytest.mark.parametrize("k,n,warps,per_token", [(64, 32, 1, False), (256, 128, 2, False), (256, 128, 8, False),
                                                  (48, 16, 1, False), (64, 16, 1, True)],
                          ids=["K64", "K256-E4", "K256-E1", "K48-padded", "per-token"])  # fmt: skip
-def test_kernel_on_the_host_equals_the_triton_kernel(host_kernel, k, n, warps, per_token):
+def test_kernel_on_the_host_equals_the_triton_kernel(host_rac_kernels, k, n, warps, per_token):
     """The CUDA kernel's code run on the host writes ``_rac_select_kernel``'s S, rank and gmax (Triton's interpreter)
     bit for bit: groups with exact norm ties, NaN and inf residuals, an empty group, rows of no group; unless
     ``per_token``, gmax per group and no slot for the rows of no group."""
@@ -279,8 +273,9 @@ def test_kernel_on_the_host_equals_the_triton_kernel(host_kernel, k, n, warps, p
         rank = torch.full((e, k), -5, dtype=torch.int32)
         gmax = torch.full((e,), -5.0)
         if backend == "host":
-            rc = host_kernel.quads_rac_select_host(*(host_kernels.ptr(t) for t in (r, group, s, rank, gmax)), len(group),
-                                                   k, n, e, rac_select_cuda.log_kp(k), warps, int(per_token))  # fmt: skip
+            ptrs = [host_kernels.ptr(t) for t in (r, group, s, rank, gmax)]
+            rc = host_rac_kernels.quads_rac_select_host(*ptrs, len(group), k, n, e, rac_select_cuda.log_kp(k), warps,
+                                                        int(per_token))  # fmt: skip
             assert rc == 0
         else:
             rac_select._rac_select_kernel[(e,)](
